@@ -1,0 +1,184 @@
+"""Launch helpers shared by every kernel family: modes, sizes, precision, outputs, autotuning.
+
+Nothing here knows a pattern's math; kernel families (``codegen/attention.py``, ...) build on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .render import RenderedKernel, cache_dir, load_module
+
+log = logging.getLogger("fuser")
+
+_poison = threading.local()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def interpreted(device: torch.device | str) -> bool:
+    """True when kernels for tensors on ``device`` run in Triton's interpreter (CPU tensors)."""
+    return torch.device(device).type == "cpu"
+
+
+def kernel_module(kernel: RenderedKernel, interpret: bool):
+    """Import ``kernel`` for the interpreter or for the GPU.
+
+    ``@triton.jit`` chooses interpreted or compiled execution when the module is imported,
+    from ``TRITON_INTERPRET``. Interpreted and compiled kernels are rendered with a distinct
+    ``interpret`` template parameter (so they are distinct files and modules), and the variable
+    is set to match around the import only.
+    """
+    want = "1" if interpret else "0"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = want
+    try:
+        return load_module(kernel)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@functools.lru_cache(maxsize=None)
+def device_properties(index: int) -> dict[str, Any]:
+    """Name, SM count and capability of CUDA device ``index``."""
+    p = torch.cuda.get_device_properties(index)
+    return {
+        "name": p.name,
+        "sm_count": p.multi_processor_count,
+        "capability": (p.major, p.minor),
+    }
+
+
+def sm_count(device: torch.device | str) -> int:
+    """Number of streaming multiprocessors (a nominal 132 for the interpreter, an H100)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
+    return device_properties(device.index if device.index is not None else torch.cuda.current_device())["sm_count"]
+
+
+def gpu_name(device: torch.device | str) -> str:
+    """A short name of the device kind: the CUDA device name, or ``"interpreter"``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "interpreter"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return device_properties(idx)["name"]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot`` on operands of ``dtype``.
+
+    fp32 operands follow ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's
+    default) gives ``"ieee"``, ``"high"``/``"medium"`` give ``"tf32"``, exactly where torch's
+    own matmuls would use TF32. 16-bit operands always use ``"ieee"`` (the argument is then moot).
+    """
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
+@contextlib.contextmanager
+def poison_outputs(value: float = float("nan")) -> Iterator[None]:
+    """Within this context, :func:`empty` fills new outputs with ``value`` (tests use NaN),
+    so any element a kernel fails to write shows up in the result."""
+    old = getattr(_poison, "value", None)
+    _poison.value = value
+    try:
+        yield
+    finally:
+        _poison.value = old
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty``, poisoned inside :func:`poison_outputs` or with ``FUSER_POISON_OUTPUTS=1``."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    value = getattr(_poison, "value", None)
+    if value is None and os.environ.get("FUSER_POISON_OUTPUTS", "0") == "1":
+        value = float("nan")
+    if value is not None and out.numel():
+        out.fill_(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning: time candidate configs on the device once per key, cache the winner on disk.
+# --------------------------------------------------------------------------------------------
+
+_tune_lock = threading.Lock()
+_tune_mem: dict[str, dict] = {}
+
+
+def _tune_file() -> Path:
+    return cache_dir().parent / "autotune.json"
+
+
+def _tune_load() -> dict[str, dict]:
+    path = _tune_file()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any]) -> dict:
+    """Return the fastest of ``candidates`` for ``key``, timing them on first use.
+
+    Args:
+        key: identifies the problem: kernel family, shapes, dtypes, GPU name.
+        candidates: configs (plain JSON-able dicts); the first is the default.
+        run: launches the kernel(s) with one config; must not change its inputs.
+
+    Returns:
+        The winning config. Winners are kept in memory and in ``<cache>/autotune.json``, so
+        later processes skip the timing. A candidate that fails to compile or run (e.g. out
+        of shared memory) is skipped; if all fail, the first is returned.
+    """
+    with _tune_lock:
+        if key in _tune_mem:
+            return _tune_mem[key]
+        disk = _tune_load()
+        if key in disk:
+            _tune_mem[key] = disk[key]
+            return disk[key]
+    import triton.testing
+
+    best, best_ms = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception as exc:  # a config that cannot run here is simply not a candidate
+            log.debug("fuser: autotune %s: config %s failed: %s", key, cfg, exc)
+            continue
+        log.debug("fuser: autotune %s: %s -> %.4f ms", key, cfg, ms)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    log.info("fuser: autotune %s -> %s (%.4f ms)", key, best, best_ms)
+    with _tune_lock:
+        _tune_mem[key] = best
+        disk = _tune_load()
+        disk[key] = best
+        tmp = _tune_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
+        os.replace(tmp, _tune_file())
+    return best

@@ -1,0 +1,165 @@
+"""Render Jinja templates of Triton kernels to source files and import them.
+
+Every kernel fuser runs is rendered from a template in ``codegen/templates/`` with
+``jinja2.StrictUndefined`` (a missing template parameter is an error, never an empty
+string), written to a content-addressed file in the kernel cache directory and imported
+from there: ``@triton.jit`` reads a kernel's source through ``inspect``, so the source must
+live in a real file.
+
+Cache directory: ``$FUSER_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fuser`` (default
+``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. With
+``$FUSER_DEBUG_DIR`` set, every rendered kernel is also copied there under the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jinja2
+
+log = logging.getLogger("fuser")
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,
+)
+
+_lock = threading.Lock()
+_rendered: dict[str, "RenderedKernel"] = {}
+_modules: dict[str, ModuleType] = {}
+
+
+def cache_dir() -> Path:
+    """The directory rendered kernels are written to (created on first use)."""
+    root = os.environ.get("FUSER_CACHE_DIR")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuser"
+    path = base / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedKernel:
+    """One rendered kernel module.
+
+    Attributes:
+        name: readable name, e.g. ``attention_fwd_causal``; also the file's stem prefix.
+        template: template file name, e.g. ``attention_fwd.py.jinja``.
+        params: the template parameters it was rendered with.
+        source: the rendered Python/Triton source.
+        path: where the source lies on disk.
+        digest: sha256 of the source (first 16 hex digits); the file name carries it.
+    """
+
+    name: str
+    template: str
+    params: tuple
+    source: str
+    path: str
+    digest: str
+
+    @property
+    def module(self) -> ModuleType:
+        """The imported module (imported once per process)."""
+        return load_module(self)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    if path.exists() and path.read_text() == text:
+        return
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def render(template: str, name: str, **params: Any) -> RenderedKernel:
+    """Render ``templates/<template>`` with ``params`` and write it to the kernel cache.
+
+    Args:
+        template: the template's file name, e.g. ``"attention_fwd.py.jinja"``.
+        name: a readable kernel-module name (letters, digits, ``_``).
+        **params: template parameters; all must be plain values (str/int/float/bool/None
+            or tuples of them) so that the rendering is reproducible.
+
+    Returns:
+        The :class:`RenderedKernel`; rendering the same template with the same
+        parameters again returns the same object without touching the disk.
+
+    Raises:
+        jinja2.UndefinedError: the template uses a parameter that was not given.
+        jinja2.TemplateNotFound: no such template.
+    """
+    key = repr((template, name, sorted(params.items())))
+    with _lock:
+        hit = _rendered.get(key)
+        if hit is not None:
+            return hit
+    source = _env.get_template(template).render(**params)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}_{digest}.py"
+    _atomic_write(path, source)
+    debug_dir = os.environ.get("FUSER_DEBUG_DIR")
+    if debug_dir:
+        Path(debug_dir).mkdir(parents=True, exist_ok=True)
+        _atomic_write(Path(debug_dir) / path.name, source)
+    kernel = RenderedKernel(
+        name=name,
+        template=template,
+        params=tuple(sorted(params.items())),
+        source=source,
+        path=str(path),
+        digest=digest,
+    )
+    with _lock:
+        _rendered.setdefault(key, kernel)
+        kernel = _rendered[key]
+    log.debug("fuser: rendered %s -> %s", name, path)
+    return kernel
+
+
+def load_module(kernel: RenderedKernel) -> ModuleType:
+    """Import a rendered kernel's file as a module (once per process)."""
+    with _lock:
+        mod = _modules.get(kernel.digest)
+        if mod is not None:
+            return mod
+    mod_name = f"fuser_kernels.{kernel.name}_{kernel.digest}"
+    spec = importlib.util.spec_from_file_location(mod_name, kernel.path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    spec.loader.exec_module(mod)
+    with _lock:
+        _modules.setdefault(kernel.digest, mod)
+        return _modules[kernel.digest]
+
+
+def rendered_kernels() -> list[RenderedKernel]:
+    """Every kernel rendered in this process, in rendering order."""
+    with _lock:
+        return list(_rendered.values())
+
+
+def template_sources() -> dict[str, str]:
+    """Template file name -> its text; used to key compile caches on template edits."""
+    return {p.name: p.read_text() for p in sorted(TEMPLATE_DIR.glob("*.jinja"))}

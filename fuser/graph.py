@@ -1,0 +1,469 @@
+"""A canonical view of FX graphs: one op name per computation, whatever its spelling.
+
+Graphs reach fuser from Dynamo (torch functions, ``Tensor`` methods, ``operator`` functions,
+in-place variants), from ``torch.fx.symbolic_trace`` (the same, without shape metadata until
+propagated) and from ``make_fx`` / AOT (ATen overloads). :class:`GraphView` maps every node
+to a :class:`COp` — a canonical op name, its operands in a fixed order and normalised
+attributes (non-negative dims, dtypes) — without changing the graph: the rewrite later
+replaces matched regions of the *original* graph, and everything unmatched stays exactly as
+Dynamo produced it.
+
+The view also resolves in-place ops: after ``s.masked_fill_(m, -inf)`` Dynamo's graph keeps
+feeding ``s`` to later users; :meth:`GraphView.operand` returns the mutating node instead, so
+patterns see the value a user actually reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class COp:
+    """A node seen canonically.
+
+    Attributes:
+        op: canonical name (``"matmul"``, ``"softmax"``, ``"mul"``, ``"cast"``, ...).
+        args: operands in canonical order: ``fx.Node`` or Python values.
+        attrs: normalised attributes (e.g. ``dim`` non-negative, ``dtype``).
+        node: the FX node.
+    """
+
+    op: str
+    args: tuple
+    attrs: Mapping[str, Any]
+    node: fx.Node
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _varargs(node: fx.Node, start: int, name: str) -> tuple:
+    """Sizes/dims given as varargs (``x.view(a, b)``) or one sequence (``x.view((a, b))``)."""
+    rest = node.args[start:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size)):
+        return tuple(rest[0])
+    if not rest and name in node.kwargs:
+        return tuple(node.kwargs[name])
+    return tuple(rest)
+
+
+def val(node: Any) -> Any:
+    """A node's value metadata: a (fake) tensor, SymInt or Python value; None if unknown."""
+    if not isinstance(node, fx.Node):
+        return node
+    for key in ("example_value", "val"):
+        v = node.meta.get(key)
+        if v is not None:
+            return v
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
+    return None
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(val(x), torch.Tensor)
+
+
+def shape(x: Any) -> Optional[tuple]:
+    v = val(x)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def ndim(x: Any) -> Optional[int]:
+    s = shape(x)
+    return None if s is None else len(s)
+
+
+def dtype(x: Any) -> Optional[torch.dtype]:
+    v = val(x)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _norm_dim(dim: Any, rank: Optional[int]) -> Any:
+    if isinstance(dim, int) and rank is not None and dim < 0:
+        return dim + rank
+    return dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Spelling tables. Each canonical op lists the callables (call_function targets) and method
+# names (call_method targets) that spell it; ATen overloads are listed by packet.
+# ---------------------------------------------------------------------------------------------
+
+def _fns(*names: str) -> set:
+    out = set()
+    for n in names:
+        mod, _, attr = n.rpartition(".")
+        obj = {"torch": torch, "torch.special": torch.special, "F": F, "operator": operator, "Tensor": torch.Tensor}[mod]
+        if hasattr(obj, attr):
+            out.add(getattr(obj, attr))
+    return out
+
+
+def _aten(*names: str) -> set:
+    out = set()
+    for n in names:
+        if hasattr(aten, n):
+            packet = getattr(aten, n)
+            out.add(packet)
+            for ov in packet.overloads():
+                out.add(getattr(packet, ov))
+    return out
+
+
+_BINARY = {
+    "mul": (_fns("operator.mul", "operator.imul", "torch.mul", "torch.multiply") | _aten("mul"), {"mul", "mul_", "multiply", "__mul__", "__rmul__"}),
+    "div": (_fns("operator.truediv", "operator.itruediv", "torch.div", "torch.true_divide", "torch.divide") | _aten("div"), {"div", "div_", "true_divide", "divide", "__truediv__"}),
+    "add": (_fns("operator.add", "operator.iadd", "torch.add") | _aten("add"), {"add", "add_", "__add__", "__radd__"}),
+    "sub": (_fns("operator.sub", "operator.isub", "torch.sub", "torch.subtract") | _aten("sub"), {"sub", "sub_", "subtract", "__sub__"}),
+}
+_UNARY = {
+    "exp": (_fns("torch.exp") | _aten("exp"), {"exp", "exp_"}),
+    "log": (_fns("torch.log") | _aten("log"), {"log", "log_"}),
+    "neg": (_fns("operator.neg", "torch.neg") | _aten("neg"), {"neg", "neg_", "__neg__"}),
+    "identity": (_fns("torch.clone") | _aten("clone", "alias", "contiguous"), {"contiguous", "clone"}),
+    "detach": (_fns("torch.detach") | _aten("detach"), {"detach"}),
+}
+_MATMUL = _fns("operator.matmul", "torch.matmul", "torch.bmm") | _aten("matmul", "bmm", "mm")
+_MATMUL_M = {"matmul", "bmm", "mm", "__matmul__"}
+_SOFTMAX = _fns("F.softmax", "torch.softmax", "torch.special.softmax") | _aten("softmax", "_softmax")
+_LOG_SOFTMAX = _fns("F.log_softmax", "torch.log_softmax", "torch.special.log_softmax") | _aten("log_softmax", "_log_softmax")
+_AMAX = _fns("torch.amax") | _aten("amax")
+_MAX = _fns("torch.max") | _aten("max")
+_SUM = _fns("torch.sum") | _aten("sum")
+_MASKED_FILL = _fns("torch.masked_fill") | _aten("masked_fill")
+_WHERE = _fns("torch.where") | _aten("where")
+_DROPOUT = _fns("F.dropout", "torch.dropout") | _aten("dropout")
+_TRANSPOSE = _fns("torch.transpose", "torch.swapaxes", "torch.swapdims") | _aten("transpose")
+_PERMUTE = _fns("torch.permute") | _aten("permute")
+_T = _fns("torch.t") | _aten("t")
+_EXPAND = _aten("expand")
+_RESHAPE = _fns("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze") | _aten(
+    "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten"
+)
+_RESHAPE_M = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
+_REPEAT_INTERLEAVE = _fns("torch.repeat_interleave") | _aten("repeat_interleave")
+_EINSUM = _fns("torch.einsum") | {torch.functional.einsum}
+_BADDBMM = _fns("torch.baddbmm") | _aten("baddbmm")
+_TO_COPY = _aten("_to_copy", "to")
+_CONVERT = set()
+if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type"):
+    _CONVERT = {torch.ops.prims.convert_element_type, torch.ops.prims.convert_element_type.default}
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def _einsum_as_matmul(eq: str, a_rank: int, b_rank: int) -> Optional[dict]:
+    """``einsum(eq, A, B)`` as ``matmul(op(A), op(B))`` when it is a batched matmul.
+
+    Returns ``{"ta": bool, "tb": bool}`` (transpose the last two dims of A / B first) or None.
+    """
+    eq = eq.replace(" ", "")
+    if "->" not in eq or eq.count(",") != 1:
+        return None
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+
+    def expand(s: str, rank: int) -> Optional[list]:
+        if "..." in s:
+            pre, post = s.split("...")
+            n = rank - len(pre) - len(post)
+            if n < 0:
+                return None
+            return list(pre) + [f"_{i}" for i in range(n)] + list(post)
+        return list(s) if len(s) == rank else None
+
+    la, lb = expand(a, a_rank), expand(b, b_rank)
+    if la is None or lb is None:
+        return None
+    rank_out = max(a_rank, b_rank)
+    lo = expand(out, rank_out) if "..." in out else list(out)
+    if lo is None or len(la) < 2 or len(lb) < 2 or len(lo) < 2:
+        return None
+    contract = [c for c in la if c in lb and c not in lo]
+    if len(contract) != 1:
+        return None
+    c = contract[0]
+    if la[:-2] != lb[:-2] or la[:-2] != lo[:-2]:
+        return None
+    fa = [x for x in la[-2:] if x != c]
+    fb = [x for x in lb[-2:] if x != c]
+    if len(fa) != 1 or len(fb) != 1 or lo[-2:] != [fa[0], fb[0]]:
+        return None
+    return {"ta": la[-1] != c, "tb": lb[-2] != c}
+
+
+class GraphView:
+    """Canonical, read-only view of an ``fx.Graph`` (see the module docstring).
+
+    Args:
+        graph: the graph; nodes should carry ``meta["example_value"]`` (Dynamo) or
+            ``meta["val"]`` (make_fx/AOT) so shapes and dtypes are known.
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self._canon: dict[fx.Node, Optional[COp]] = {}
+        # base node -> nodes that mutate it in place, in graph order
+        self.mutations: dict[fx.Node, list[fx.Node]] = {}
+        for n in graph.nodes:
+            base = self._mutated_base(n)
+            if base is not None:
+                self.mutations.setdefault(base, []).append(n)
+
+    # -- in-place resolution -------------------------------------------------------------------
+    @staticmethod
+    def _mutated_base(n: fx.Node) -> Optional[fx.Node]:
+        if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") and not n.target.startswith("_"):
+            base = n.args[0] if n.args else None
+        elif n.op == "call_function" and n.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
+            # Dynamo's graph names the result of `x /= c` as a new node and feeds it onwards;
+            # the in-place op on a tensor also mutates x itself.
+            base = n.args[0]
+        elif n.op == "call_function" and n.target is operator.setitem:
+            base = n.args[0]
+        else:
+            return None
+        return base if isinstance(base, fx.Node) and is_tensor(base) else None
+
+    def operand(self, x: Any, user: fx.Node) -> Any:
+        """The value ``user`` reads through operand ``x``: the latest in-place mutation of
+        ``x`` that precedes ``user`` (itself if none)."""
+        if not isinstance(x, fx.Node):
+            return x
+        muts = self.mutations.get(x)
+        if not muts:
+            return x
+        pos = self.order.get(user, math.inf)
+        latest = x
+        for m in muts:
+            if self.order[m] < pos and m is not user:
+                latest = m
+        if latest is not x and latest.op == "call_function" and latest.target is operator.setitem:
+            return x  # partial writes are not resolved; patterns treat x as opaque
+        return latest
+
+    def readers(self, x: fx.Node) -> list[fx.Node]:
+        """Every node that reads the value of ``x`` (including through in-place resolution:
+        users of the base that come after ``x`` when ``x`` mutates it)."""
+        out = []
+        for u in x.users:
+            if any(self.operand(a, u) is x for a in flat_args(u)):
+                out.append(u)
+        base = self._mutated_base(x)
+        if base is not None:
+            for u in base.users:
+                if u is not x and any(self.operand(a, u) is x for a in flat_args(u)):
+                    out.append(u)
+        return out
+
+    # -- canonicalisation ------------------------------------------------------------------
+    def canon(self, node: Any) -> Optional[COp]:
+        """The :class:`COp` of ``node``, or None for ops fuser has no name for."""
+        if not isinstance(node, fx.Node):
+            return None
+        if node not in self._canon:
+            c = self._canonicalize(node)
+            if c is not None:
+                c = dataclasses.replace(c, args=tuple(self.operand(a, node) for a in c.args))
+            self._canon[node] = c
+        return self._canon[node]
+
+    def op(self, node: Any) -> Optional[str]:
+        c = self.canon(node)
+        return c.op if c else None
+
+    def _canonicalize(self, n: fx.Node) -> Optional[COp]:  # noqa: C901 - a table, not logic
+        t = n.target
+        fn = n.op == "call_function"
+        meth = n.op == "call_method"
+        if not (fn or meth):
+            return None
+        x0 = n.args[0] if n.args else None
+        rank0 = ndim(x0)
+
+        def mk(op: str, args: tuple, **attrs: Any) -> COp:
+            return COp(op, args, attrs, n)
+
+        for name, (fset, mset) in _BINARY.items():
+            if (fn and t in fset) or (meth and t in mset):
+                if len(n.args) < 2:
+                    return None
+                a, b = n.args[0], n.args[1]
+                if t in ("__rmul__", "__radd__"):
+                    a, b = b, a
+                if name == "div" and _arg(n, 2, "rounding_mode") is not None:
+                    return None
+                if name in ("add", "sub"):
+                    alpha = n.kwargs.get("alpha", 1)
+                    if alpha != 1:
+                        return None
+                return mk(name, (a, b))
+        for name, (fset, mset) in _UNARY.items():
+            if (fn and t in fset) or (meth and t in mset):
+                if name == "identity" and n.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+                    return None
+                return mk(name, (x0,))
+        if (fn and t in _MATMUL) or (meth and t in _MATMUL_M):
+            return mk("matmul", (n.args[0], n.args[1]), ta=False, tb=False)
+        if fn and t in _EINSUM:
+            eq = n.args[0]
+            ops = n.args[1:]
+            if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+                ops = tuple(ops[0])
+            if not isinstance(eq, str) or len(ops) != 2:
+                return None
+            ra, rb = ndim(ops[0]), ndim(ops[1])
+            if ra is None or rb is None:
+                return None
+            form = _einsum_as_matmul(eq, ra, rb)
+            if form is None:
+                return None
+            return mk("matmul", (ops[0], ops[1]), **form)
+        if (fn and t in _BADDBMM) or (meth and t == "baddbmm"):
+            beta = n.kwargs.get("beta", 1)
+            alpha = n.kwargs.get("alpha", 1)
+            return mk("baddbmm", (n.args[0], n.args[1], n.args[2]), alpha=alpha, beta=beta)
+        if (fn and t in _SOFTMAX) or (meth and t == "softmax"):
+            return self._softmax_like(n, "softmax")
+        if (fn and t in _LOG_SOFTMAX) or (meth and t == "log_softmax"):
+            return self._softmax_like(n, "log_softmax")
+        if (fn and t in _AMAX) or (meth and t == "amax"):
+            dims = _arg(n, 1, "dim", ())
+            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            return mk("amax", (x0,), dim=tuple(_norm_dim(d, rank0) for d in dims), keepdim=bool(_arg(n, 2, "keepdim", False)))
+        if fn and t is operator.getitem and n.args[1] == 0 and isinstance(x0, fx.Node):
+            # torch.max(x, dim, keepdim)[0] / .values
+            if (x0.op == "call_function" and x0.target in _MAX) or (x0.op == "call_method" and x0.target == "max"):
+                dim = _arg(x0, 1, "dim", None)
+                if isinstance(dim, int):
+                    inner = x0.args[0]
+                    return mk("amax", (inner,), dim=(_norm_dim(dim, ndim(inner)),), keepdim=bool(_arg(x0, 2, "keepdim", False)))
+            return None
+        if (fn and t in _SUM) or (meth and t == "sum"):
+            dims = _arg(n, 1, "dim", None)
+            if dims is None:
+                return mk("sum", (x0,), dim=None, keepdim=False, dtype=n.kwargs.get("dtype"))
+            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            return mk("sum", (x0,), dim=tuple(_norm_dim(d, rank0) for d in dims), keepdim=bool(_arg(n, 2, "keepdim", False)), dtype=n.kwargs.get("dtype"))
+        if (fn and t in _MASKED_FILL) or (meth and t in ("masked_fill", "masked_fill_")):
+            return mk("masked_fill", (x0, _arg(n, 1, "mask"), _arg(n, 2, "value")))
+        if fn and t in _WHERE and len(n.args) + len(n.kwargs) >= 3:
+            return mk("where", (_arg(n, 0, "condition"), _arg(n, 1, "input", _arg(n, 1, "self")), _arg(n, 2, "other")))
+        if (fn and t in _DROPOUT) or (meth and t == "dropout"):
+            p = _arg(n, 1, "p", 0.5)
+            training = _arg(n, 2, "training", _arg(n, 2, "train", True))
+            return mk("dropout", (x0,), p=p, training=training)
+        if fn and t in _aten("native_dropout"):
+            return None
+        if (fn and t in _TRANSPOSE) or (meth and t in ("transpose", "swapaxes", "swapdims")):
+            d0, d1 = _norm_dim(_arg(n, 1, "dim0"), rank0), _norm_dim(_arg(n, 2, "dim1"), rank0)
+            if rank0 is None or not isinstance(d0, int) or not isinstance(d1, int):
+                return None
+            perm = list(range(rank0))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+            return mk("permute", (x0,), dims=tuple(perm))
+        if (fn and t in _T) or (meth and t == "t") or (fn and t is getattr and n.args[1] in ("mT", "T") and rank0 is not None):
+            if rank0 is None or (n.args[-1] == "T" and rank0 != 2):
+                return None
+            perm = list(range(rank0))
+            if rank0 >= 2:
+                perm[-1], perm[-2] = perm[-2], perm[-1]
+            return mk("permute", (x0,), dims=tuple(perm))
+        if (fn and t in _PERMUTE) or (meth and t == "permute"):
+            dims = _varargs(n, 1, "dims")
+            return mk("permute", (x0,), dims=tuple(_norm_dim(d, rank0) for d in dims))
+        if (fn and t in _EXPAND) or (meth and t in ("expand", "expand_as")):
+            return mk("expand", (x0,), shape=shape(n))
+        if (fn and t in _RESHAPE) or (meth and t in _RESHAPE_M):
+            return mk("reshape", (x0,), shape=shape(n))
+        if fn and t is operator.getitem and isinstance(x0, fx.Node) and is_tensor(x0):
+            idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+            if all(i is None or i == slice(None) or i is Ellipsis for i in idx):
+                return mk("reshape", (x0,), shape=shape(n))  # only inserts unit dims
+            return None
+        if (fn and t in _REPEAT_INTERLEAVE) or (meth and t == "repeat_interleave"):
+            reps = _arg(n, 1, "repeats")
+            dim = _norm_dim(_arg(n, 2, "dim"), rank0)
+            return mk("repeat_interleave", (x0,), repeats=reps, dim=dim)
+        # casts
+        if meth and t in _CAST_METHODS:
+            return mk("cast", (x0,), dtype=_CAST_METHODS[t])
+        if meth and t in ("to", "type"):
+            dt = n.kwargs.get("dtype")
+            for a in n.args[1:]:
+                if isinstance(a, torch.dtype):
+                    dt = a
+            if dt is None and t == "to":
+                # a device move or a no-op .to(): identity when the value keeps its dtype
+                if dtype(n) is not None and dtype(n) == dtype(x0):
+                    return mk("identity", (x0,))
+                return None
+            if not isinstance(dt, torch.dtype):
+                return None
+            return mk("cast", (x0,), dtype=dt)
+        if meth and t == "type_as":
+            dt = dtype(n.args[1])
+            return mk("cast", (x0,), dtype=dt) if dt is not None else None
+        if fn and (t in _TO_COPY or t in _CONVERT):
+            dt = n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 and isinstance(n.args[1], torch.dtype) else None)
+            if dt is None:
+                return mk("identity", (x0,)) if dtype(n) == dtype(x0) else None
+            return mk("cast", (x0,), dtype=dt)
+        return None
+
+    def _softmax_like(self, n: fx.Node, op: str) -> Optional[COp]:
+        x0 = n.args[0]
+        rank0 = ndim(x0)
+        if n.op == "call_function" and n.target in (aten._softmax.default, aten._log_softmax.default):
+            dim = n.args[1]
+            half_to_float = n.args[2]
+            dt = torch.float32 if half_to_float else None
+        else:
+            dim = _arg(n, 1, "dim", None)
+            dt = n.kwargs.get("dtype")
+            if dt is None:
+                for a in n.args[2:]:
+                    if isinstance(a, torch.dtype):
+                        dt = a
+        if not isinstance(dim, int):
+            return None
+        return COp(op, (x0,), {"dim": _norm_dim(dim, rank0), "dtype": dt}, n)
+
+
+def flat_args(n: fx.Node) -> list:
+    """Every argument of ``n`` (nested in lists/dicts too), in order."""
+    out: list = []
+    fx.node.map_arg((n.args, n.kwargs), out.append)
+    return out
+
+
+def location(node: fx.Node) -> str:
+    """``file:line`` of the user code that produced ``node`` (from Dynamo's stack trace)."""
+    st = node.meta.get("stack_trace")
+    if not st:
+        return node.name
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return node.name
+    last = lines[-1]
+    try:
+        fname = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+        return f"{fname.rsplit('/', 1)[-1]}:{lineno}"
+    except IndexError:
+        return node.name

@@ -1,0 +1,139 @@
+"""What a pattern provides to the pass, and what a match is.
+
+A pattern module in ``patterns/`` defines one :class:`Pattern` instance named ``PATTERN``.
+The pass (``fuser/passes.py``) asks it for anchor nodes, tries to match at each, lets the
+planner choose among the plans it offers, and asks it to emit the replacement.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+
+from .graph import GraphView
+from .options import Options
+from .static import StaticEvaluator
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way to run a match.
+
+    Attributes:
+        name: short name shown in reports, e.g. ``"fuser[backward=two_kernel]"``.
+        params: what the pattern needs to emit it, e.g. ``{"impl": "fuser", "backward": ...}``.
+        cost: symbolic cost terms (sympy expressions in the match's shape symbols):
+            ``flops``, ``exps``, ``bytes``, ``tiles``, ``launches``, ...
+        estimate_ms: the cost model's time at the example shapes.
+        note: one line on what this candidate does.
+    """
+
+    name: str
+    params: dict
+    cost: dict
+    estimate_ms: float
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Match:
+    """A region of the graph that a pattern can replace.
+
+    Attributes:
+        pattern: the pattern's name (``"attention"``, ...).
+        root: the node whose value the fused op produces.
+        region: the nodes the fused op replaces (none of them is read outside it).
+        bindings: the pattern's analysis (inputs, scale, mask kind, ...), for emit.
+        summary: a user-facing dict of what was recognised (shown by ``explain``).
+        location: ``file:line`` of the user code.
+        graph_index: which compiled graph it is in (with graph breaks there are several).
+        plan: the chosen :class:`Candidate` (set by the planner).
+        alternatives: every candidate with its estimate (set by the planner).
+        reason: why the plan was chosen.
+        kernels: rendered kernels the plan uses (``RenderedKernel``: ``.name``, ``.source``, ``.path``).
+    """
+
+    pattern: str
+    root: fx.Node
+    region: frozenset
+    bindings: dict
+    summary: dict
+    location: str
+    graph_index: int = 0
+    plan: Optional[Candidate] = None
+    alternatives: list = dataclasses.field(default_factory=list)
+    reason: str = ""
+    kernels: list = dataclasses.field(default_factory=list)
+
+    @property
+    def fused(self) -> bool:
+        """True when the plan replaces the region with fuser's kernels."""
+        return self.plan is not None and self.plan.params.get("impl") == "fuser"
+
+
+@dataclasses.dataclass
+class Rejection:
+    """A near-miss: a subgraph that looks like ``pattern`` but cannot be fused exactly."""
+
+    pattern: str
+    reason: str
+    location: str
+    node: str
+    graph_index: int = 0
+
+
+@dataclasses.dataclass
+class MatchContext:
+    """What a pattern may consult while matching and planning.
+
+    Attributes:
+        view: the canonical graph view.
+        evaluator: evaluates static (shape-only) slices of the graph.
+        options: fuser's options.
+        grad_enabled: autograd was on when the graph was captured (training).
+        graph_index: index of this graph among those compiled in the session.
+    """
+
+    view: GraphView
+    evaluator: StaticEvaluator
+    options: Options
+    grad_enabled: bool
+    graph_index: int = 0
+
+
+class Pattern(abc.ABC):
+    """One family of fusable subgraphs (see ``patterns/``)."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def anchors(self, view: GraphView) -> Iterable[fx.Node]:
+        """Nodes where a match may be rooted or anchored (e.g. every softmax)."""
+
+    @abc.abstractmethod
+    def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
+        """A :class:`Match`, a :class:`Rejection` with its reason, or None when ``anchor``
+        is not this pattern at all."""
+
+    @abc.abstractmethod
+    def candidates(self, match: Match, ctx: MatchContext) -> list[Candidate]:
+        """The plans this match can run with, each with its cost estimate."""
+
+    @abc.abstractmethod
+    def emit(self, match: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
+        """Insert the replacement before ``match.root``; return the node to use in its place."""
+
+    def kernels(self, match: Match, plan: Candidate) -> list:
+        """The rendered kernels ``plan`` runs (rendered now, not launched)."""
+        return []
+
+
+def device_of(node: Any) -> Optional[torch.device]:
+    from .graph import val
+
+    v = val(node)
+    return v.device if isinstance(v, torch.Tensor) else None

@@ -1,0 +1,290 @@
+"""Evaluate the parts of a graph that depend only on shapes and constants.
+
+Masks and scales are often computed inside the traced graph from sizes alone: ``torch.tril``
+of ``torch.ones(N, N)``, ``arange`` comparisons (transformers' mask utilities), a slice of a
+registered causal buffer, ``torch.full([], sqrt(D))``. Such a value is the same function of
+the sizes on every call, so fuser can compute it at compile time and look at it: a mask is
+causal because its values are, not because of how it was written.
+
+:class:`StaticEvaluator` finds the backward slice of a node, decides whether it is static
+(leaves: constants, factory calls, sizes, symbolic-size placeholders, module buffers) and
+evaluates it with concrete sizes. Under dynamic shapes it can evaluate the same slice at
+other sizes (``probe_assignments``) so a classification is checked at more than one size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+
+from .graph import GraphView, flat_args, val
+
+_RANDOM = {
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+    "normal", "normal_", "uniform_", "multinomial", "randperm", "dropout", "native_dropout",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+}
+_SIZE_METHODS = {"size", "dim", "ndimension", "numel", "stride"}
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
+
+
+class NotStatic(Exception):
+    """The value depends on data (an input tensor, randomness), not only on sizes."""
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", str(t)).split(".")[-1]
+
+
+def _is_buffer_placeholder(n: fx.Node) -> bool:
+    # Dynamo names module buffers ``L_self_buffers_<name>_`` / ``..._modules_x_buffers_<name>_``.
+    name = str(n.target)
+    return "_buffers_" in name
+
+
+def symint_value(x: Any, assignment: Optional[Mapping] = None) -> Any:
+    """Concrete value of an int/float/SymInt/SymFloat under ``assignment`` (sympy symbol ->
+    int); with no assignment, its hint (the value at the example inputs)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        node = x.node
+        if assignment:
+            expr = node.expr.xreplace(dict(assignment))
+            if expr.free_symbols:
+                expr = expr.xreplace(node.shape_env.var_to_val)
+            if isinstance(x, torch.SymInt):
+                return int(expr)
+            if isinstance(x, torch.SymBool):
+                return bool(expr)
+            return float(expr)
+        hint = node.hint if getattr(node, "hint", None) is not None else None
+        if hint is None:
+            hint = node.shape_env.size_hint(node.expr)
+        return type({torch.SymInt: 1, torch.SymFloat: 1.0, torch.SymBool: True}[type(x)])(hint)
+    if isinstance(x, (list, tuple, torch.Size)):
+        return type(x)(symint_value(v, assignment) for v in x) if not isinstance(x, torch.Size) else torch.Size(
+            [symint_value(v, assignment) for v in x]
+        )
+    return x
+
+
+def free_symbols(x: Any) -> set:
+    """sympy symbols of the SymInts/SymFloats in ``x`` (nested in tuples)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(x.node.expr.free_symbols)
+    if isinstance(x, (list, tuple, torch.Size)):
+        out: set = set()
+        for v in x:
+            out |= free_symbols(v)
+        return out
+    return set()
+
+
+@dataclasses.dataclass
+class StaticSlice:
+    """The static backward slice of one node.
+
+    Attributes:
+        nodes: the slice's nodes in graph order (the target node last).
+        buffers: names of module-buffer placeholders the value depends on (assumed constant).
+        symbols: sympy symbols of dynamic sizes the value depends on.
+    """
+
+    nodes: list[fx.Node]
+    buffers: list[str]
+    symbols: set
+
+
+class StaticEvaluator:
+    """Evaluates static slices of one graph.
+
+    Args:
+        view: the graph's :class:`GraphView`.
+        inputs: placeholder node -> its concrete example value (real tensors for buffers,
+            ints/SymInts for sizes). Missing placeholders are treated as data.
+        owner: the ``GraphModule`` holding ``get_attr`` constants, if any.
+    """
+
+    def __init__(self, view: GraphView, inputs: Mapping[fx.Node, Any], owner: Optional[torch.nn.Module] = None):
+        self.view = view
+        self.inputs = dict(inputs)
+        self.owner = owner
+        self._slices: dict[fx.Node, StaticSlice | NotStatic] = {}
+
+    # ----------------------------------------------------------------------------------
+    def slice(self, node: fx.Node) -> StaticSlice:
+        """The static slice of ``node``; raises :class:`NotStatic` (with the reason) if any of
+        its leaves is data."""
+        hit = self._slices.get(node)
+        if isinstance(hit, NotStatic):
+            raise hit
+        if hit is not None:
+            return hit
+        try:
+            result = self._collect(node)
+        except NotStatic as exc:
+            self._slices[node] = exc
+            raise
+        self._slices[node] = result
+        return result
+
+    def _collect(self, node: fx.Node) -> StaticSlice:
+        seen: dict[fx.Node, None] = {}
+        buffers: list[str] = []
+        symbols: set = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen[n] = None
+            if n.op == "placeholder":
+                v = val(n)
+                ex = self.inputs.get(n, v)
+                if isinstance(v, torch.Tensor) or isinstance(ex, torch.Tensor):
+                    if not _is_buffer_placeholder(n):
+                        raise NotStatic(f"depends on the input tensor '{n.target}'")
+                    if ex is None or not isinstance(ex, torch.Tensor) or _is_fake(ex):
+                        raise NotStatic(f"the value of buffer '{n.target}' is not known at compile time")
+                    buffers.append(str(n.target))
+                    continue
+                if isinstance(ex, (torch.SymInt, torch.SymFloat, torch.SymBool)) or isinstance(
+                    v, (torch.SymInt, torch.SymFloat, torch.SymBool)
+                ):
+                    symbols |= free_symbols(v if v is not None else ex)
+                    continue
+                if isinstance(ex, (int, float, bool)) or isinstance(v, (int, float, bool)):
+                    continue
+                raise NotStatic(f"depends on the input '{n.target}'")
+            if n.op == "get_attr":
+                continue
+            if n.op == "output":
+                raise NotStatic("output node")
+            name = _target_name(n)
+            if name in _RANDOM:
+                raise NotStatic(f"uses random op '{name}'")
+            # sizes and metadata of any tensor are static even when its data is not
+            if (n.op == "call_method" and name in _SIZE_METHODS) or (
+                n.op == "call_function" and (name in ("sym_size", "sym_stride", "sym_numel") or
+                                             (n.target is getattr and n.args[1] in _META_ATTRS))
+            ):
+                v = val(n)
+                symbols |= free_symbols(v)
+                if v is None and isinstance(n.args[0], fx.Node):
+                    symbols |= free_symbols(val(n.args[0]).shape) if isinstance(val(n.args[0]), torch.Tensor) else set()
+                continue
+            for a in flat_args(n):
+                if isinstance(a, fx.Node):
+                    stack.append(self.view.operand(a, n))
+            # in-place updates of a node in the slice that precede our node are part of it
+            for m in self.view.mutations.get(n, ()):
+                if self.view.order[m] < self.view.order[node]:
+                    stack.append(m)
+        ordered = sorted(seen, key=lambda x: self.view.order[x])
+        return StaticSlice(ordered, buffers, symbols)
+
+    # ----------------------------------------------------------------------------------
+    def evaluate(self, node: fx.Node, assignment: Optional[Mapping] = None) -> Any:
+        """Concrete value of static ``node`` at the example sizes, or under ``assignment``
+        (sympy symbol -> int) for dynamic sizes. Raises :class:`NotStatic`."""
+        sl = self.slice(node)
+        env: dict[fx.Node, Any] = {}
+
+        def load(a: Any) -> Any:
+            return fx.node.map_arg(a, lambda x: env[x])
+
+        for n in sl.nodes:
+            if n.op == "placeholder":
+                ex = self.inputs.get(n, val(n))
+                if isinstance(ex, torch.Tensor):
+                    ex = ex.clone()
+                env[n] = symint_value(ex, assignment)
+                continue
+            if n.op == "get_attr":
+                obj = self.owner
+                for part in str(n.target).split("."):
+                    obj = getattr(obj, part)
+                env[n] = obj
+                continue
+            name = _target_name(n)
+            if (n.op == "call_method" and name in _SIZE_METHODS) or (
+                n.op == "call_function" and (name in ("sym_size", "sym_stride", "sym_numel") or
+                                             (n.target is getattr and n.args[1] in _META_ATTRS))
+            ):
+                v = val(n)
+                if v is None or isinstance(v, torch.Tensor):
+                    # e.g. getattr(x, "shape") with no recorded value: take it from x
+                    src = val(n.args[0])
+                    v = _size_like(n, src)
+                env[n] = symint_value(v, assignment)
+                continue
+            args, kwargs = load(n.args), load(n.kwargs)
+            if n.op == "call_function":
+                env[n] = n.target(*args, **kwargs)
+            elif n.op == "call_method":
+                self_, *rest = args
+                env[n] = getattr(self_, n.target)(*rest, **kwargs)
+            else:
+                raise NotStatic(f"cannot evaluate {n.op} node {n.name}")
+        return env[node]
+
+    def probe_assignments(self, symbols: set, extra: int = 2) -> list[dict]:
+        """Assignments of the dynamic-size ``symbols``: the example sizes, then ``extra``
+        others (each size moved by the same offsets) to check a property at other sizes."""
+        if not symbols:
+            return [{}]
+        shape_env = None
+        for n in self.view.graph.nodes:
+            v = val(n)
+            for x in _symints_in(v):
+                shape_env = x.node.shape_env
+                break
+            if shape_env is not None:
+                break
+        if shape_env is None:
+            return [{}]
+        hint = {s: int(shape_env.var_to_val[s]) for s in symbols if s in shape_env.var_to_val}
+        out = [hint]
+        for d in (3, -1, 7)[:extra]:
+            alt = {s: max(2, v + d) for s, v in hint.items()}
+            if alt != hint:
+                out.append(alt)
+        return out
+
+
+def _symints_in(v: Any) -> list:
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        return [v]
+    if isinstance(v, torch.Tensor):
+        return [s for s in v.shape if isinstance(s, torch.SymInt)]
+    if isinstance(v, (list, tuple)):
+        out = []
+        for x in v:
+            out += _symints_in(x)
+        return out
+    return []
+
+
+def _size_like(n: fx.Node, src: Any) -> Any:
+    name = _target_name(n)
+    if name in ("size", "sym_size"):
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        return src.shape if dim is None else src.shape[dim]
+    if name == "dim" or name == "ndimension":
+        return src.dim()
+    if name == "numel":
+        return src.numel()
+    if n.target is getattr:
+        return getattr(src, n.args[1])
+    raise NotStatic(f"cannot evaluate {name}")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"

@@ -1,0 +1,186 @@
+"""The fused attention ops: ``torch.ops.fuser.attention`` and its backward.
+
+Both are ``torch.library.custom_op`` s with fake (meta) implementations, so Dynamo, AOTAutograd
+and Inductor treat them as opaque kernels with known output shapes and strides; the forward
+registers its autograd formula, which calls the backward op. Neither op mutates or aliases
+its inputs. The kernels themselves are in ``codegen/attention.py``.
+
+``torch.ops.fuser.attention(q, k, v, mask, scale, causal, mask_kind, need_lse, plan) -> (out, lse)``
+    q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides; GQA when
+    ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
+    ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
+    "bool_drop", "additive"}``; ``need_lse`` False for inference (``lse`` is then an empty
+    tensor); ``plan`` a ``"key=value;..."`` string (``backward=two_kernel|atomic_dq|autotune``,
+    ``autotune=0|1``). Returns ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype (memory laid out
+    ``[B, Nq, Hq, Dv]``) and the base-2 ``lse`` ``[B, Hq, Nq]`` float32.
+
+``torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs) -> (dq, dk, dv)``
+    gradients for the inputs flagged in ``needs`` (empty tensors for the others).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..codegen import attention as kernels
+from ..codegen import launch
+
+
+def parse_plan(plan: str) -> dict:
+    """``"backward=two_kernel;autotune=1"`` -> ``{"backward": "two_kernel", "autotune": "1"}``."""
+    out = {}
+    for part in plan.split(";"):
+        if part:
+            k, _, v = part.partition("=")
+            out[k] = v
+    return out
+
+
+def _none_tensor(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _tune_key(kind: str, q, k, v, mask, causal: str, mask_kind: str, extra: str = "") -> str:
+    # Sequence lengths are bucketed to powers of two: one tuning per bucket, not per length.
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    return (
+        f"attention.{kind}|{launch.gpu_name(q.device)}|{q.dtype}|B{b}|H{hq}/{hkv}|"
+        f"Nq{launch.next_power_of_2(nq)}|Nk{launch.next_power_of_2(nk)}|D{d}/{dv}|{causal}|{mask_kind}{extra}"
+    )
+
+
+def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) -> dict:
+    """The fastest forward config for this problem, timed on first use (see launch.autotune)."""
+    cands = kernels.candidate_configs(
+        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd"
+    )
+    if launch.interpreted(q.device) or len(cands) == 1:
+        return cands[0]
+
+    def run(cfg):
+        kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg)
+
+    return launch.autotune(_tune_key("fwd", q, k, v, mask, causal, mask_kind), cands, run)
+
+
+def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, needs, mode) -> tuple[str, dict]:
+    """The fastest (backward mode, config); ``mode="autotune"`` also times both modes."""
+    cands = kernels.candidate_configs(
+        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="bwd"
+    )
+    modes = ["two_kernel", "atomic_dq"] if mode == "autotune" else [mode]
+    pairs = [dict(cfg, bwd_mode=m) for m in modes for cfg in cands]
+    if launch.interpreted(q.device) or len(pairs) == 1:
+        best = pairs[0]
+    else:
+        def run(cfg):
+            c = dict(cfg)
+            m = c.pop("bwd_mode")
+            kernels.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+                             bwd_mode=m, needs_grad=needs, config=c)
+
+        extra = f"|needs{''.join(str(int(x)) for x in needs)}|{'+'.join(modes)}"
+        best = launch.autotune(_tune_key("bwd", q, k, v, mask, causal, mask_kind, extra), pairs, run)
+    best = dict(best)
+    return best.pop("bwd_mode"), best
+
+
+@torch.library.custom_op("fuser::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    causal: str,
+    mask_kind: str,
+    need_lse: bool,
+    plan: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    p = parse_plan(plan)
+    out, lse = kernels.forward(
+        q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=need_lse,
+        config=tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) if p.get("autotune") == "1" else None,
+    )
+    return out, (lse if lse is not None else _none_tensor(q))
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan):
+    out = kernels.alloc_out(q, v)
+    lse = kernels.alloc_lse(q) if need_lse else _none_tensor(q)
+    return out, lse
+
+
+@torch.library.custom_op("fuser::attention_backward", mutates_args=())
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    causal: str,
+    mask_kind: str,
+    plan: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if lse.numel() == 0 and q.numel() != 0:
+        raise RuntimeError(
+            "fuser: attention backward called on a forward that stored no LSE (compiled for "
+            "inference); this is a fuser bug, please report it"
+        )
+    p = parse_plan(plan)
+    mode = p.get("backward", "two_kernel")
+    config = None
+    if mode == "autotune" or p.get("autotune") == "1":
+        mode, config = tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, tuple(needs), mode)
+    dq, dk, dv = kernels.backward(
+        dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+        bwd_mode=mode, needs_grad=tuple(needs), config=config,
+    )
+    return (
+        dq if dq is not None else _none_tensor(q),
+        dk if dk is not None else _none_tensor(k),
+        dv if dv is not None else _none_tensor(v),
+    )
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs):
+    dq, dk, dv = kernels.alloc_grads(q, k, v, tuple(needs))
+    return (
+        dq if dq is not None else _none_tensor(q),
+        dk if dk is not None else _none_tensor(k),
+        dv if dv is not None else _none_tensor(v),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal, mask_kind, need_lse, plan = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.params = (scale, causal, mask_kind, plan)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    scale, causal, mask_kind, plan = ctx.params
+    needs = [bool(x) for x in ctx.needs_input_grad[:3]]
+    if not any(needs):
+        return (None,) * 9
+    dq, dk, dv = torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs)
+    return (
+        dq if needs[0] else None,
+        dk if needs[1] else None,
+        dv if needs[2] else None,
+        None, None, None, None, None, None,
+    )
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

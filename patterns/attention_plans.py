@@ -1,0 +1,249 @@
+"""Plans for an attention match — their symbolic costs — and the graph code each emits.
+
+Candidates:
+
+``fuser[backward=two_kernel]``
+    FlashAttention-2 forward; backward as a dK/dV kernel and a dQ kernel, each recomputing
+    P (deterministic). Per visible (query, key) pair: forward ``2(D + Dv)`` FLOPs, backward
+    ``8D + 6Dv`` FLOPs (``14·d`` for ``D = Dv = d``).
+``fuser[backward=atomic_dq]``
+    the same forward; one backward kernel that also accumulates dQ with fp32 atomics:
+    ``6D + 4Dv`` FLOPs per pair (``10·d``), plus ``Nk / BLOCK_N`` atomic updates of each dQ row.
+``fuser`` (inference)
+    forward only, no LSE stored.
+``sdpa``
+    ``F.scaled_dot_product_attention`` (FlashAttention on the GPU) — offered on CUDA when
+    SDPA takes the case exactly: no mask tensor, causal top-left (or bottom-right with
+    Nq = Nk), D = Dv, fp16/bf16.
+``inductor``
+    leave the region to Inductor: scores and P materialised in HBM.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fuser import costmodel as cm
+from fuser.codegen import launch
+from fuser.graph import shape, val
+from fuser.passes import annotate
+from fuser.pattern import Candidate, Match, MatchContext
+from fuser.static import symint_value
+
+from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
+
+BLOCK_M, BLOCK_N = 128, 64  # the nominal tile used for tile counts in the cost model
+
+
+def _shape_subs(m: Match) -> dict:
+    b = m.bindings
+    sq, sk, sv = shape(b["q"]), shape(b["k"]), shape(b["v"])
+
+    def dims(s, transposed):
+        s = [symint_value(x) for x in s]
+        s = [1] * (4 - len(s)) + list(s)
+        if transposed:
+            s[-1], s[-2] = s[-2], s[-1]
+        return s
+
+    q4, k4, v4 = dims(sq, b["q_t"]), dims(sk, b["k_t"]), dims(sv, b["v_t"])
+    return {
+        cm.B: q4[0], cm.H: q4[1], cm.HKV: k4[1], cm.NQ: q4[2], cm.NK: k4[2], cm.D: q4[3], cm.DV: v4[3],
+    }
+
+
+def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
+    """Symbolic cost terms of one candidate (see the module docstring)."""
+    b = m.bindings
+    elt = b["in_dtype"].itemsize
+    causal = b["causal"]
+    if causal == "none":
+        pairs = cm.NQ * cm.NK
+    else:
+        off = 0 if causal == "top_left" else cm.NK - cm.NQ
+        pairs = cm.pairs_causal(cm.NQ, cm.NK, off)
+    bh = cm.B * cm.H
+    io = elt * (bh * cm.NQ * (cm.D + 2 * cm.DV) + cm.B * cm.HKV * cm.NK * (cm.D + cm.DV))
+    mask_bytes = 0
+    if b["mask"] is not None:
+        mv = val(b["mask"])
+        mask_bytes = int(symint_value(mv.numel())) * mv.element_size()
+    if impl == "inductor":
+        # scores and P written and read back (fp32 softmax), backward reads/writes them again
+        score_bytes = bh * cm.NQ * cm.NK * (2 * elt + 2 * 4)
+        terms = {
+            "flops": 2 * bh * cm.NQ * cm.NK * (cm.D + cm.DV),
+            "bytes": io + score_bytes + mask_bytes,
+            "exps": bh * cm.NQ * cm.NK,
+            "launches": 4,
+        }
+        if backward:
+            terms["flops"] = terms["flops"] * 3
+            terms["bytes"] = terms["bytes"] + 2 * score_bytes + io
+            terms["launches"] = 10
+        return terms
+    terms = {
+        "flops": 2 * bh * pairs * (cm.D + cm.DV),
+        "bytes": io + 4 * bh * cm.NQ + mask_bytes,
+        "exps": bh * pairs,
+        "tiles": sympy.ceiling(cm.NQ / BLOCK_M) * bh,
+        "launches": 1,
+    }
+    if backward == "two_kernel":
+        terms["bwd_flops"] = bh * pairs * (8 * cm.D + 6 * cm.DV)
+        terms["bwd_exps"] = 2 * bh * pairs
+    elif backward in ("atomic_dq", "autotune"):
+        terms["bwd_flops"] = bh * pairs * (6 * cm.D + 4 * cm.DV)
+        terms["bwd_exps"] = bh * pairs
+        terms["atomics"] = bh * cm.NQ * cm.D * sympy.ceiling(cm.NK / BLOCK_N)
+    if backward:
+        terms["bwd_bytes"] = 2 * io + 8 * bh * cm.NQ + mask_bytes
+        terms["bwd_tiles"] = sympy.ceiling(cm.NK / BLOCK_N) * cm.B * cm.HKV
+    return terms
+
+
+def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: str) -> float:
+    eff_f = cm.EFFICIENCY["sdpa.flash.fwd" if impl == "sdpa" else "fuser.attention.fwd"]
+    eff_b = cm.EFFICIENCY["sdpa.flash.bwd" if impl == "sdpa" else "fuser.attention.bwd"]
+    if impl == "inductor":
+        return cm.estimate_ms(terms, subs, model, kind, cm.EFFICIENCY["eager.matmul"])
+    fwd = {k: terms[k] for k in ("flops", "bytes", "exps", "tiles", "launches") if k in terms}
+    t = cm.estimate_ms(fwd, subs, model, kind, eff_f)
+    if "bwd_flops" in terms:
+        bwd = {
+            "flops": terms["bwd_flops"], "bytes": terms["bwd_bytes"], "exps": terms["bwd_exps"],
+            "tiles": terms["bwd_tiles"], "launches": 2 if "atomics" not in terms else 3,
+        }
+        t += cm.estimate_ms(bwd, subs, model, kind, eff_b)
+        if "atomics" in terms:
+            t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
+    return t
+
+
+def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
+    """Every plan this match can run with, each with its estimate at the example shapes."""
+    b = m.bindings
+    dev = b["device"]
+    interp = dev.type == "cpu"
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    subs = _shape_subs(m)
+    kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
+    training = b["need_lse"]
+    tune = "1" if ctx.options.autotune else "0"
+    out: list[Candidate] = []
+    modes = ("two_kernel", "atomic_dq") if training else (None,)
+    for mode in modes:
+        terms = cost_terms(m, "fuser", mode)
+        params = {"impl": "fuser", "autotune": tune}
+        name = "fuser"
+        if mode:
+            params["backward"] = mode
+            name = f"fuser[backward={mode}]"
+        out.append(Candidate(name, params, terms, _estimate(terms, subs, model, kind, "fuser"),
+                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward")))
+    if training and ctx.options.autotune:
+        best = min(c.estimate_ms for c in out)
+        terms = cost_terms(m, "fuser", "autotune")
+        out.append(Candidate("fuser[backward=autotune]", {"impl": "fuser", "autotune": "1", "backward": "autotune"},
+                             terms, best * 0.999, "backward mode and tiles timed on the device on first use"))
+    if not interp:
+        if _sdpa_exact(m):
+            terms = cost_terms(m, "sdpa", "two_kernel" if training else None)
+            out.append(Candidate("sdpa", {"impl": "sdpa"}, terms, _estimate(terms, subs, model, kind, "sdpa"),
+                                 "torch.nn.functional.scaled_dot_product_attention (FlashAttention)"))
+        terms = cost_terms(m, "inductor", "two_kernel" if training else None)
+        out.append(Candidate("inductor", {"impl": "inductor"}, terms, _estimate(terms, subs, model, kind, "inductor"),
+                             "left to Inductor: scores and P materialised"))
+    return out
+
+
+def _sdpa_exact(m: Match) -> bool:
+    b = m.bindings
+    if b["mask"] is not None or b["in_dtype"] not in (torch.float16, torch.bfloat16):
+        return False
+    subs = _shape_subs(m)
+    d, dv = subs[cm.D], subs[cm.DV]
+    if d != dv or d % 8 or d > 256:
+        return False
+    if b["causal"] == "bottom_right" and subs[cm.NQ] != subs[cm.NK]:
+        return False
+    return True
+
+
+def plan_string(params: dict) -> str:
+    """The ``plan`` argument of ``torch.ops.fuser.attention`` for a candidate's params."""
+    parts = [f"backward={params.get('backward', 'two_kernel')}", f"autotune={params.get('autotune', '0')}"]
+    return ";".join(parts)
+
+
+def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
+    """Insert the plan's replacement for ``m`` before its root; return the new output node."""
+    b = m.bindings
+    rank = b["rank"]
+    compute = b["compute_dtype"]
+
+    def node(kind: str, target, args, kwargs=None) -> fx.Node:
+        n = graph.create_node(kind, target, args, kwargs or {})
+        return annotate(n)
+
+    def prep(x, transposed: bool):
+        if transposed:
+            x = node("call_method", "transpose", (x, -2, -1))
+        for _ in range(4 - rank):
+            x = node("call_method", "unsqueeze", (x, 0))
+        if b["in_dtype"] != compute:
+            x = node("call_method", "to", (x, compute))
+        return x
+
+    with graph.inserting_before(m.root):
+        q = prep(b["q"], b["q_t"])
+        k = prep(b["k"], b["k_t"])
+        v = prep(b["v"], b["v_t"])
+        scale = _scale_node(b["factors"], node)
+        mask = b["mask"]
+        if mask is not None:
+            if b["mask_neg"]:
+                mask = node("call_function", operator.neg, (mask,))
+            if b["mask_scale"]:
+                mask = node("call_function", operator.mul, (mask, _scale_node(b["mask_scale"], node)))
+            for _ in range(4 - len(shape(mask))):
+                mask = node("call_method", "unsqueeze", (mask, 0))
+        impl = plan.params["impl"]
+        if impl == "fuser":
+            op = node(
+                "call_function", torch.ops.fuser.attention.default,
+                (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params)),
+            )
+            out = node("call_function", operator.getitem, (op, 0))
+        elif impl == "sdpa":
+            out = node(
+                "call_function", F.scaled_dot_product_attention, (q, k, v),
+                {"is_causal": b["causal"] != "none", "scale": scale, "enable_gqa": b["group"] > 1},
+            )
+        else:
+            raise ValueError(f"attention plan {plan.name} emits nothing")
+        for _ in range(4 - rank):
+            out = node("call_method", "squeeze", (out, 0))
+        if b["out_dtype"] != compute:
+            out = node("call_method", "to", (out, b["out_dtype"]))
+    return out
+
+
+def _scale_node(factors: list, node) -> object:
+    """Π value**power as a Python float, or as graph nodes when some factor is symbolic."""
+    total = 1.0
+    symbolic = []
+    for v, p in factors:
+        if isinstance(v, float):
+            total = total * v if p == 1 else total / v
+        else:
+            symbolic.append((v, p))
+    out: object = total
+    for v, p in symbolic:
+        out = node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
+    return out
