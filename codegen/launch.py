@@ -38,6 +38,61 @@ def interpreted(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu"
 
 
+_interp_lock = threading.RLock()
+_interp_fns: dict[int, Any] = {}
+
+
+def _triton_language_modules() -> list:
+    import triton.language as tl
+
+    mods = [tl]
+    for name in ("standard", "math", "core", "random"):
+        m = getattr(tl, name, None)
+        if m is not None:
+            mods.append(m)
+    return mods
+
+
+@contextlib.contextmanager
+def interpreter_mode() -> Iterator[None]:
+    """Run Triton's interpreter correctly whatever the import order.
+
+    Triton decides at *its own import* whether its standard library (``tl.sum``, ``tl.max``,
+    ``tl.cdiv``, ... — themselves ``@triton.jit`` functions) is compiled or interpreted, from
+    ``TRITON_INTERPRET``. ``import torch._dynamo`` imports Triton, so by the time a backend
+    runs, the standard library is usually in compiled mode, and an interpreted kernel calling
+    ``tl.sum`` fails ("Cannot call @triton.jit'd outside of the scope of a kernel"). Inside
+    this context the compiled-mode standard-library functions are swapped for interpreted
+    ones (the interpreter's fast NumPy paths compare against these very objects, so they
+    still apply), and ``TRITON_INTERPRET=1`` is set; both are restored on exit, so GPU
+    kernels compiled in the same process are unaffected. Re-entrant and thread-safe.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    with _interp_lock:
+        old_env = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        swapped = []
+        for mod in _triton_language_modules():
+            for name, obj in list(vars(mod).items()):
+                if isinstance(obj, JITFunction):
+                    repl = _interp_fns.get(id(obj))
+                    if repl is None:
+                        repl = _interp_fns[id(obj)] = InterpretedFunction(obj.fn)
+                    setattr(mod, name, repl)
+                    swapped.append((mod, name, obj))
+        try:
+            yield
+        finally:
+            for mod, name, obj in reversed(swapped):
+                setattr(mod, name, obj)
+            if old_env is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old_env
+
+
 def kernel_module(kernel: RenderedKernel, interpret: bool):
     """Import ``kernel`` for the interpreter or for the GPU.
 

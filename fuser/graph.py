@@ -36,12 +36,15 @@ class COp:
         args: operands in canonical order: ``fx.Node`` or Python values.
         attrs: normalised attributes (e.g. ``dim`` non-negative, ``dtype``).
         node: the FX node.
+        parts: other nodes this op consists of (``torch.max(x, d)[0]`` is one ``amax`` made
+            of the ``max`` node and the ``getitem``); a match that takes the op takes them too.
     """
 
     op: str
     args: tuple
     attrs: Mapping[str, Any]
     node: fx.Node
+    parts: tuple = ()
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -352,7 +355,8 @@ class GraphView:
                 dim = _arg(x0, 1, "dim", None)
                 if isinstance(dim, int):
                     inner = x0.args[0]
-                    return mk("amax", (inner,), dim=(_norm_dim(dim, ndim(inner)),), keepdim=bool(_arg(x0, 2, "keepdim", False)))
+                    return COp("amax", (inner,), {"dim": (_norm_dim(dim, ndim(inner)),),
+                               "keepdim": bool(_arg(x0, 2, "keepdim", False))}, n, parts=(x0,))
             return None
         if (fn and t in _SUM) or (meth and t == "sum"):
             dims = _arg(n, 1, "dim", None)

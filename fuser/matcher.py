@@ -172,7 +172,7 @@ class Op(Rule):
             return
         if self.check is not None and not self.check(c):
             return
-        b = b.add(x).bind(self.name, x)
+        b = b.add(x, *c.parts).bind(self.name, x)
         if not self.src:
             yield b
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -54,9 +55,9 @@ def symint_value(x: Any, assignment: Optional[Mapping] = None) -> Any:
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         node = x.node
         if assignment:
-            expr = node.expr.xreplace(dict(assignment))
+            expr = sympy.sympify(node.expr.xreplace(dict(assignment)))
             if expr.free_symbols:
-                expr = expr.xreplace(node.shape_env.var_to_val)
+                expr = expr.xreplace(_var_to_val(node.shape_env))
             if isinstance(x, torch.SymInt):
                 return int(expr)
             if isinstance(x, torch.SymBool):
@@ -248,13 +249,20 @@ class StaticEvaluator:
                 break
         if shape_env is None:
             return [{}]
-        hint = {s: int(shape_env.var_to_val[s]) for s in symbols if s in shape_env.var_to_val}
+        values = _var_to_val(shape_env)
+        hint = {s: int(values[s]) for s in symbols if s in values}
         out = [hint]
         for d in (3, -1, 7)[:extra]:
             alt = {s: max(2, v + d) for s, v in hint.items()}
             if alt != hint:
                 out.append(alt)
         return out
+
+
+def _var_to_val(shape_env: Any) -> Mapping:
+    """Symbol -> example value (``backed_var_to_val`` in newer torch, ``var_to_val`` before)."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return values if values is not None else shape_env.var_to_val
 
 
 def _symints_in(v: Any) -> list:
