@@ -391,7 +391,10 @@ class AttentionPattern(Pattern):
             raise Decline("q and k batch dims differ (broadcasting batched matmul)")
 
         # -- masks ----------------------------------------------------------------------
-        causal, mask, mask_kind, mask_scale, mask_neg, buffers = "none", None, "none", [], False, []
+        # Each mask term is static (evaluated here: dropped when it hides nothing, folded into
+        # `causal` when causal) or a tensor the kernel loads tile by tile. Several tensor terms
+        # are combined into one additive mask in the graph at emit time.
+        causal, buffers, mask_terms = "none", [], []
         for kind, node, start, neg in terms:
             try:
                 cls, bufs = _static_class(node, kind, scores, ctx)
@@ -405,28 +408,34 @@ class AttentionPattern(Pattern):
                     raise Decline("two causal masks with different alignments")
                 causal = cls
                 continue
-            if mask is not None:
-                raise Decline("more than one mask tensor in the scores (combine them into one first)")
             val_m = val(node)
             if val_m.requires_grad and ctx.grad_enabled:
                 raise Decline("the additive bias requires grad; fuser's kernels do not compute dBias")
-            mshape = tuple(val_m.shape)
-            if len(mshape) > rank:
-                raise Decline(f"mask of rank {len(mshape)} for scores of rank {rank}")
+            if val_m.dim() > rank:
+                raise Decline(f"mask of rank {val_m.dim()} for scores of rank {rank}")
             if kind == "additive" and val_m.dtype not in _FLOATS + (torch.float64,):
                 raise Decline(f"additive mask of dtype {val_m.dtype}")
             if kind != "additive" and val_m.dtype != torch.bool:
                 raise Decline(f"mask condition of dtype {val_m.dtype} (expected bool)")
-            mask, mask_kind, mask_neg = node, kind, neg
-            mask_scale = score_scales[start:] if kind == "additive" else []
+            mask_terms.append(dict(
+                kind=kind, node=node, neg=neg, shape=tuple(val_m.shape),
+                scale=score_scales[start:] if kind == "additive" else [],
+            ))
+        if not mask_terms:
+            mask_kind, mask_shape = "none", None
+        elif len(mask_terms) == 1:
+            mask_kind, mask_shape = mask_terms[0]["kind"], mask_terms[0]["shape"]
+        else:
+            mask_kind = "additive"
+            mask_shape = tuple(torch.broadcast_shapes(*[t["shape"] for t in mask_terms]))
 
         nq = sq[-1] if q_t else sq[-2]
         nk = sk[-1] if k_t else sk[-2]
         need_lse = bool(ctx.grad_enabled and any(val(x).requires_grad for x in (q, k, v)))
         region = frozenset(b.region) | frozenset(p_nodes) | {pv}
         bindings = dict(
-            q=q, k=k, v=v, q_t=q_t, k_t=k_t, v_t=v_t, factors=factors, causal=causal, mask=mask,
-            mask_kind=mask_kind, mask_scale=mask_scale, mask_neg=mask_neg, group=group, rank=rank,
+            q=q, k=k, v=v, q_t=q_t, k_t=k_t, v_t=v_t, factors=factors, causal=causal, mask_terms=mask_terms,
+            mask_kind=mask_kind, mask_shape=mask_shape, group=group, rank=rank,
             in_dtype=in_dtype, compute_dtype=compute_dtype, out_dtype=out_dtype, need_lse=need_lse,
             device=dev,
         )
@@ -434,7 +443,7 @@ class AttentionPattern(Pattern):
             "q": q.name, "k": k.name, "v": v.name,
             "scale": _describe_scale(factors),
             "causal": causal,
-            "mask": "none" if mask is None else f"{mask_kind} {tuple(val(mask).shape)}",
+            "mask": _describe_mask(mask_terms),
             "gqa_group": group,
             "dtype": str(in_dtype).replace("torch.", ""),
             "shape": f"q{tuple(sq)} k{tuple(sk)} v{tuple(sv)}",
@@ -457,8 +466,8 @@ class AttentionPattern(Pattern):
         if plan.params.get("impl") != "fuser":
             return []
         b = m.bindings
-        mask = b["mask"]
-        row_bcast = mask is not None and (len(shape(mask)) < 2 or shape(mask)[-2] == 1)
+        ms = b["mask_shape"]
+        row_bcast = ms is not None and (len(ms) < 2 or ms[-2] == 1)
         return kernels.kernels_for(
             causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row_bcast),
             bwd_mode=plan.params.get("backward", "two_kernel"), interpret=b["device"].type == "cpu",
@@ -470,6 +479,15 @@ class AttentionPattern(Pattern):
         from fuser.patterns.attention_plans import emit
 
         return emit(m, plan, graph)
+
+
+def _describe_mask(terms: list) -> str:
+    desc = [f"{t['kind']} {t['shape']}" for t in terms]
+    if not desc:
+        return "none"
+    if len(desc) == 1:
+        return desc[0]
+    return "additive, combined from " + " + ".join(desc)
 
 
 def _describe_scale(factors: list) -> str:

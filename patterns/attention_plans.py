@@ -70,9 +70,9 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
     bh = cm.B * cm.H
     io = elt * (bh * cm.NQ * (cm.D + 2 * cm.DV) + cm.B * cm.HKV * cm.NK * (cm.D + cm.DV))
     mask_bytes = 0
-    if b["mask"] is not None:
-        mv = val(b["mask"])
-        mask_bytes = int(symint_value(mv.numel())) * mv.element_size()
+    for t in b["mask_terms"]:
+        mv = val(t["node"])
+        mask_bytes += int(symint_value(mv.numel())) * mv.element_size()
     if impl == "inductor":
         # scores and P written and read back (fp32 softmax), backward reads/writes them again
         score_bytes = bh * cm.NQ * cm.NK * (2 * elt + 2 * 4)
@@ -164,7 +164,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
 
 def _sdpa_exact(m: Match) -> bool:
     b = m.bindings
-    if b["mask"] is not None or b["in_dtype"] not in (torch.float16, torch.bfloat16):
+    if b["mask_terms"] or b["in_dtype"] not in (torch.float16, torch.bfloat16):
         return False
     subs = _shape_subs(m)
     d, dv = subs[cm.D], subs[cm.DV]
@@ -205,14 +205,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         k = prep(b["k"], b["k_t"])
         v = prep(b["v"], b["v_t"])
         scale = _scale_node(b["factors"], node)
-        mask = b["mask"]
-        if mask is not None:
-            if b["mask_neg"]:
-                mask = node("call_function", operator.neg, (mask,))
-            if b["mask_scale"]:
-                mask = node("call_function", operator.mul, (mask, _scale_node(b["mask_scale"], node)))
-            for _ in range(4 - len(shape(mask))):
-                mask = node("call_method", "unsqueeze", (mask, 0))
+        mask = _mask_node(b, node)
         impl = plan.params["impl"]
         if impl == "fuser":
             op = node(
@@ -232,6 +225,31 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         if b["out_dtype"] != compute:
             out = node("call_method", "to", (out, b["out_dtype"]))
     return out
+
+
+def _mask_node(b: dict, node) -> object:
+    """The mask operand: the single mask term as it is (scaled/negated when the scores were
+    scaled or subtracted after it), or several terms summed into one additive mask."""
+    terms = b["mask_terms"]
+    if not terms:
+        return None
+    parts = []
+    for t in terms:
+        x = t["node"]
+        if len(terms) > 1 and t["kind"] != "additive":
+            keep = x if t["kind"] == "bool_keep" else node("call_function", operator.invert, (x,))
+            x = node("call_function", torch.where, (keep, 0.0, float("-inf")))
+        if t["neg"]:
+            x = node("call_function", operator.neg, (x,))
+        if t["scale"]:
+            x = node("call_function", operator.mul, (x, _scale_node(t["scale"], node)))
+        parts.append(x)
+    mask = parts[0]
+    for x in parts[1:]:
+        mask = node("call_function", operator.add, (mask, x))
+    for _ in range(4 - len(b["mask_shape"])):
+        mask = node("call_method", "unsqueeze", (mask, 0))
+    return mask
 
 
 def _scale_node(factors: list, node) -> object:

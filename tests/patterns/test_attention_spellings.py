@@ -1,0 +1,273 @@
+"""Rewrites on toy graphs: every attention spelling is matched with the right bindings, and
+every near-miss is declined with its reason. Nothing here runs a kernel (see
+test_attention_e2e.py for numbers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fuser import testing
+
+B, H, N, D = 2, 4, 16, 8
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, N, D, generator=g) for _ in range(3))
+
+
+def _rep_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+class TrilBuffer(nn.Module):
+    """GPT-2 (older transformers) style: a registered causal buffer, sliced, with torch.where."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32))
+
+    def forward(self, q, k, v):
+        n = q.size(-2)
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        s = torch.where(self.bias[:, :, :n, :n].bool(), s, torch.finfo(s.dtype).min)
+        return torch.softmax(s, -1) @ v
+
+
+def _bottom_right(q, k, v):
+    s = q[:, :, :5] @ k.mT
+    keep = torch.ones(5, N, dtype=torch.bool).tril(N - 5)
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def _top_left_short_q(q, k, v):
+    s = q[:, :, :5] @ k.mT
+    keep = torch.ones(5, N, dtype=torch.bool).tril()
+    return torch.softmax(torch.where(keep, s, float("-inf")), -1) @ v
+
+
+def _inplace(q, k, v):
+    s = q @ k.mT
+    s /= math.sqrt(D)
+    s.masked_fill_(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def _hand(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.3
+    e = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+    return (e / e.sum(dim=-1, keepdim=True)) @ v
+
+
+def _hand_amax_detach(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.3
+    e = torch.exp(s - torch.amax(s, -1, keepdim=True).detach())
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def _bmm(q, k, v):
+    q3, k3, v3 = (x.reshape(B * H, N, D) for x in (q, k, v))
+    return torch.bmm(F.softmax(torch.bmm(q3, k3.transpose(1, 2)) * 0.25, dim=-1), v3)
+
+
+def _baddbmm(q, k, v):
+    q3, k3, v3 = (x.reshape(B * H, N, D) for x in (q, k, v))
+    s = torch.baddbmm(torch.zeros(B * H, N, N), q3, k3.transpose(1, 2), beta=0.0, alpha=0.25)
+    return torch.bmm(s.softmax(-1), v3)
+
+
+def _bnhd(q, k, v):
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))  # [B, N, H, D] tensors
+    o = torch.softmax(qb.transpose(1, 2) @ kb.transpose(1, 2).transpose(-1, -2) * 0.3, -1) @ vb.transpose(1, 2)
+    return o.transpose(1, 2).reshape(B, N, H * D)
+
+
+# (id, function, expected summary entries)
+POSITIVE = [
+    ("matmul_div_sqrt", lambda q, k, v: torch.softmax(torch.matmul(q, k.transpose(2, 3)) / math.sqrt(D), dim=-1) @ v,
+     dict(scale=f"{1 / math.sqrt(D):.6g}", causal="none", mask="none", gqa_group=1, q="l_q_", k="l_k_", v="l_v_")),
+    ("operator_mul", lambda q, k, v: (q @ k.mT * 0.125).softmax(-1) @ v, dict(scale="0.125")),
+    ("scale_left", lambda q, k, v: F.softmax(0.5 * (q @ k.mT), -1) @ v, dict(scale="0.5")),
+    ("scale_on_q", lambda q, k, v: F.softmax((q / math.sqrt(D)) @ k.mT, dim=-1) @ v, dict(scale=f"{1 / math.sqrt(D):.6g}")),
+    ("scale_on_q_and_scores", lambda q, k, v: F.softmax((q * 0.5) @ k.mT * 0.5, dim=-1) @ v, dict(scale="0.25")),
+    ("bmm_3d", _bmm, dict(scale="0.25")),
+    ("baddbmm_alpha", _baddbmm, dict(scale="0.25", mask="none")),
+    ("einsum", lambda q, k, v: torch.einsum("bhqk,bhkd->bhqd", torch.einsum("bhqd,bhkd->bhqk", q * 0.25, k).softmax(-1), v),
+     dict(scale="0.25")),
+    ("softmax_method", lambda q, k, v: (q @ k.mT).softmax(dim=-1) @ v, dict(softmax="softmax")),
+    ("torch_softmax_fp32_to", lambda q, k, v: torch.softmax(q.half() @ k.half().mT, -1, dtype=torch.float32).to(torch.float16) @ v.half(),
+     dict(dtype="float16")),
+    ("type_as", lambda q, k, v: F.softmax((q @ k.mT).float(), dim=-1).type_as(q) @ v, dict()),
+    ("hand_written", _hand, dict(softmax="hand-written", scale="0.3")),
+    ("hand_written_amax_detach", _hand_amax_detach, dict(softmax="hand-written")),
+    ("hand_written_no_max", lambda q, k, v: (lambda e: (e / e.sum(-1, keepdim=True)) @ v)(torch.exp(q @ k.mT)),
+     dict(softmax="hand-written")),
+    ("dropout_eval", lambda q, k, v: F.dropout(torch.softmax(q @ k.mT, -1), p=0.1, training=False) @ v, dict()),
+    ("dropout_p0_train", lambda q, k, v: F.dropout(torch.softmax(q @ k.mT, -1), p=0.0, training=True) @ v, dict()),
+    ("causal_masked_fill_triu", lambda q, k, v: (q @ k.mT).masked_fill(torch.triu(torch.ones(N, N, dtype=torch.bool), 1), float("-inf")).softmax(-1) @ v,
+     dict(causal="top_left", mask="none")),
+    ("causal_tril_eq0_finfo_min", lambda q, k, v: (lambda s: s.masked_fill(torch.tril(torch.ones(N, N)) == 0, torch.finfo(s.dtype).min).softmax(-1) @ v)(q @ k.mT),
+     dict(causal="top_left")),
+    ("causal_inplace", _inplace, dict(causal="top_left", scale=f"{1 / math.sqrt(D):.6g}")),
+    ("causal_additive_inf", lambda q, k, v: torch.softmax(q @ k.mT + torch.full((N, N), float("-inf")).triu(1), -1) @ v,
+     dict(causal="top_left", mask="none")),
+    ("causal_additive_min_arange", lambda q, k, v: torch.softmax(
+        q @ k.mT * 0.3 + torch.where(torch.arange(N)[None, :] <= torch.arange(N)[:, None], 0.0, torch.finfo(torch.float32).min), -1) @ v,
+     dict(causal="top_left", scale="0.3")),
+    ("causal_bottom_right", _bottom_right, dict(causal="bottom_right")),
+    ("causal_top_left_nq_lt_nk", _top_left_short_q, dict(causal="top_left")),
+    ("causal_tril_buffer_where", TrilBuffer(), dict(causal="top_left", assumes_constant=["L_self_buffers_bias_"])),
+    ("all_true_mask_dropped", lambda q, k, v: (q @ k.mT).masked_fill(torch.zeros(N, N, dtype=torch.bool), float("-inf")).softmax(-1) @ v,
+     dict(causal="none", mask="none")),
+    ("gqa_repeat_kv", lambda q, k, v: torch.softmax(q @ _rep_kv(k[:, :2], 2).transpose(2, 3), -1) @ _rep_kv(v[:, :2], 2),
+     dict(gqa_group=2)),
+    ("mqa_repeat_kv", lambda q, k, v: torch.softmax(q @ _rep_kv(k[:, :1], 4).transpose(2, 3), -1) @ _rep_kv(v[:, :1], 4),
+     dict(gqa_group=4)),
+    ("gqa_repeat_interleave", lambda q, k, v: torch.softmax(q @ k[:, :2].repeat_interleave(2, dim=1).mT, -1) @ v[:, :2].repeat_interleave(2, dim=1),
+     dict(gqa_group=2)),
+    ("bnhd_layout", _bnhd, dict(scale="0.3")),
+    ("head_dim_80", lambda q, k, v: torch.softmax(torch.randn(B, H, N, 80) @ torch.randn(B, H, N, 80).mT, -1) @ v, dict()),
+]
+
+
+@pytest.mark.parametrize("name,fn,expected", POSITIVE, ids=[p[0] for p in POSITIVE])
+def test_spelling_is_fused(qkv, name, fn, expected):
+    q, k, v = qkv
+    testing.assert_fuses(fn, q, k, v, pattern="attention", **expected)
+
+
+def test_padding_masks(qkv):
+    q, k, v = qkv
+    pad = torch.rand(B, 1, 1, N) > 0.3
+    testing.assert_fuses(lambda q, k, v, m: torch.softmax((q @ k.mT).masked_fill(~m, float("-inf")), -1) @ v,
+                         q, k, v, pad, mask="bool_drop (2, 1, 1, 16)", causal="none")
+    testing.assert_fuses(lambda q, k, v, m: torch.softmax(torch.where(m, q @ k.mT, float("-inf")), -1) @ v,
+                         q, k, v, pad, mask="bool_keep (2, 1, 1, 16)")
+    add = torch.where(pad, 0.0, -1e9)
+    testing.assert_fuses(lambda q, k, v, m: torch.softmax(q @ k.mT + m, -1) @ v, q, k, v, add, mask="additive (2, 1, 1, 16)")
+
+
+def test_bias_and_causal_together(qkv):
+    q, k, v = qkv
+    bias = torch.randn(1, H, N, N)
+
+    def f(q, k, v, b):
+        causal = torch.ones(N, N, dtype=torch.bool).triu(1)
+        return torch.softmax((q @ k.mT * 0.3 + b).masked_fill(causal, float("-inf")), -1) @ v
+
+    testing.assert_fuses(f, q, k, v, bias, causal="top_left", mask="additive (1, 4, 16, 16)", scale="0.3")
+
+
+def test_two_data_masks_are_combined(qkv):
+    """A mask tensor from outside the graph is data; two of them become one additive mask."""
+    q, k, v = qkv
+    bias = torch.randn(1, H, N, N)
+    drop = torch.rand(B, 1, 1, N) > 0.7
+    graphs, result = testing.fuse(
+        lambda q, k, v, b, m: torch.softmax((q @ k.mT + b).masked_fill(m, float("-inf")), -1) @ v, q, k, v, bias, drop
+    )
+    (m,) = result.matches
+    assert m.summary["mask"] == "additive, combined from additive (1, 4, 16, 16) + bool_drop (2, 1, 1, 16)"
+    assert "torch.where" in graphs[0][0].code
+
+
+def test_bias_before_scale_is_rescaled(qkv):
+    """softmax((S + M) * c): the emitted mask operand is M * c."""
+    q, k, v = qkv
+    bias = torch.randn(1, H, N, N)
+    graphs, result = testing.fuse(lambda q, k, v, b: torch.softmax((q @ k.mT + b) * 0.5, -1) @ v, q, k, v, bias)
+    (m,) = result.matches
+    assert m.bindings["mask_terms"][0]["scale"] == [(0.5, 1)]
+    code = graphs[0][0].code
+    assert "fuser.attention" in code and "* 0.5" in code
+
+
+NEGATIVE = [
+    ("weights_returned", lambda q, k, v: (lambda p: (p @ v, p))(torch.softmax(q @ k.mT, -1)), "also used outside"),
+    ("softmax_other_axis", lambda q, k, v: torch.softmax(q @ k.mT, dim=-2) @ v, "softmax over dim 2"),
+    ("dropout_training", lambda q, k, v: F.dropout(torch.softmax(q @ k.mT, -1), p=0.1, training=True) @ v, "dropout"),
+    ("scores_used_elsewhere", lambda q, k, v: (lambda s: (torch.softmax(s, -1) @ v, s.sum()))(q @ k.mT), "also used by"),
+    ("masked_fill_zero", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), 0.0), -1) @ v,
+     "changes scores"),
+    ("negative_scale", lambda q, k, v: torch.softmax(q @ k.mT * -1.0, -1) @ v, "positive scale"),
+    ("mixed_dtypes", lambda q, k, v: torch.softmax(q.double() @ k.double().mT, -1).float() @ v, "dtype"),
+]
+
+
+@pytest.mark.parametrize("name,fn,reason", NEGATIVE, ids=[n[0] for n in NEGATIVE])
+def test_near_miss_is_declined(qkv, name, fn, reason):
+    q, k, v = qkv
+    testing.assert_declines(fn, q, k, v, pattern="attention", reason=reason)
+
+
+def test_cpu_without_interpreter_is_declined(qkv):
+    q, k, v = qkv
+    testing.assert_declines(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v, q, k, v,
+                            reason="interpreter is off", options={"fuser.interpret": False})
+
+
+def test_learned_bias_requiring_grad_is_declined(qkv):
+    q, k, v = qkv
+    bias = torch.randn(1, H, N, N, requires_grad=True)
+    testing.assert_declines(lambda q, k, v, b: torch.softmax(q @ k.mT + b, -1) @ v, q, k, v, bias, reason="dBias")
+
+
+def test_attention_weights_not_fused_is_not_rewritten(qkv):
+    """A declined region stays exactly as Dynamo captured it."""
+    q, k, v = qkv
+    graphs, result = testing.fuse(lambda q, k, v: (lambda p: (p @ v, p))(torch.softmax(q @ k.mT, -1)), q, k, v)
+    assert "fuser" not in graphs[0][0].code
+    assert not result.matches
+
+
+def test_patterns_option_disables_attention(qkv):
+    q, k, v = qkv
+    _, result = testing.fuse(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v, q, k, v,
+                             options={"fuser.patterns": "attention_kl"})
+    assert not result.matches and not result.rejected
+
+
+def test_plan_forced_to_inductor_is_left_alone_on_gpu_only(qkv):
+    """On the interpreter fuser's kernels are the only candidate; forcing another impl is an error."""
+    q, k, v = qkv
+    from fuser import FuserOptionError
+
+    with pytest.raises(FuserOptionError, match="offers impl"):
+        testing.fuse(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v, q, k, v,
+                     options={"fuser.plan": "attention.impl=inductor"})
+
+
+def test_dynamic_shapes_static_mask_proved_at_several_sizes(qkv):
+    q, k, v = qkv
+
+    def f(q, k, v):
+        n = q.size(-2)
+        i = torch.arange(n)
+        m = torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+        return torch.softmax(q @ k.mT + m, -1) @ v
+
+    testing.assert_fuses(f, q, k, v, dynamic=True, causal="top_left", mask="none")
+
+
+def test_rewrite_symbolic_trace_graph(qkv):
+    """fuser.rewrite works on torch.fx.symbolic_trace graphs given example inputs."""
+    import fuser
+
+    q, k, v = qkv
+
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1) @ v
+
+    gm = torch.fx.symbolic_trace(M())
+    gm, result = fuser.rewrite(gm, (q, k, v), grad_enabled=False)
+    (m,) = result.matches
+    assert m.summary["scale"] == "0.125" and m.fused
+    assert "torch.ops.fuser.attention" in gm.code
