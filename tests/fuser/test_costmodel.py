@@ -1,0 +1,45 @@
+import pytest
+import sympy
+
+from fuser import costmodel as cm
+from fuser.options import FuserOptionError, resolve
+from fuser.pattern import Candidate, Match
+from fuser.planner import choose
+
+
+@pytest.mark.parametrize("nq,nk,off", [(7, 7, 0), (5, 9, 4), (9, 5, -4), (5, 9, 0), (3, 3, 10), (4, 6, -10)])
+def test_pairs_causal_matches_brute_force(nq, nk, off):
+    brute = sum(1 for i in range(nq) for j in range(nk) if j <= i + off)
+    expr = cm.pairs_causal(cm.NQ, cm.NK, off)
+    assert cm.evaluate(expr, {cm.NQ: nq, cm.NK: nk}) == brute
+
+
+def test_wave_efficiency():
+    assert cm.wave_efficiency(132, 132) == 1.0
+    assert cm.wave_efficiency(133, 132) == pytest.approx(133 / 264)
+
+
+def test_estimate_is_bounded_by_the_slowest_resource():
+    model = cm.H100
+    t_math = cm.estimate_ms({"flops": 790e12, "launches": 0}, {}, model, "bf16", 1.0)
+    assert t_math == pytest.approx(1000.0)
+    t_mem = cm.estimate_ms({"bytes": 3e12, "flops": 1.0, "launches": 0}, {}, model, "bf16", 1.0)
+    assert t_mem == pytest.approx(1000.0)
+
+
+def _match():
+    return Match("attention", None, frozenset(), {}, {}, "x.py:1")
+
+
+def test_planner_cheapest_and_forced():
+    a = Candidate("fuser[backward=two_kernel]", {"impl": "fuser", "backward": "two_kernel"}, {}, 2.0)
+    b = Candidate("fuser[backward=atomic_dq]", {"impl": "fuser", "backward": "atomic_dq"}, {}, 1.0)
+    plan, why = choose(_match(), [a, b], resolve(None)[0])
+    assert plan is b and "lowest estimated time" in why
+    plan, why = choose(_match(), [a, b], resolve({"fuser.plan": "attention.backward=two_kernel"})[0])
+    assert plan is a and "forced" in why
+    with pytest.raises(FuserOptionError, match="offers backward in"):
+        choose(_match(), [a, b], resolve({"fuser.plan": "attention.backward=three_kernel"})[0])
+    # a choice the candidates do not have (inference: no backward) is ignored
+    c = Candidate("fuser", {"impl": "fuser"}, {}, 1.0)
+    assert choose(_match(), [c], resolve({"fuser.plan": "attention.backward=atomic_dq"})[0])[0] is c
