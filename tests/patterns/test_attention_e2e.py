@@ -1,0 +1,207 @@
+"""End to end through ``torch.compile(backend="fuser")``: outputs and gradients against a
+float64 reference / eager, training and inference, static and dynamic shapes, real models.
+
+On the CPU the fused kernels run in Triton's interpreter; sizes are small and ragged."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from fuser import testing
+from fuser.explain import collecting
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(shape_q, shape_kv, dtype=torch.float32, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*shape_q, generator=g).to(dtype).requires_grad_(requires_grad)
+    k = torch.randn(*shape_kv, generator=g).to(dtype).requires_grad_(requires_grad)
+    v = torch.randn(*shape_kv, generator=g).to(dtype).requires_grad_(requires_grad)
+    return q, k, v
+
+
+def _check(fn, args, dtype=torch.float32, tol=None, expect_fused=1):
+    """fn compiled with fuser vs fn in float64 eager: forward and gradients."""
+    tol = tol or (1e-4 if dtype == torch.float32 else 2e-2)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        out = torch.compile(fn, backend="fuser")(*args)
+    assert len(rep.fused) == expect_fused, str(rep)
+    ref_args = [a.detach().double().requires_grad_(a.requires_grad) if torch.is_tensor(a) and a.is_floating_point() else a
+                for a in args]
+    ref = fn(*ref_args)
+    assert not torch.isnan(out).any()
+    assert _rel(out, ref) < tol
+    grad = torch.randn_like(ref)
+    diff = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+    if not diff:
+        return rep
+    got = torch.autograd.grad(out, diff, grad.to(out.dtype))
+    want = torch.autograd.grad(ref, [a for a in ref_args if torch.is_tensor(a) and a.requires_grad], grad)
+    for g1, g2 in zip(got, want):
+        assert not torch.isnan(g1).any()
+        assert _rel(g1, g2) < tol * 3
+    return rep
+
+
+def causal_attn(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    n_q, n_k = s.shape[-2:]
+    hide = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(s.masked_fill(hide, float("-inf")), dim=-1) @ v
+
+
+def plain_attn(q, k, v):
+    return F.softmax(torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [causal_attn, plain_attn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_matches_reference(fn, dtype):
+    q, k, v = _inputs((2, 3, 37, 24), (2, 3, 37, 24), dtype)
+    _check(fn, (q, k, v), dtype)
+
+
+def test_bottom_right_causal_nq_lt_nk():
+    def f(q, k, v):
+        s = q @ k.mT * 0.2
+        keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2])
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+    q, k, v = _inputs((1, 2, 19, 16), (1, 2, 45, 16))
+    rep = _check(f, (q, k, v))
+    assert rep.fused[0].summary["causal"] == "bottom_right"
+
+
+def test_padding_mask_with_a_fully_masked_batch_row():
+    q, k, v = _inputs((2, 2, 21, 16), (2, 2, 21, 16))
+    keep = torch.rand(2, 1, 1, 21) > 0.3
+    keep[1] = False  # batch row 1: no visible key at all -> 0, not NaN
+
+    def f(q, k, v, keep):
+        return torch.softmax((q @ k.mT).masked_fill(~keep, float("-inf")), -1) @ v
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="fuser")(q, k, v, keep)
+    assert not torch.isnan(out).any() and torch.all(out[1] == 0)
+    ref = f(q.double(), k.double(), v.double(), keep)
+    assert _rel(out[0], ref[0]) < 1e-4
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(not torch.isnan(x).any() for x in g)
+
+
+def test_gqa_bias_and_bnhd_layout():
+    b, n, hq, hkv, d = 2, 33, 4, 2, 16
+    x = torch.randn(b, n, (hq + 2 * hkv) * d, requires_grad=True)
+    bias = torch.randn(1, hq, n, n)
+
+    def f(x, bias):
+        q, k, v = x.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = q.view(b, n, hq, d).transpose(1, 2)
+        k = k.view(b, n, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        v = v.view(b, n, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        o = torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
+        return o.transpose(1, 2).reshape(b, n, hq * d)
+
+    rep = _check(f, (x, bias))
+    assert rep.fused[0].summary["gqa_group"] == 2
+
+
+def test_inference_stores_no_lse_and_dynamic_shapes_do_not_recompile():
+    torch._dynamo.reset()
+    counts = {"graphs": 0}
+
+    def f(q, k, v):
+        return causal_attn(q, k, v)
+
+    with torch.no_grad():
+        _, result = testing.fuse(f, *_inputs((1, 2, 16, 16), (1, 2, 16, 16), requires_grad=False))
+        assert result.matches[0].bindings["need_lse"] is False
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="fuser", dynamic=True)
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        for n in (16, 23, 40):
+            q, k, v = _inputs((1, 2, n, 16), (1, 2, n, 16), requires_grad=False)
+            out = compiled(q, k, v)
+            assert _rel(out, causal_attn(q.double(), k.double(), v.double())) < 1e-4
+        counts["graphs"] = counters["stats"]["unique_graphs"]
+    assert counts["graphs"] == 1
+
+
+def test_explain_report_lists_kernels_and_reasons(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSER_DEBUG_DIR", str(tmp_path))
+    q, k, v = _inputs((1, 2, 16, 16), (1, 2, 16, 16))
+
+    def f(q, k, v):
+        p = torch.softmax(q @ k.mT, -1)
+        return causal_attn(q, k, v), p @ v, p  # second attention returns its weights
+
+    rep = fuser.explain(f, q, k, v)
+    assert len(rep.fused) == 1 and len(rep.rejected) == 1
+    assert "also used outside" in rep.rejected[0].reason
+    text = str(rep)
+    assert "attention" in text and "causal=top_left" in text and "not fused (1)" in text
+    assert rep.kernels and all(os.path.exists(kk.path) for kk in rep.kernels)
+    assert all("@triton.jit" in kk.source for kk in rep.kernels)
+    assert {os.path.basename(kk.path) for kk in rep.kernels} <= set(os.listdir(tmp_path))
+
+
+def test_unknown_option_is_a_clear_error():
+    q, k, v = _inputs((1, 1, 8, 16), (1, 1, 8, 16))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown fuser option 'fuser.autotun'"):
+        torch.compile(plain_attn, backend="fuser", options={"fuser.autotun": True})(q, k, v)
+
+
+def test_forced_atomic_dq_backward():
+    q, k, v = _inputs((1, 2, 29, 16), (1, 2, 29, 16))
+    torch._dynamo.reset()
+    f = torch.compile(causal_attn, backend="fuser", options={"fuser.plan": "attention.backward=atomic_dq"})
+    out = f(q, k, v)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = causal_attn(*ref_in)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g.float()), torch.autograd.grad(ref, ref_in, g)):
+        assert _rel(a, b) < 3e-4
+
+
+def test_example_model_trains_like_eager():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from model import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq=32)
+    idx = torch.randint(0, 64, (2, 24))
+    rep = fuser.explain(model, idx)
+    assert len(rep.fused) == 2 and all(m.summary["gqa_group"] == 2 and m.summary["causal"] == "top_left" for m in rep.fused)
+    compiled = torch.compile(model, backend="fuser")
+    out_f = compiled(idx)
+    gf = torch.autograd.grad(out_f.square().mean(), list(model.parameters()))
+    out_e = model(idx)
+    ge = torch.autograd.grad(out_e.square().mean(), list(model.parameters()))
+    assert _rel(out_f, out_e) < 1e-4
+    assert max(_rel(a, b) for a, b in zip(gf, ge)) < 1e-3
+
+
+@pytest.mark.slow
+def test_quickstart_runs():
+    import subprocess
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "interpreter" in r.stdout and "kernel module" in r.stdout
