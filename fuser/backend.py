@@ -49,9 +49,15 @@ def _cache_key_pass(existing: Any) -> Any:
     """A no-op Inductor post-grad pass whose ``uuid()`` is :func:`source_hash`, composed with
     any pass the user already set: it puts fuser's sources into Inductor's FX-graph cache key,
     so an edit to fuser never serves stale compiled code."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    inner = get_custom_graph_passes(existing)
+    # torch 2.11 takes one pass per hook, 2.13 also a list or tuple: accept both.
+    if existing is None:
+        inner: tuple = ()
+    elif isinstance(existing, (list, tuple)):
+        inner = tuple(existing)
+    else:
+        inner = (existing,)
 
     class FuserCacheKey(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
