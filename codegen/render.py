@@ -112,16 +112,13 @@ def render(template: str, name: str, **params: Any) -> RenderedKernel:
     key = repr((template, name, sorted(params.items())))
     with _lock:
         hit = _rendered.get(key)
-        if hit is not None:
-            return hit
+    if hit is not None:
+        _export_debug(hit)
+        return hit
     source = _env.get_template(template).render(**params)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = cache_dir() / f"{name}_{digest}.py"
     _atomic_write(path, source)
-    debug_dir = os.environ.get("FUSER_DEBUG_DIR")
-    if debug_dir:
-        Path(debug_dir).mkdir(parents=True, exist_ok=True)
-        _atomic_write(Path(debug_dir) / path.name, source)
     kernel = RenderedKernel(
         name=name,
         template=template,
@@ -133,8 +130,20 @@ def render(template: str, name: str, **params: Any) -> RenderedKernel:
     with _lock:
         _rendered.setdefault(key, kernel)
         kernel = _rendered[key]
+    _export_debug(kernel)
     log.debug("fuser: rendered %s -> %s", name, path)
     return kernel
+
+
+def _export_debug(kernel: RenderedKernel) -> None:
+    """Copy the kernel's source to ``$FUSER_DEBUG_DIR`` (read at every call, so setting the
+    variable later still exports kernels rendered before)."""
+    debug_dir = os.environ.get("FUSER_DEBUG_DIR")
+    if debug_dir:
+        target = Path(debug_dir) / Path(kernel.path).name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(target, kernel.source)
 
 
 def load_module(kernel: RenderedKernel) -> ModuleType:

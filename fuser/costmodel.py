@@ -58,16 +58,24 @@ H100 = DeviceModel(
     launch_us=4.0,
 )
 
-# Fraction of the matrix-unit peak each implementation reaches on long sequences, used as
-# `eff`. Calibrated from benchmarks/results/attention.md (H100, torch 2.11, Triton 3.6);
-# re-measure after kernel changes.
+# Fraction of the bf16 matrix-unit peak (790 TFLOP/s) each implementation reaches on long
+# sequences, by head-dim bucket (<=64, <=128, <=256), used as `eff`. Measured on the H100
+# (torch 2.11, Triton 3.6, B=4, H=16, N=4096, bf16; 2026-11-21): fuser forward 416/501/302
+# TFLOP/s, backward 280/329/129-156; SDPA forward 469/661/587, backward 435/531/360.
+# Re-measure after kernel changes (benchmarks/attention.py).
 EFFICIENCY = {
-    "fuser.attention.fwd": 0.55,
-    "fuser.attention.bwd": 0.40,
-    "sdpa.flash.fwd": 0.75,
-    "sdpa.flash.bwd": 0.60,
-    "eager.matmul": 0.70,
+    "fuser.attention.fwd": (0.50, 0.60, 0.38),
+    "fuser.attention.bwd": (0.35, 0.42, 0.18),
+    "sdpa.flash.fwd": (0.56, 0.78, 0.74),
+    "sdpa.flash.bwd": (0.52, 0.62, 0.45),
+    "eager.matmul": (0.70, 0.70, 0.70),
 }
+
+
+def efficiency(impl: str, head_dim: int) -> float:
+    """:data:`EFFICIENCY` of ``impl`` at ``head_dim``."""
+    table = EFFICIENCY[impl]
+    return table[0] if head_dim <= 64 else table[1] if head_dim <= 128 else table[2]
 
 
 def device_model(name: str, sm_count: int | None = None) -> DeviceModel:

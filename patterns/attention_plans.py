@@ -108,10 +108,11 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
 
 
 def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: str) -> float:
-    eff_f = cm.EFFICIENCY["sdpa.flash.fwd" if impl == "sdpa" else "fuser.attention.fwd"]
-    eff_b = cm.EFFICIENCY["sdpa.flash.bwd" if impl == "sdpa" else "fuser.attention.bwd"]
+    d = max(subs[cm.D], subs[cm.DV])
+    eff_f = cm.efficiency("sdpa.flash.fwd" if impl == "sdpa" else "fuser.attention.fwd", d)
+    eff_b = cm.efficiency("sdpa.flash.bwd" if impl == "sdpa" else "fuser.attention.bwd", d)
     if impl == "inductor":
-        return cm.estimate_ms(terms, subs, model, kind, cm.EFFICIENCY["eager.matmul"])
+        return cm.estimate_ms(terms, subs, model, kind, cm.efficiency("eager.matmul", d))
     fwd = {k: terms[k] for k in ("flops", "bytes", "exps", "tiles", "launches") if k in terms}
     t = cm.estimate_ms(fwd, subs, model, kind, eff_f)
     if "bwd_flops" in terms:

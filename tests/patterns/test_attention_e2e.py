@@ -135,7 +135,7 @@ def test_inference_stores_no_lse_and_dynamic_shapes_do_not_recompile():
         from torch._dynamo.utils import counters
 
         counters.clear()
-        for n in (16, 23, 40):
+        for n in (17, 23, 40):  # not 16 = D: duck sizing would tie N to D
             q, k, v = _inputs((1, 2, n, 16), (1, 2, n, 16), requires_grad=False)
             out = compiled(q, k, v)
             assert _rel(out, causal_attn(q.double(), k.double(), v.double())) < 1e-4

@@ -1,0 +1,550 @@
+"""Attention kernels (FlashAttention-2 in Triton, base 2): launchers, allocation, config table.
+
+Forward (``templates/attention_fwd.py.jinja``): one kernel, grid ``(cdiv(Nq, BLOCK_M), B*Hq)``,
+writes ``out`` and, when asked, ``LSE₂ = m₂ + log₂ l`` per row (scores pre-scaled by
+``scale·log₂e``; ``+inf`` for a row with no visible key).
+
+Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
+rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
+blocks × B·Hkv, summing the GQA group inside) and ``attention_bwd_dq`` (grid over query blocks ×
+B·Hq), deterministic — or ``bwd_mode="atomic_dq"`` — one ``attention_bwd_dkdv`` that also
+``atomic_add``s dQ into a float32 accumulator.
+
+Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, LSE
+stored or not, bwd mode, interpreter or GPU); sizes are runtime arguments (sequence lengths are
+``do_not_specialize``, so one compiled kernel serves every length). Block sizes and warps come
+from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
+
+Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
+copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), D and Dv in
+16..256 (any size; padded to a power of two inside the kernels), fp32 / fp16 / bf16.
+
+Limits:
+- A row whose visible scores all carry a huge finite bias (``finfo.min``, or ``-1e9`` in fp32)
+  is, in the forward, an average over the entries that round to its maximum (a uniform average
+  for ``finfo.min``, as in eager and the reference); but its LSE cannot hold ``log2 l`` beside
+  a magnitude that large, so the backward's P is off by the factor l on that row.
+  Such rows (fully padded queries) get zero upstream gradient in practice, and then the
+  gradients are exact. ``-inf`` / bool masks have no such issue (those rows are empty: out 0).
+- ``B * Hq`` (and ``B * Hkv``) must stay below 65536 (the second grid axis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import launch
+from .render import RenderedKernel, render
+
+__all__ = [
+    "forward",
+    "backward",
+    "alloc_out",
+    "alloc_lse",
+    "alloc_grads",
+    "kernels_for",
+    "fwd_kernel",
+    "bwd_kernel",
+    "candidate_configs",
+    "causal_offset",
+]
+
+LOG2E = 1.4426950408889634
+
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+MASK_KINDS = ("none", "bool_keep", "bool_drop", "additive")
+BWD_MODES = ("two_kernel", "atomic_dq")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
+
+FWD_TEMPLATE = "attention_fwd.py.jinja"
+BWD_TEMPLATE = "attention_bwd.py.jinja"
+
+_MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", "additive": "_maskadd"}
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def _check_variant(causal, mask_kind: str, bwd_mode: Optional[str] = None) -> None:
+    if causal not in CAUSAL_MODES and not isinstance(causal, bool):
+        raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if bwd_mode is not None and bwd_mode not in BWD_MODES:
+        raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
+
+
+def _is_causal(causal) -> bool:
+    return causal if isinstance(causal, bool) else causal != "none"
+
+
+def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: bool) -> tuple[str, str]:
+    head = ("_causal" if causal else "") + _MASK_SUFFIX[mask_kind]
+    if mask_kind != "none" and mask_row_broadcast:
+        head += "_rowbcast"
+    return head, ("_interp" if interpret else "")
+
+
+def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool) -> RenderedKernel:
+    """Render the forward kernel module of one static variant (``causal``: a mode or a bool)."""
+    _check_variant(causal, mask_kind)
+    causal = _is_causal(causal)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    head, tail = _suffix(causal, mask_kind, row, interpret)
+    name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
+    return render(
+        FWD_TEMPLATE, name,
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
+        need_lse=bool(need_lse), interpret=bool(interpret),
+    )
+
+
+def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, interpret: bool) -> RenderedKernel:
+    """Render the backward kernel module (preprocess, dK/dV and, for two_kernel, dQ kernels)."""
+    _check_variant(causal, mask_kind, bwd_mode)
+    causal = _is_causal(causal)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    head, tail = _suffix(causal, mask_kind, row, interpret)
+    name = "attention_bwd" + head + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + tail
+    return render(
+        BWD_TEMPLATE, name,
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
+        atomic_dq=bwd_mode == "atomic_dq", interpret=bool(interpret),
+    )
+
+
+def kernels_for(
+    *,
+    causal,
+    mask_kind: str,
+    mask_row_broadcast: bool,
+    bwd_mode: str,
+    interpret: bool,
+    need_lse: bool,
+    training: bool,
+) -> list[RenderedKernel]:
+    """The kernel modules a call of this static variant uses, rendered but not launched.
+
+    ``training`` adds the backward module (and forces the LSE the backward needs).
+    """
+    kernels = [
+        fwd_kernel(
+            causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
+            need_lse=need_lse or training, interpret=interpret,
+        )
+    ]
+    if training:
+        kernels.append(
+            bwd_kernel(
+                causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
+                bwd_mode=bwd_mode, interpret=interpret,
+            )
+        )
+    return kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Configs: one table, keyed by (device kind, head-dim bucket, dtype size); best first.
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd(bm, bn, w, s):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+
+
+def _bwd(m1, n1, m2, n2, w, s, pre=64):
+    return {
+        "BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2,
+        "PRE_BLOCK_M": pre, "num_warps": w, "num_stages": s,
+    }
+
+
+# Interpreter: small tiles keep the CPU interpreter fast and still exercise several full and
+# boundary tiles per row at test sizes. The key's head-dim bucket and dtype size do not matter.
+_INTERP_FWD = [_fwd(32, 16, 4, 1), _fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)]
+_INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1, pre=32), _bwd(32, 16, 16, 32, 4, 1, pre=16)]
+
+# Hopper (sm90, 227 KB shared memory per block). Head-dim bucket = max(next_pow2(D), next_pow2(Dv)).
+_FWD_TABLE = {
+    # 16-bit inputs. Measured on an H100 (Triton 3.6, bf16, B=4, H=16, N=4096): D=64 non-causal
+    # 128x64/4 warps 402 TFLOP/s, causal 64x64 384; D=128 128x128/8 warps/3 stages 507 (causal 425).
+    ("sm90", 64, 2): [_fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(64, 128, 4, 3), _fwd(128, 64, 8, 4)],
+    ("sm90", 128, 2): [_fwd(128, 128, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 32, 4, 3)],
+    ("sm90", 256, 2): [_fwd(64, 64, 4, 2), _fwd(128, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2)],
+    # fp32 inputs (tiles twice the bytes)
+    # fp32 inputs ("ieee" dots run on CUDA cores; large tiles spill): H100, B=2, H=16, N=2048:
+    # D=64 32x32 11.6 TFLOP/s; D=128 32x32/1 stage 9.3 (64x32/4 warps: 0.8); D=256 32x32/1 stage 3.0
+    ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(64, 64, 4, 2)],
+    ("sm90", 128, 4): [_fwd(32, 32, 4, 1), _fwd(64, 32, 8, 3), _fwd(32, 32, 4, 2)],
+    ("sm90", 256, 4): [_fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
+    # other CUDA GPUs (Ampere/Ada: 99..163 KB shared memory): conservative, not measured
+    ("cuda", 64, 2): [_fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 32, 4, 3)],
+    ("cuda", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 2), _fwd(128, 32, 4, 3)],
+    ("cuda", 256, 2): [_fwd(64, 32, 4, 2), _fwd(32, 32, 4, 2), _fwd(64, 64, 8, 1)],
+    ("cuda", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1)],
+    ("cuda", 128, 4): [_fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
+    ("cuda", 256, 4): [_fwd(32, 32, 4, 1), _fwd(16, 16, 4, 1)],
+}
+
+# Causal forward: smaller query blocks balance the triangle better (H100, D=64: 64x64 384 TFLOP/s
+# vs 128x64 324). Keys missing here fall back to _FWD_TABLE.
+_FWD_CAUSAL_TABLE = {
+    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4), _fwd(128, 64, 4, 3), _fwd(64, 128, 4, 3)],
+}
+
+_BWD_TABLE = {
+    # H100 (bf16, B=4, H=16, N=4096, two_kernel): D=64 32/128/128/32 4 warps ~274 TFLOP/s
+    # (causal 272); D=128 64/128/128/64 8 warps 3 stages ~331 (causal 330).
+    ("sm90", 64, 2): [_bwd(32, 128, 128, 32, 4, 3), _bwd(32, 64, 64, 32, 4, 4), _bwd(64, 64, 64, 64, 4, 3),
+                      _bwd(64, 128, 128, 64, 8, 3)],
+    ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3),
+                       _bwd(32, 64, 64, 32, 4, 4)],
+    ("sm90", 256, 2): [_bwd(32, 64, 64, 32, 8, 2), _bwd(16, 64, 64, 16, 8, 2), _bwd(32, 64, 64, 32, 8, 1),
+                       _bwd(16, 32, 32, 16, 4, 2)],
+    # fp32 (H100, N=2048): D=64 32/32/32/32 (atomic_dq 11.6 TFLOP/s, two_kernel 6.9);
+    # D=128 32/64/64/32 8 warps (8.0 / 5.9); D=256 16/32/32/16 1 stage (7.7 / 4.1)
+    ("sm90", 64, 4): [_bwd(32, 32, 32, 32, 4, 2), _bwd(16, 64, 64, 16, 4, 2), _bwd(32, 64, 64, 32, 8, 2)],
+    ("sm90", 128, 4): [_bwd(32, 64, 64, 32, 8, 2), _bwd(32, 32, 32, 32, 4, 2), _bwd(16, 32, 32, 16, 4, 1)],
+    ("sm90", 256, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 64, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 4, 2)],
+    ("cuda", 128, 2): [_bwd(32, 64, 64, 32, 4, 2), _bwd(16, 64, 64, 16, 4, 2)],
+    ("cuda", 256, 2): [_bwd(16, 32, 32, 16, 8, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 64, 4): [_bwd(32, 32, 32, 32, 4, 2), _bwd(16, 32, 32, 16, 4, 2)],
+    ("cuda", 128, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
+}
+
+
+def device_kind(device: torch.device | str) -> str:
+    """``"interpreter"`` (CPU tensors), ``"sm90"`` (Hopper) or ``"cuda"`` (any other CUDA GPU)."""
+    device = torch.device(device)
+    if launch.interpreted(device):
+        return "interpreter"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, _ = launch.device_properties(index)["capability"]
+    return "sm90" if major == 9 else "cuda"
+
+
+def _dim_bucket(head_dim: int, head_dim_v: int) -> int:
+    width = max(launch.next_power_of_2(head_dim), launch.next_power_of_2(head_dim_v), 16)
+    return 64 if width <= 64 else 128 if width <= 128 else 256
+
+
+def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd") -> list[dict]:
+    """Launch configs for one problem kind, best first (the first is the default).
+
+    Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages``; bwd ``BLOCK_M1, BLOCK_N1`` (dK/dV
+    kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per step), ``BLOCK_M2, BLOCK_N2`` (dQ
+    kernel), ``PRE_BLOCK_M`` (delta preprocess), ``num_warps, num_stages``. ``causal`` (a mode
+    or a bool) picks the causal forward ordering where one is measured (:data:`_FWD_CAUSAL_TABLE`).
+    """
+    if kind not in ("fwd", "bwd"):
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    dev = device_kind(device)
+    if dev == "interpreter":
+        table = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
+        return [dict(c) for c in table]
+    size = 4 if dtype == torch.float32 else 2
+    key = (dev, _dim_bucket(head_dim, head_dim_v), size)
+    if kind == "bwd":
+        return [dict(c) for c in _BWD_TABLE[key]]
+    if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
+        return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
+    return [dict(c) for c in _FWD_TABLE[key]]
+
+
+def _check_config(cfg: dict) -> dict:
+    for key, val in cfg.items():
+        if key.startswith("BLOCK") or key == "PRE_BLOCK_M":
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"{key} must be a power of two >= 16, got {val}")
+    return cfg
+
+
+def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
+    """The configs to try in order: the given one alone (missing keys from the default), or
+    every candidate of the table (the default first)."""
+    cands = candidate_configs(
+        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind=kind
+    )
+    if config:
+        return [_check_config({**cands[0], **config})]
+    return [_check_config(c) for c in cands]
+
+
+_working: dict[tuple, int] = {}
+
+
+def _launch_first_fitting(key: tuple, configs: list[dict], run) -> None:
+    """``run(config)`` with the first config that fits the device.
+
+    A default config can exceed shared memory for some variants (e.g. a full [M, N] additive
+    bias tile per pipeline stage); Triton then raises OutOfResources at compile time, before
+    anything is written, and the next candidate is tried. The index that worked is remembered
+    per ``key``. An explicitly given config (a list of one) fails as is.
+    """
+    start = _working.get(key, 0)
+    for i in range(start, len(configs)):
+        try:
+            run(configs[i])
+        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
+            if type(exc).__name__ != "OutOfResources" or i == len(configs) - 1:
+                raise
+            continue
+        if i != start:
+            _working[key] = i
+        return
+
+
+# --------------------------------------------------------------------------------------------
+# Allocation (also used by the fake/meta implementations: shapes, dtypes and devices only)
+# --------------------------------------------------------------------------------------------
+
+
+def alloc_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[B, Hq, Nq, Dv]`` in q's dtype, laid out as contiguous ``[B, Nq, Hq, Dv]`` memory
+    (so ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv)`` is a free view)."""
+    b, h, n, _ = q.shape
+    return launch.empty((b, n, h, v.shape[-1]), q.dtype, q.device).permute(0, 2, 1, 3)
+
+
+def alloc_lse(q: torch.Tensor) -> torch.Tensor:
+    """``lse`` ``[B, Hq, Nq]`` float32, contiguous (base-2 log-sum-exp)."""
+    b, h, n, _ = q.shape
+    return launch.empty((b, h, n), torch.float32, q.device)
+
+
+def alloc_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_grad: Sequence[bool] = (True, True, True)):
+    """``(dq, dk, dv)``: contiguous tensors shaped and typed like q, k, v; ``None`` where not needed."""
+    return tuple(
+        launch.empty(t.shape, t.dtype, t.device) if need else None
+        for t, need in zip((q, k, v), needs_grad)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def causal_offset(causal: str, n_q: int, n_k: int) -> int:
+    """Key j is visible to query i iff ``j <= i + offset``: 0 for top-left alignment,
+    ``n_k - n_q`` for bottom-right; unused (0) without causal masking."""
+    if causal == "bottom_right":
+        return n_k - n_q
+    return 0
+
+
+def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
+    _check_variant(causal, mask_kind)
+    if isinstance(causal, bool):
+        raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D [B, H, N, D]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        raise ValueError(f"q, k, v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, hq, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[3]}")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
+    for dim in (d, v.shape[3]):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {dim}")
+    if (mask is None) != (mask_kind == "none"):
+        raise ValueError("a mask needs a mask_kind other than 'none', and mask_kind needs a mask")
+    if mask is not None:
+        if mask_kind == "additive" and not mask.is_floating_point():
+            raise ValueError(f"an additive mask must be floating point, got {mask.dtype}")
+        if mask_kind != "additive" and mask.dtype != torch.bool:
+            raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
+
+
+def _expand_mask(mask, mask_kind: str, shape) -> tuple[Optional[torch.Tensor], bool]:
+    """The mask as a 4-D ``[B, Hq, Nq, Nk]`` view (stride 0 on broadcast dims) and whether it is
+    the same for every query row (then the kernel loads one vector per key tile)."""
+    if mask is None:
+        return None, False
+    if mask.dim() > 4:
+        raise ValueError(f"mask must have at most 4 dims, got {tuple(mask.shape)}")
+    m = mask.expand(*shape)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    row_broadcast = m.stride(2) == 0 or shape[2] == 1
+    return m, row_broadcast
+
+
+def _launching(interpret: bool):
+    """Context for a launch: :func:`launch.interpreter_mode` for interpreted kernels (Triton's
+    standard library in interpreted form, whatever the import order), nothing for the GPU."""
+    return launch.interpreter_mode() if interpret else contextlib.nullcontext()
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: str = "none",
+    mask: Optional[torch.Tensor] = None,
+    mask_kind: str = "none",
+    need_lse: bool = True,
+    config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask semantics
+    (those of :func:`fuser.patterns.attention.reference`).
+
+    Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer), ``lse``
+    ``[B, Hq, Nq]`` float32 base-2 log-sum-exp (``+inf`` for rows with no visible key), or
+    ``None`` when ``need_lse`` is false. Rows with no visible key give ``out = 0``.
+    """
+    _check_inputs(q, k, v, causal, mask, mask_kind)
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    if out is None:
+        out = alloc_out(q, v)
+    if not need_lse:
+        lse = None
+    elif lse is None:
+        lse = alloc_lse(q)
+    if out.numel() == 0:  # Nq == 0 or B*H == 0: nothing to compute
+        if lse is not None:
+            lse.fill_(math.inf)
+        return out, lse
+    if n_k == 0:  # no keys: every row is empty
+        out.zero_()
+        if lse is not None:
+            lse.fill_(math.inf)
+        return out, lse
+    interpret = launch.interpreted(q.device)
+    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    configs = _configs(config, q, v, causal, "fwd")
+    kernel = fwd_kernel(
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row_broadcast,
+        need_lse=need_lse, interpret=interpret,
+    )
+    module = launch.kernel_module(kernel, interpret)
+    args = [q, k, v, out]
+    if need_lse:
+        args.append(lse)
+    if mask4 is not None:
+        args.append(mask4)
+    precision = launch.dot_precision(q.dtype)
+
+    def run(cfg):
+        with _launching(interpret):
+            module.launch_fwd(
+                *args,
+                qk_scale=float(scale) * LOG2E,
+                causal_offset=causal_offset(causal, n_q, n_k),
+                config=cfg,
+                input_precision=precision,
+            )
+
+    key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
+    _launch_first_fitting(key, configs, run)
+    return out, lse
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal: str = "none",
+    mask: Optional[torch.Tensor] = None,
+    mask_kind: str = "none",
+    bwd_mode: str = "two_kernel",
+    needs_grad: Sequence[bool] = (True, True, True),
+    config: Optional[dict] = None,
+    dq: Optional[torch.Tensor] = None,
+    dk: Optional[torch.Tensor] = None,
+    dv: Optional[torch.Tensor] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients ``(dq, dk, dv)`` of :func:`forward` for upstream ``dout``; ``None`` for each
+    one ``needs_grad`` turns off. ``out`` and ``lse`` are the forward's (lse base 2).
+
+    ``bwd_mode``: ``"two_kernel"`` (deterministic: a dK/dV kernel and a dQ kernel) or
+    ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast).
+    """
+    _check_inputs(q, k, v, causal, mask, mask_kind)
+    _check_variant(causal, mask_kind, bwd_mode)
+    need_dq, need_dk, need_dv = (bool(x) for x in needs_grad)
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    a_dq, a_dk, a_dv = alloc_grads(
+        q, k, v, (need_dq and dq is None, need_dk and dk is None, need_dv and dv is None)
+    )
+    dq = (dq if dq is not None else a_dq) if need_dq else None
+    dk = (dk if dk is not None else a_dk) if need_dk else None
+    dv = (dv if dv is not None else a_dv) if need_dv else None
+    if not (need_dq or need_dk or need_dv):
+        return None, None, None
+    if b * hq == 0 or n_q == 0 or n_k == 0:
+        # nothing flows: no query rows, or no keys (every row empty)
+        for g in (dq, dk, dv):
+            if g is not None:
+                g.zero_()
+        return dq, dk, dv
+    if dout.dtype != v.dtype:
+        dout = dout.to(v.dtype)
+    if not lse.is_contiguous():
+        lse = lse.contiguous()
+    interpret = launch.interpreted(q.device)
+    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    configs = _configs(config, q, v, causal, "bwd")
+    kernel = bwd_kernel(
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row_broadcast,
+        bwd_mode=bwd_mode, interpret=interpret,
+    )
+    module = launch.kernel_module(kernel, interpret)
+    delta = launch.empty((b, hq, n_q), torch.float32, q.device)
+    args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
+    if mask4 is not None:
+        args.append(mask4)
+    dq_acc = None
+    if bwd_mode == "atomic_dq":
+        if need_dq:
+            # accumulate straight into dq when it is a contiguous float32 buffer
+            if dq.dtype == torch.float32 and dq.is_contiguous():
+                dq_acc = dq
+            else:
+                dq_acc = launch.empty(q.shape, torch.float32, q.device)
+        args.append(dq_acc)
+    precision = launch.dot_precision(q.dtype)
+
+    def run(cfg):
+        # re-running after an OutOfResources is safe: preprocess rewrites delta (and re-zeroes
+        # the dq accumulator), the other kernels overwrite their outputs
+        with _launching(interpret):
+            module.launch_bwd(
+                *args,
+                scale=float(scale),
+                qk_scale=float(scale) * LOG2E,
+                causal_offset=causal_offset(causal, n_q, n_k),
+                config=cfg,
+                input_precision=precision,
+            )
+
+    key = (kernel.path, "bwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision,
+           need_dq, need_dk, need_dv)
+    _launch_first_fitting(key, configs, run)
+    if dq_acc is not None and dq_acc is not dq:
+        dq.copy_(dq_acc)
+    return dq, dk, dv

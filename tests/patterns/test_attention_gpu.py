@@ -1,0 +1,91 @@
+"""Attention through torch.compile on the GPU: bf16/fp16 at real sizes, the planner's choices,
+real models. Marked ``gpu``: skipped without CUDA, run on the device machine."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import fuser
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNELS = {"fuser.plan": "attention.impl=fuser"}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def causal_attn(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    hide = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(s.masked_fill(hide, float("-inf")).float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,d", [(1000, 64), (2048, 128)])
+def test_compiled_causal_fwd_bwd_matches_float64(dtype, n, d):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    out = torch.compile(causal_attn, backend="fuser", options=KERNELS)(q, k, v)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = causal_attn(*ref_in)
+    g = torch.randn_like(ref)
+    assert _rel(out, ref) < 2e-2
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g.to(dtype)), torch.autograd.grad(ref, ref_in, g)):
+        assert not torch.isnan(a).any() and _rel(a, b) < 3e-2
+
+
+def test_planner_uses_sdpa_for_plain_causal_and_fuser_for_padding_masks():
+    q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.rand(4, 1, 1, 4096, device="cuda") > 0.1
+
+    def padded(q, k, v, keep):
+        s = q @ k.transpose(-2, -1) * 0.088
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+    with torch.no_grad():
+        rep = fuser.explain(causal_attn, q, k, v)
+        assert [m.plan.name for m in rep.matches] == ["sdpa"], str(rep)
+        assert _rel(rep.output, causal_attn(q, k, v)) < 1e-2
+        rep = fuser.explain(padded, q, k, v, keep)
+        assert [m.plan.name for m in rep.matches] == ["fuser"], str(rep)
+        assert _rel(rep.output, padded(q.float(), k.float(), v.float(), keep)) < 2e-2
+
+
+def test_example_model_bf16_training_step():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from model import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, max_seq=512).cuda()
+    idx = torch.randint(0, 256, (2, 512), device="cuda")
+    ref_out = model(idx)
+    ref_g = torch.autograd.grad(ref_out.float().logsumexp(-1).mean(), list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fuser", options=KERNELS)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = compiled(idx)
+    g = torch.autograd.grad(out.float().logsumexp(-1).mean(), list(model.parameters()))
+    assert _rel(out, ref_out) < 3e-2
+    assert max(_rel(a, b) for a, b in zip(g, ref_g) if b.norm() > 0) < 6e-2
+
+
+def test_hf_llama_bf16_dynamic():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fuser", dynamic=True, options=KERNELS)
+    with torch.no_grad():
+        for n in (300, 517):
+            ids = torch.randint(0, 128, (2, n), device="cuda")
+            assert _rel(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) < 3e-2
