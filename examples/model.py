@@ -74,6 +74,9 @@ class TinyGPT(nn.Module):
         self.pos = nn.Embedding(max_seq, dim)
         self.blocks = nn.ModuleList(Block(dim, n_heads, n_kv_heads, max_seq, dropout) for _ in range(n_layers))
         self.ln = nn.LayerNorm(dim)
+        for m in self.modules():  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
