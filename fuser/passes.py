@@ -137,15 +137,24 @@ def apply(
 
     for pattern, m in found:
         cands = pattern.candidates(m, ctx)
-        plan, reason = planner.choose(m, cands, options)
+        plan, reason = planner.choose(m, cands, options)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
-        result.matches.append(m)
         if plan.params.get("impl") == "inductor":
+            result.matches.append(m)
             log.info("fuser: %s at %s left to Inductor: %s", m.pattern, m.location, reason)
             continue
-        m.kernels = pattern.kernels(m, plan)
-        new = pattern.emit(m, plan, gm.graph)
-        _replace(m, new, gm.graph)
+        before = set(gm.graph.nodes)
+        try:
+            m.kernels = pattern.kernels(m, plan)
+            new = pattern.emit(m, plan, gm.graph)
+            _replace(m, new, gm.graph)
+        except Exception as exc:  # a bug in a pattern must not break the user's model
+            _undo(gm.graph, before)
+            log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location, plan.name, exc)
+            result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
+                                             m.root.name, graph_index))
+            continue
+        result.matches.append(m)
         log.info("fuser: fused %s at %s with plan %s (%s)", m.pattern, m.location, plan.name, reason)
         for k in m.kernels:
             log.info("fuser:   kernel %s: %s", k.name, k.path)
@@ -156,12 +165,25 @@ def apply(
 
 
 def _replace(m: Match, new: fx.Node, graph: fx.Graph) -> None:
+    """Route the root's users to ``new`` and erase the region. Checks first that nothing
+    outside the region reads a region node, so a failure leaves the region in place."""
+    for n in m.region:
+        if n is not m.root and any(u not in m.region for u in n.users):
+            raise RuntimeError(f"{n.name} is read outside the matched region")
     new.meta.setdefault("stack_trace", m.root.meta.get("stack_trace"))
     m.root.replace_all_uses_with(new)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(m.region, key=lambda x: -order[x]):
-        if n.users:
-            raise RuntimeError(f"fuser internal error: {n.name} still has users {list(n.users)}")
+        graph.erase_node(n)
+
+
+def _undo(graph: fx.Graph, before: set) -> None:
+    """Erase the nodes inserted since ``before`` (a failed emit), users first."""
+    added = [n for n in graph.nodes if n not in before]
+    for n in reversed(added):
+        for u in list(n.users):
+            if u in before:  # the root's users were already rerouted: impossible before _replace
+                raise RuntimeError("fuser internal error: cannot undo a partial rewrite")
         graph.erase_node(n)
 
 

@@ -234,15 +234,16 @@ class StaticEvaluator:
                 raise NotStatic(f"cannot evaluate {n.op} node {n.name}")
         return env[node]
 
-    def probe_assignments(self, symbols: set, extra: int = 2) -> list[dict]:
-        """Assignments of the dynamic-size ``symbols``: the example sizes, then ``extra``
-        others (each size moved by the same offsets) to check a property at other sizes."""
+    def probe_assignments(self, symbols: set) -> list[dict]:
+        """Assignments of the dynamic-size ``symbols`` at which to check a property: the
+        example sizes first, then small sizes that move every symbol by a *different* amount
+        (sizes that were equal in the example, e.g. Nq and Nk, differ in the probes, so that
+        e.g. top-left and bottom-right causal masks tell apart)."""
         if not symbols:
             return [{}]
         shape_env = None
         for n in self.view.graph.nodes:
-            v = val(n)
-            for x in _symints_in(v):
+            for x in _symints_in(val(n)):
                 shape_env = x.node.shape_env
                 break
             if shape_env is not None:
@@ -250,13 +251,22 @@ class StaticEvaluator:
         if shape_env is None:
             return [{}]
         values = _var_to_val(shape_env)
-        hint = {s: int(values[s]) for s in symbols if s in values}
+        ordered = sorted((s for s in symbols if s in values), key=str)
+        hint = {s: int(values[s]) for s in ordered}
         out = [hint]
-        for d in (3, -1, 7)[:extra]:
-            alt = {s: max(2, v + d) for s, v in hint.items()}
-            if alt != hint:
-                out.append(alt)
+        for base, step in ((17, 6), (29, 11)):
+            out.append({s: base + step * i for i, s in enumerate(ordered)})
         return out
+
+    def max_numel(self, node: fx.Node, assignment: Optional[Mapping] = None) -> int:
+        """The largest tensor the evaluation of ``node`` would create (elements), from the
+        shapes Dynamo recorded, under ``assignment`` for dynamic sizes."""
+        most = 0
+        for n in self.slice(node).nodes:
+            v = val(n)
+            if isinstance(v, torch.Tensor):
+                most = max(most, int(symint_value(v.numel(), assignment or None)))
+        return most
 
 
 def _var_to_val(shape_env: Any) -> Mapping:

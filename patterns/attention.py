@@ -116,57 +116,73 @@ def _visible(value: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
     return ~hidden
 
 
-def _classify(vis: torch.Tensor, nq: int, nk: int) -> str:
-    """"none" (all visible), "top_left"/"bottom_right" (causal), or "general"."""
+def _classify(vis: torch.Tensor, nq: int, nk: int) -> set:
+    """The descriptions consistent with a visible-key pattern: {"none"} (all visible),
+    {"top_left"} / {"bottom_right"} (causal; both when Nq == Nk, where they coincide), or
+    {"general"}."""
     vis = vis.expand(*vis.shape[:-2], nq, nk) if vis.dim() >= 2 else vis.expand(nq, nk)
     flat = vis.reshape(-1, nq, nk)
     first = flat[0]
     if not bool((flat == first).all()):
-        return "general"
+        return {"general"}
     if bool(first.all()):
-        return "none"
+        return {"none"}
     i = torch.arange(nq, device=first.device)[:, None]
     j = torch.arange(nk, device=first.device)[None, :]
+    out = set()
     if bool((first == (j <= i)).all()):
-        return "top_left"
+        out.add("top_left")
     if bool((first == (j <= i + (nk - nq))).all()):
-        return "bottom_right"
-    return "general"
+        out.add("bottom_right")
+    return out or {"general"}
+
+
+# Static masks are evaluated at compile time; beyond this many elements (1 GiB of bool) a
+# mask of static shape is treated as data instead, and a dynamic one is classified at the
+# small probe sizes only.
+MAX_STATIC_NUMEL = 1 << 30
 
 
 def _static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext) -> tuple[str, list[str]]:
-    """Classify a static mask term by its values (at the example sizes and, under dynamic
-    shapes, at probe sizes). Returns (class, buffers it reads)."""
-    sl = ctx.evaluator.slice(node)
-    classes = set()
-    sshape = shape(scores)
+    """Classify a static mask term by its values: at the example sizes and, under dynamic
+    shapes, at probe sizes that move every size independently. Returns (class, buffers read).
+    Raises NotStatic when the term depends on data or cannot be evaluated."""
     from fuser.static import symint_value
 
+    sl = ctx.evaluator.slice(node)
+    sshape = shape(scores)
+    classes: Optional[set] = None  # labels consistent with every size evaluated so far
     for i, assignment in enumerate(ctx.evaluator.probe_assignments(sl.symbols)):
+        if ctx.evaluator.max_numel(node, assignment) > MAX_STATIC_NUMEL:
+            if not sl.symbols:
+                raise NotStatic(f"too large to evaluate at compile time (> {MAX_STATIC_NUMEL} elements)")
+            continue
         try:
-            value = ctx.evaluator.evaluate(node, assignment or None)
+            value = torch.as_tensor(ctx.evaluator.evaluate(node, assignment or None))
             nq = int(symint_value(sshape[-2], assignment or None))
             nk = int(symint_value(sshape[-1], assignment or None))
-            value = torch.as_tensor(value)
-            if value.dim() < 2:
-                value = value.reshape((1,) * (2 - value.dim()) + tuple(value.shape))
         except NotStatic:
             raise
         except Exception as exc:
             if i == 0:  # the example sizes themselves must evaluate
                 raise NotStatic(f"evaluation failed: {exc!r}") from None
             continue  # a probe size outside what the graph supports
+        if value.dim() < 2:
+            value = value.reshape((1,) * (2 - value.dim()) + tuple(value.shape))
         if value.shape[-2] not in (1, nq) or value.shape[-1] not in (1, nk):
             if i == 0:
                 raise NotStatic(f"mask of shape {tuple(value.shape)} for {nq}x{nk} scores")
             continue
         vis = _visible(value, kind)
-        classes.add("bias" if vis is None else _classify(vis, nq, nk))
-    if not classes:
-        raise NotStatic("could not be evaluated")
-    if len(classes) > 1:
-        return "general", sl.buffers
-    return classes.pop(), sl.buffers
+        del value
+        found = {"bias"} if vis is None else _classify(vis, nq, nk)
+        classes = found if classes is None else classes & found
+    if classes is None:
+        raise NotStatic("could not be evaluated at any size")
+    for label in ("none", "top_left", "bottom_right", "bias"):
+        if label in classes:  # top-left wins where every size seen had Nq == Nk
+            return label, sl.buffers
+    return "general", sl.buffers
 
 
 def _permute_last2(c: Optional[COp]) -> bool:
@@ -389,6 +405,8 @@ class AttentionPattern(Pattern):
                 raise Decline(f"{nm} {x} is outside 1..256")
         if sq[:-2] != sk[:-2] and group == 1:
             raise Decline("q and k batch dims differ (broadcasting batched matmul)")
+        if sk[:-2] != sv[:-2]:
+            raise Decline("k and v batch dims differ (broadcasting batched matmul)")
 
         # -- masks ----------------------------------------------------------------------
         # Each mask term is static (evaluated here: dropped when it hides nothing, folded into

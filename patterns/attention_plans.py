@@ -171,8 +171,12 @@ def _sdpa_exact(m: Match) -> bool:
     d, dv = subs[cm.D], subs[cm.DV]
     if d != dv or d % 8 or d > 256:
         return False
-    if b["causal"] == "bottom_right" and subs[cm.NQ] != subs[cm.NK]:
-        return False
+    if b["causal"] == "bottom_right":
+        # SDPA's is_causal is top-left: the same only while Nq == Nk, so only for static sizes
+        n_q = shape(b["q"])[-1 if b["q_t"] else -2]
+        n_k = shape(b["k"])[-1 if b["k_t"] else -2]
+        if not (isinstance(n_q, int) and isinstance(n_k, int) and n_q == n_k):
+            return False
     return True
 
 

@@ -7,18 +7,9 @@ from typing import Optional
 
 import torch
 
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-MASK_KINDS = ("none", "bool_keep", "bool_drop", "additive")
+from ..codegen.attention import CAUSAL_MODES, MASK_KINDS, causal_offset
 
-
-def causal_offset(causal: str, n_q: int, n_k: int) -> int:
-    """Query row i sees key j iff ``j <= i + offset``: 0 for top-left, ``n_k - n_q`` for
-    bottom-right alignment (the last query sees the last key)."""
-    if causal == "top_left":
-        return 0
-    if causal == "bottom_right":
-        return n_k - n_q
-    raise ValueError(f"causal must be 'top_left' or 'bottom_right' here, got {causal!r}")
+__all__ = ["reference", "CAUSAL_MODES", "MASK_KINDS", "causal_offset"]
 
 
 def reference(

@@ -271,3 +271,47 @@ def test_rewrite_symbolic_trace_graph(qkv):
     (m,) = result.matches
     assert m.summary["scale"] == "0.125" and m.fused
     assert "torch.ops.fuser.attention" in gm.code
+
+
+def test_dynamic_bottom_right_with_equal_example_sizes_is_not_mistaken_for_top_left():
+    """Nq == Nk in the example: top-left and bottom-right coincide there. The probes move Nq
+    and Nk independently, so the mask's true alignment is found."""
+
+    def f(q, k, v):
+        nq, nk = q.size(-2), k.size(-2)
+        keep = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        return torch.softmax((q @ k.mT).masked_fill(~keep, float("-inf")), -1) @ v
+
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    torch._dynamo.mark_dynamic(q, 2)
+    torch._dynamo.mark_dynamic(k, 2)
+    torch._dynamo.mark_dynamic(v, 2)
+    testing.assert_fuses(f, q, k, v, causal="bottom_right")
+
+
+def test_huge_static_mask_is_not_evaluated(qkv, monkeypatch):
+    from fuser.patterns import attention
+
+    monkeypatch.setattr(attention, "MAX_STATIC_NUMEL", 100)
+    q, k, v = qkv
+    testing.assert_fuses(
+        lambda q, k, v: (q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v,
+        q, k, v, causal="none", mask="bool_drop (16, 16)",
+    )
+
+
+def test_failed_emit_leaves_the_graph_as_captured(qkv, monkeypatch):
+    from fuser.patterns import attention_plans
+
+    def boom(*a, **k):
+        raise RuntimeError("emit exploded")
+
+    monkeypatch.setattr(attention_plans, "emit", boom)
+    q, k, v = qkv
+    graphs, result = testing.fuse(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v, q, k, v)
+    assert not result.matches and "emit exploded" in result.rejected[0].reason
+    gm = graphs[0][0]
+    assert "fuser" not in gm.code
+    by_name = {"L_q_": q, "L_k_": k, "L_v_": v}
+    args = [by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.allclose(gm(*args)[0], torch.softmax(q @ k.mT, -1) @ v, atol=1e-5)
