@@ -32,6 +32,7 @@ Limits:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -271,11 +272,16 @@ def _check_config(cfg: dict) -> dict:
 def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
     """The configs to try in order: the given one alone (missing keys from the default), or
     every candidate of the table (the default first)."""
-    cands = candidate_configs(
-        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind=kind
-    )
     if config:
+        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
         return [_check_config({**cands[0], **config})]
+    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
+    # cached: the launchers only read these dicts
+    cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal, kind=kind)
     return [_check_config(c) for c in cands]
 
 
@@ -383,6 +389,21 @@ def _expand_mask(mask, mask_kind: str, shape) -> tuple[Optional[torch.Tensor], b
     return m, row_broadcast
 
 
+@functools.lru_cache(maxsize=None)
+def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool):
+    """The imported forward module of one static variant (rendered once per process; keeps
+    rendering and imports off the per-call path)."""
+    kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, interpret: bool):
+    """The imported backward module of one static variant (see :func:`_fwd_module`)."""
+    kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
 def _launching(interpret: bool):
     """Context for a launch: :func:`launch.interpreter_mode` for interpreted kernels (Triton's
     standard library in interpreted form, whatever the import order), nothing for the GPU."""
@@ -431,11 +452,7 @@ def forward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
-    kernel = fwd_kernel(
-        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row_broadcast,
-        need_lse=need_lse, interpret=interpret,
-    )
-    module = launch.kernel_module(kernel, interpret)
+    kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -509,11 +526,7 @@ def backward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "bwd")
-    kernel = bwd_kernel(
-        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row_broadcast,
-        bwd_mode=bwd_mode, interpret=interpret,
-    )
-    module = launch.kernel_module(kernel, interpret)
+    kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:

@@ -165,11 +165,15 @@ def poison_outputs(value: float = float("nan")) -> Iterator[None]:
         _poison.value = old
 
 
+_POISON_ENV = os.environ.get("FUSER_POISON_OUTPUTS", "0") == "1"  # read once: empty() is on the hot path
+
+
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.empty``, poisoned inside :func:`poison_outputs` or with ``FUSER_POISON_OUTPUTS=1``."""
+    """``torch.empty``, poisoned (NaN) inside :func:`poison_outputs`, or in every call when
+    ``FUSER_POISON_OUTPUTS=1`` was set when fuser was imported."""
     out = torch.empty(shape, dtype=dtype, device=device)
     value = getattr(_poison, "value", None)
-    if value is None and os.environ.get("FUSER_POISON_OUTPUTS", "0") == "1":
+    if value is None and _POISON_ENV:
         value = float("nan")
     if value is not None and out.numel():
         out.fill_(value)

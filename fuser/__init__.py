@@ -37,3 +37,9 @@ except Exception:  # pragma: no cover - private API moved
     pass
 
 _register()
+# Import every pattern module now, so their ops (torch.ops.fuser.*) exist before any graph that
+# calls them is loaded (e.g. from Inductor's cache in a fresh process).
+from .passes import load_patterns as _load_patterns  # noqa: E402
+from .options import Options as _Options  # noqa: E402
+
+_load_patterns(_Options())

@@ -25,6 +25,7 @@ from fuser.matcher import HOLE, Alt, Chain, Op, Same, Var, match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
 
+from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
