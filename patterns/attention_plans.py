@@ -136,6 +136,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     training = b["need_lse"]
     tune = "1" if ctx.options.autotune else "0"
+    tiles = _tiles(m, subs, training, tune == "1")
     out: list[Candidate] = []
     modes = ("two_kernel", "atomic_dq") if training else (None,)
     for mode in modes:
@@ -146,7 +147,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
             params["backward"] = mode
             name = f"fuser[backward={mode}]"
         out.append(Candidate(name, params, terms, _estimate(terms, subs, model, kind, "fuser"),
-                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward")))
+                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}"))
     if training and ctx.options.autotune:
         best = min(c.estimate_ms for c in out)
         terms = cost_terms(m, "fuser", "autotune")
@@ -161,6 +162,23 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         out.append(Candidate("inductor", {"impl": "inductor"}, terms, _estimate(terms, subs, model, kind, "inductor"),
                              "left to Inductor: scores and P materialised"))
     return out
+
+
+def _tiles(m: Match, subs: dict, training: bool, tuned: bool) -> str:
+    """The tile configs the kernels will use here (from the config table), for reports."""
+    if tuned:
+        return "tiles timed on first use (autotune)"
+    from fuser.codegen import attention as kernels
+
+    b = m.bindings
+    kw = dict(head_dim=subs[cm.D], head_dim_v=subs[cm.DV], dtype=b["in_dtype"], device=b["device"], causal=b["causal"])
+    f = kernels.candidate_configs(kind="fwd", **kw)[0]
+    text = f"fwd {f['BLOCK_M']}x{f['BLOCK_N']} w{f['num_warps']} s{f['num_stages']}"
+    if training:
+        g = kernels.candidate_configs(kind="bwd", **kw)[0]
+        text += (f", bwd dkdv {g['BLOCK_M1']}x{g['BLOCK_N1']} dq {g['BLOCK_M2']}x{g['BLOCK_N2']}"
+                 f" w{g['num_warps']} s{g['num_stages']}")
+    return text
 
 
 def _sdpa_exact(m: Match) -> bool:

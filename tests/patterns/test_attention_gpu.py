@@ -3,6 +3,7 @@ real models. Marked ``gpu``: skipped without CUDA, run on the device machine."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -89,3 +90,25 @@ def test_hf_llama_bf16_dynamic():
         for n in (300, 517):
             ids = torch.randint(0, 128, (2, n), device="cuda")
             assert _rel(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) < 3e-2
+
+
+def test_autotune_times_candidates_and_caches_winners(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path))
+    from fuser.codegen import launch
+
+    monkeypatch.setattr(launch, "_tune_mem", {})
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1500, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    rep = fuser.explain(causal_attn, q, k, v, options={"fuser.autotune": True, "fuser.plan": "attention.impl=fuser"})
+    assert rep.fused[0].plan.name == "fuser[backward=autotune]", str(rep)
+    out = rep.output
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = causal_attn(*ref_in)
+    g = torch.randn_like(ref)
+    assert _rel(out, ref) < 2e-2
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g.to(out.dtype)), torch.autograd.grad(ref, ref_in, g)):
+        assert _rel(a, b) < 3e-2
+    tuned = json.loads((tmp_path / "autotune.json").read_text())
+    assert any(key.startswith("attention.fwd|") for key in tuned) and any(key.startswith("attention.bwd|") for key in tuned)
+    assert any("bwd_mode" in cfg for key, cfg in tuned.items() if key.startswith("attention.bwd|"))
