@@ -487,11 +487,17 @@ class AttentionPattern(Pattern):
         b = m.bindings
         ms = b["mask_shape"]
         row_bcast = ms is not None and (len(ms) < 2 or ms[-2] == 1)
-        return kernels.kernels_for(
-            causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row_bcast),
-            bwd_mode=plan.params.get("backward", "two_kernel"), interpret=b["device"].type == "cpu",
-            need_lse=b["need_lse"], training=b["need_lse"],
-        )
+        mode = plan.params.get("backward", "two_kernel")
+        out = []
+        for bwd_mode in (("two_kernel", "atomic_dq") if mode == "autotune" else (mode,)):
+            for k in kernels.kernels_for(
+                causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row_bcast),
+                bwd_mode=bwd_mode, interpret=b["device"].type == "cpu",
+                need_lse=b["need_lse"], training=b["need_lse"],
+            ):
+                if k not in out:
+                    out.append(k)
+        return out
 
     # -- emission --------------------------------------------------------------------------
     def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
