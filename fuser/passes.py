@@ -30,11 +30,6 @@ PATTERN_MODULES = {
 }
 
 
-def available_patterns() -> tuple[str, ...]:
-    """Names of the patterns this version of fuser implements."""
-    return tuple(PATTERN_MODULES)
-
-
 def load_patterns(options: Options) -> list[Pattern]:
     """The enabled patterns' objects, in a fixed order."""
     out = []

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
-import torch
 import torch.fx as fx
 
 from .graph import GraphView
@@ -130,10 +129,3 @@ class Pattern(abc.ABC):
     def kernels(self, match: Match, plan: Candidate) -> list:
         """The rendered kernels ``plan`` runs (rendered now, not launched)."""
         return []
-
-
-def device_of(node: Any) -> Optional[torch.device]:
-    from .graph import val
-
-    v = val(node)
-    return v.device if isinstance(v, torch.Tensor) else None

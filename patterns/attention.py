@@ -11,15 +11,11 @@ Partitioning", Alg. 1 and 2) in base 2; see ``codegen/attention.py``.
 
 from __future__ import annotations
 
-import math
-import operator
 from typing import Any, Optional
 
-import sympy
 import torch
 import torch.fx as fx
 
-from fuser import costmodel as cm
 from fuser.graph import COp, GraphView, dtype, is_tensor, location, ndim, shape, val
 from fuser.matcher import HOLE, Alt, Chain, Op, Same, Var, match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
@@ -329,7 +325,7 @@ class AttentionPattern(Pattern):
         qk = b["qk"]
         qk_c = view.canon(qk)
         if qk_c.op == "baddbmm":
-            alpha, beta = qk_c.attrs["alpha"], qk_c.attrs["beta"]
+            beta = qk_c.attrs["beta"]
             if beta != 0 and is_tensor(b["bias0"]):
                 if beta != 1:
                     raise Decline(f"baddbmm with beta={beta}: the bias would need rescaling")
@@ -448,8 +444,6 @@ class AttentionPattern(Pattern):
             mask_kind = "additive"
             mask_shape = tuple(torch.broadcast_shapes(*[t["shape"] for t in mask_terms]))
 
-        nq = sq[-1] if q_t else sq[-2]
-        nk = sk[-1] if k_t else sk[-2]
         need_lse = bool(ctx.grad_enabled and any(val(x).requires_grad for x in (q, k, v)))
         region = frozenset(b.region) | frozenset(p_nodes) | {pv}
         bindings = dict(

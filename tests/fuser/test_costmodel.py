@@ -1,5 +1,4 @@
 import pytest
-import sympy
 
 from fuser import costmodel as cm
 from fuser.options import FuserOptionError, resolve

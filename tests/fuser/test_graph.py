@@ -1,7 +1,5 @@
 """The canonical view: one op name per computation, whatever the spelling."""
 
-import operator
-
 import pytest
 import torch
 import torch.nn.functional as F
