@@ -214,7 +214,9 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         n = graph.create_node(kind, target, args, kwargs or {})
         return annotate(n)
 
-    def prep(x, transposed: bool):
+    def prep(x, transposed: bool, detach: bool = False):
+        if detach:
+            x = node("call_method", "detach", (x,))
         if transposed:
             x = node("call_method", "transpose", (x, -2, -1))
         for _ in range(4 - rank):
@@ -224,8 +226,8 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         return x
 
     with graph.inserting_before(m.root):
-        q = prep(b["q"], b["q_t"])
-        k = prep(b["k"], b["k_t"])
+        q = prep(b["q"], b["q_t"], b["detach_qk"])
+        k = prep(b["k"], b["k_t"], b["detach_qk"])
         v = prep(b["v"], b["v_t"])
         scale = _scale_node(b["factors"], node)
         mask = _mask_node(b, node)

@@ -220,3 +220,23 @@ def test_autotune_plan_runs_on_the_interpreter():
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(rep.output, (q, k, v), g.float()), torch.autograd.grad(ref, ref_in, g)):
         assert _rel(a, b) < 3e-4
+
+
+def test_detached_scores_give_gradients_to_v_only():
+    q, k, v = _inputs((1, 2, 19, 16), (1, 2, 19, 16))
+
+    def f(q, k, v):
+        return torch.softmax((q @ k.mT * 0.3).detach(), -1) @ v
+
+    torch._dynamo.reset()
+    with collecting() as rep:
+        out = torch.compile(f, backend="fuser")(q, k, v)
+    assert len(rep.fused) == 1
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = f(*ref_in)
+    assert _rel(out, ref) < 1e-4
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), g.float(), allow_unused=True)
+    want = torch.autograd.grad(ref, ref_in, g, allow_unused=True)
+    assert got[0] is None and got[1] is None and want[0] is None
+    assert _rel(got[2], want[2]) < 1e-4

@@ -290,9 +290,9 @@ def test_dynamic_bottom_right_with_equal_example_sizes_is_not_mistaken_for_top_l
 
 
 def test_huge_static_mask_is_not_evaluated(qkv, monkeypatch):
-    from fuser.patterns import attention
+    from fuser.patterns import scores
 
-    monkeypatch.setattr(attention, "MAX_STATIC_NUMEL", 100)
+    monkeypatch.setattr(scores, "MAX_STATIC_NUMEL", 100)
     q, k, v = qkv
     testing.assert_fuses(
         lambda q, k, v: (q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v,

@@ -1,0 +1,571 @@
+"""Attention-KL kernels (Triton, base 2): launchers, allocation, config table.
+
+Per query row, the Kullback-Leibler divergence of a teacher attention distribution from a
+student's over the same keys, ``L_i = Σ_j P1_ij (log P1_ij − log P2_ij)`` (natural log), with
+``P1 = softmax(scale1 · Q1 K1ᵀ + mask)`` and ``P2 = softmax(scale2 · Q2 K2ᵀ + mask)`` — without
+ever materialising a score matrix (math in ``DESIGN.md``; float64 reference in
+``patterns/attention_kl_reference.py``).
+
+Forward (``templates/attention_kl_fwd.py.jinja``): grid ``(cdiv(Nq, BLOCK_M), B·H)``; each program
+streams both sides' key tiles with running ``m1, l1, m2, l2`` and the offset-free accumulator,
+and writes ``rows`` (nats) and, when asked, the base-2 statistics ``LSE1, LSE2, DELTA`` the
+backward needs. ``split_k > 1`` (for grids too small to fill the GPU) adds a grid axis over key
+ranges; each split stores its partial state and ``attention_kl_fwd_merge`` combines them exactly.
+
+Backward (``templates/attention_kl_bwd.py.jinja``), for upstream ``g = dLoss/dL``:
+``bwd_mode="two_kernel"`` — ``attention_kl_bwd_dk`` (grid over key blocks × B·Hkv, summing each kv
+head's query-head group inside, no atomics) and ``attention_kl_bwd_dq`` (grid over query blocks ×
+B·H), each recomputing P1 and P2; deterministic — or ``bwd_mode="atomic_dq"`` — one
+``attention_kl_bwd_dk`` that also ``atomic_add``s dQ1, dQ2 into float32 accumulators. With a frozen
+teacher (``needs_grad`` false for q1 and k1) a variant without any side-1 gradient work is used
+(P1 is still recomputed: dS2 = g·(P2 − P1)). When the two sides group query heads differently
+(``Hkv1 != Hkv2``) and both dK are wanted, the dK kernel is launched once per side.
+
+Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, stats
+stored or not, split-K or not, bwd mode, teacher trainable or frozen, interpreter or GPU); sizes
+are runtime arguments (sequence lengths are ``do_not_specialize``). Block sizes come from one
+table via :func:`candidate_configs`.
+
+Shapes: q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2
+``[B, Hkv2, Nk, D2]`` (any strides, never copied); ``H % Hkv1 == H % Hkv2 == 0`` (query head h
+reads kv head ``h // (H // Hkv)`` of each side); D1, D2 in 1..256 (padded to powers of two
+inside); fp32 / fp16 / bf16, one dtype for all four.
+
+Limits:
+- A row whose visible scores all carry a huge finite bias (``finfo.min``) is uniform on both
+  sides (the scores' O(1) parts are lost, as in eager and in the float64 reference): L = 0 and
+  zero gradients there, exactly as the reference computes.
+- ``B·H`` (and ``B·Hkv``) must stay below 65536 (the second grid axis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import launch
+from .attention import (
+    BWD_MODES,
+    CAUSAL_MODES,
+    DTYPES,
+    MASK_KINDS,
+    _check_config,
+    _expand_mask,
+    _is_causal,
+    _launch_first_fitting,
+    causal_offset,
+    device_kind,
+)
+from .render import RenderedKernel, render
+
+__all__ = [
+    "forward",
+    "backward",
+    "alloc_rows",
+    "alloc_stats",
+    "alloc_grads",
+    "kernels_for",
+    "fwd_kernel",
+    "bwd_kernel",
+    "candidate_configs",
+    "default_split_k",
+    "CAUSAL_MODES",
+    "MASK_KINDS",
+    "BWD_MODES",
+]
+
+LOG2E = 1.4426950408889634
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
+MAX_SPLIT_K = 16
+
+FWD_TEMPLATE = "attention_kl_fwd.py.jinja"
+BWD_TEMPLATE = "attention_kl_bwd.py.jinja"
+
+_MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", "additive": "_maskadd"}
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def _check_variant(causal, mask_kind: str, bwd_mode: Optional[str] = None) -> None:
+    if causal not in CAUSAL_MODES and not isinstance(causal, bool):
+        raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if bwd_mode is not None and bwd_mode not in BWD_MODES:
+        raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
+
+
+def _head(causal: bool, mask_kind: str, row: bool) -> str:
+    head = ("_causal" if causal else "") + _MASK_SUFFIX[mask_kind]
+    return head + ("_rowbcast" if mask_kind != "none" and row else "")
+
+
+def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: bool, split_k: bool,
+               interpret: bool) -> RenderedKernel:
+    """Render the forward module of one static variant (``causal``: a mode or a bool)."""
+    _check_variant(causal, mask_kind)
+    causal = _is_causal(causal)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    name = ("attention_kl_fwd" + _head(causal, mask_kind, row) + ("" if need_stats else "_nostats")
+            + ("_splitk" if split_k else "") + ("_interp" if interpret else ""))
+    return render(
+        FWD_TEMPLATE, name,
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
+        need_stats=bool(need_stats), split_k=bool(split_k), interpret=bool(interpret),
+    )
+
+
+def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, teacher_grad: bool,
+               interpret: bool) -> RenderedKernel:
+    """Render the backward module (dK kernel and, for two_kernel, the dQ kernel)."""
+    _check_variant(causal, mask_kind, bwd_mode)
+    causal = _is_causal(causal)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    name = ("attention_kl_bwd" + _head(causal, mask_kind, row) + ("" if teacher_grad else "_frozen")
+            + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + ("_interp" if interpret else ""))
+    return render(
+        BWD_TEMPLATE, name,
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
+        atomic_dq=bwd_mode == "atomic_dq", teacher_grad=bool(teacher_grad), interpret=bool(interpret),
+    )
+
+
+def kernels_for(
+    *,
+    causal,
+    mask_kind: str,
+    mask_row_broadcast: bool,
+    split_k: bool,
+    bwd_mode: str,
+    interpret: bool,
+    training: bool,
+    teacher_grad: bool,
+) -> list[RenderedKernel]:
+    """The kernel modules a call of this static variant uses, rendered but not launched.
+
+    ``training`` adds the backward module and makes the forward store the statistics
+    (LSE1, LSE2, DELTA) the backward reads; ``teacher_grad`` picks the backward with side-1
+    gradients (else the frozen-teacher one).
+    """
+    kernels = [
+        fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
+                   need_stats=training, split_k=split_k, interpret=interpret)
+    ]
+    if training:
+        kernels.append(
+            bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
+                       bwd_mode=bwd_mode, teacher_grad=teacher_grad, interpret=interpret)
+        )
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_module(causal, mask_kind: str, row: bool, need_stats: bool, split_k: bool, interpret: bool):
+    """The imported forward module of one static variant (rendered once per process)."""
+    kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_stats=need_stats,
+                        split_k=split_k, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, teacher_grad: bool, interpret: bool):
+    """The imported backward module of one static variant (rendered once per process)."""
+    kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode,
+                        teacher_grad=teacher_grad, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs: one table, keyed by (device kind, head-dim bucket, dtype size); best first.
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd(bm, bn, w, s):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+
+
+def _bwd(m1, n1, m2, n2, w, s):
+    return {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2, "num_warps": w, "num_stages": s}
+
+
+# Interpreter: small tiles keep the CPU interpreter fast and still exercise several full and
+# boundary tiles per row at test sizes.
+_INTERP_FWD = [_fwd(32, 16, 4, 1), _fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)]
+_INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 16, 16, 32, 4, 1)]
+
+# GPU tables: NOT MEASURED. Written without access to a GPU, as guesses from the attention
+# table (codegen/attention.py, measured on an H100) adjusted for the extra work: the forward
+# holds two query tiles and two [BLOCK_M, BLOCK_N] score tiles (no [BLOCK_M, Dv] accumulator),
+# and streams two key tiles per step (the same bytes as attention's K and V at D1 = D2 = Dv);
+# the backward's dK kernel holds two key tiles and two fp32 [BLOCK_N, D] accumulators (like
+# attention's dK, dV) plus four score-sized tiles. Hence tiles no larger than attention's, and
+# smaller where D = 256. Autotuning (launch.autotune over candidate_configs) or a measured
+# table should replace these. Head-dim bucket = max(next_pow2(D1), next_pow2(D2)).
+_FWD_TABLE = {
+    ("sm90", 64, 2): [_fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 32, 4, 3), _fwd(64, 128, 4, 3)],
+    ("sm90", 128, 2): [_fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 32, 8, 3), _fwd(64, 32, 4, 3)],
+    ("sm90", 256, 2): [_fwd(64, 32, 4, 2), _fwd(64, 64, 8, 2), _fwd(32, 64, 4, 2), _fwd(64, 32, 4, 1)],
+    ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(64, 32, 4, 2)],
+    ("sm90", 128, 4): [_fwd(32, 32, 4, 1), _fwd(32, 32, 4, 2), _fwd(16, 32, 4, 1)],
+    ("sm90", 256, 4): [_fwd(16, 32, 4, 1), _fwd(32, 16, 4, 1), _fwd(16, 16, 4, 1)],
+    ("cuda", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 32, 4, 3), _fwd(64, 32, 4, 2)],
+    ("cuda", 128, 2): [_fwd(64, 64, 4, 2), _fwd(64, 32, 4, 3), _fwd(32, 32, 4, 2)],
+    ("cuda", 256, 2): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
+    ("cuda", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1)],
+    ("cuda", 128, 4): [_fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
+    ("cuda", 256, 4): [_fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)],
+}
+
+# Causal forward: smaller query blocks balance the triangle (as measured for attention).
+_FWD_CAUSAL_TABLE = {
+    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 4, 3), _fwd(64, 32, 4, 3)],
+    ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(64, 32, 4, 3)],
+}
+
+_BWD_TABLE = {
+    ("sm90", 64, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3), _bwd(64, 64, 64, 64, 4, 3),
+                      _bwd(16, 64, 64, 16, 4, 2)],
+    ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(64, 64, 64, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 2),
+                       _bwd(16, 64, 64, 16, 4, 2)],
+    ("sm90", 256, 2): [_bwd(16, 32, 32, 16, 4, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 64, 64, 16, 8, 1),
+                       _bwd(16, 16, 16, 16, 4, 1)],
+    ("sm90", 64, 4): [_bwd(32, 32, 32, 32, 4, 2), _bwd(16, 32, 32, 16, 4, 2), _bwd(16, 16, 16, 16, 4, 1)],
+    ("sm90", 128, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("sm90", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 64, 2): [_bwd(32, 64, 64, 32, 4, 2), _bwd(16, 64, 64, 16, 4, 2)],
+    ("cuda", 128, 2): [_bwd(16, 64, 64, 16, 4, 2), _bwd(16, 32, 32, 16, 4, 2)],
+    ("cuda", 256, 2): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 64, 4): [_bwd(16, 32, 32, 16, 4, 2), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 128, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
+}
+
+
+def _dim_bucket(head_dim1: int, head_dim2: int) -> int:
+    width = max(launch.next_power_of_2(head_dim1), launch.next_power_of_2(head_dim2), 16)
+    return 64 if width <= 64 else 128 if width <= 128 else 256
+
+
+def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, device, causal="none",
+                      kind: str = "fwd") -> list[dict]:
+    """Launch configs for one problem kind, best first (the first is the default).
+
+    Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages`` (also used by the split-K forward);
+    bwd ``BLOCK_M1, BLOCK_N1`` (dK kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per
+    step), ``BLOCK_M2, BLOCK_N2`` (dQ kernel), ``num_warps, num_stages``. The GPU entries are
+    unmeasured guesses (see the comment above :data:`_FWD_TABLE`).
+    """
+    if kind not in ("fwd", "bwd"):
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    dev = device_kind(device)
+    if dev == "interpreter":
+        return [dict(c) for c in (_INTERP_FWD if kind == "fwd" else _INTERP_BWD)]
+    size = 4 if dtype == torch.float32 else 2
+    key = (dev, _dim_bucket(head_dim1, head_dim2), size)
+    if kind == "bwd":
+        return [dict(c) for c in _BWD_TABLE[key]]
+    if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
+        return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
+    return [dict(c) for c in _FWD_TABLE[key]]
+
+
+@functools.lru_cache(maxsize=None)
+def _table_configs(d1: int, d2: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
+    # cached: the launchers only read these dicts
+    cands = candidate_configs(head_dim1=d1, head_dim2=d2, dtype=dtype, device=device, causal=causal, kind=kind)
+    return [_check_config(c) for c in cands]
+
+
+def _configs(config: Optional[dict], q1, q2, causal, kind: str) -> list[dict]:
+    """The given config alone (missing keys from the default), or every candidate (default first)."""
+    cands = _table_configs(q1.shape[-1], q2.shape[-1], q1.dtype, q1.device, causal, kind)
+    if config:
+        return [_check_config({**cands[0], **config})]
+    return cands
+
+
+def default_split_k(b: int, h: int, n_q: int, n_k: int, device, config: Optional[dict] = None) -> int:
+    """How many key ranges to split each query block's keys into.
+
+    1 when the one-pass grid ``cdiv(Nq, BLOCK_M) · B·H`` already fills about two waves of the
+    GPU's SMs (and always on the interpreter); else enough splits to reach two waves, capped so
+    that each split keeps at least 4 key tiles and at :data:`MAX_SPLIT_K`. ``config`` supplies
+    BLOCK_M / BLOCK_N (default 128 / 64, the common 16-bit forward tiles).
+    """
+    if launch.interpreted(device):
+        return 1
+    config = config or {}
+    block_m, block_n = config.get("BLOCK_M", 128), config.get("BLOCK_N", 64)
+    programs = b * h * launch.cdiv(n_q, block_m)
+    target = 2 * launch.sm_count(device)
+    if programs == 0 or programs >= target:
+        return 1
+    split = launch.cdiv(target, programs)
+    split = min(split, launch.cdiv(n_k, block_n) // 4, MAX_SPLIT_K)
+    return max(1, split)
+
+
+# --------------------------------------------------------------------------------------------
+# Allocation (also used by the fake/meta implementations: shapes, dtypes and devices only)
+# --------------------------------------------------------------------------------------------
+
+
+def alloc_rows(q1: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[B, H, Nq]`` float32, contiguous (KL per query row, nats)."""
+    b, h, n, _ = q1.shape
+    return launch.empty((b, h, n), torch.float32, q1.device)
+
+
+def alloc_stats(q1: torch.Tensor) -> torch.Tensor:
+    """One statistic (LSE1, LSE2 or DELTA): ``[B, H, Nq]`` float32, contiguous, base 2."""
+    b, h, n, _ = q1.shape
+    return launch.empty((b, h, n), torch.float32, q1.device)
+
+
+def alloc_grads(q1, k1, q2, k2, needs_grad: Sequence[bool] = (True, True, True, True)):
+    """``(dq1, dk1, dq2, dk2)``: contiguous tensors shaped and typed like the inputs; ``None``
+    where not needed."""
+    return tuple(
+        launch.empty(t.shape, t.dtype, t.device) if need else None
+        for t, need in zip((q1, k1, q2, k2), needs_grad)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _launching(interpret: bool):
+    """Context for a launch: for interpreted kernels :func:`launch.interpreter_mode`, and NumPy's
+    "invalid value" warnings silenced — the kernels compute NaN (``-inf - -inf``) in branches of
+    ``tl.where`` that are never selected, which is free on the GPU but NumPy reports."""
+    if not interpret:
+        yield
+        return
+    import numpy as np
+
+    with launch.interpreter_mode(), np.errstate(invalid="ignore"):
+        yield
+
+
+def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
+    _check_variant(causal, mask_kind)
+    if isinstance(causal, bool):
+        raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
+    ts = (q1, k1, q2, k2)
+    if any(t.dim() != 4 for t in ts):
+        raise ValueError("q1, k1, q2, k2 must be 4-D [B, H, N, D]")
+    if len({t.dtype for t in ts}) != 1 or q1.dtype not in DTYPES:
+        raise ValueError(f"q1, k1, q2, k2 must share one dtype of {DTYPES}, got {[t.dtype for t in ts]}")
+    if len({t.device for t in ts}) != 1:
+        raise ValueError(f"q1, k1, q2, k2 must be on one device, got {[t.device for t in ts]}")
+    b, h, n_q, d1 = q1.shape
+    n_k = k1.shape[2]
+    if q2.shape[:3] != (b, h, n_q) or k1.shape[0] != b or k2.shape[0] != b or k2.shape[2] != n_k:
+        raise ValueError(
+            f"both sides need the same B, H, Nq, Nk: q1 {tuple(q1.shape)}, k1 {tuple(k1.shape)}, "
+            f"q2 {tuple(q2.shape)}, k2 {tuple(k2.shape)}"
+        )
+    for side, q, k in ((1, q1, k1), (2, q2, k2)):
+        if k.shape[3] != q.shape[3]:
+            raise ValueError(f"q{side} and k{side} head dims differ: {q.shape[3]} vs {k.shape[3]}")
+        if not MIN_HEAD_DIM <= q.shape[3] <= MAX_HEAD_DIM:
+            raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[3]}")
+        if k.shape[1] == 0 or h % k.shape[1]:
+            raise ValueError(f"query heads ({h}) must be a multiple of k{side}'s kv heads ({k.shape[1]})")
+    if (mask is None) != (mask_kind == "none"):
+        raise ValueError("a mask needs a mask_kind other than 'none', and mask_kind needs a mask")
+    if mask is not None:
+        if mask_kind == "additive" and not mask.is_floating_point():
+            raise ValueError(f"an additive mask must be floating point, got {mask.dtype}")
+        if mask_kind != "additive" and mask.dtype != torch.bool:
+            raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
+
+
+def forward(
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    *,
+    scale1: float,
+    scale2: float,
+    causal: str = "none",
+    mask: Optional[torch.Tensor] = None,
+    mask_kind: str = "none",
+    need_stats: bool = True,
+    split_k: int = 1,
+    config: Optional[dict] = None,
+    rows: Optional[torch.Tensor] = None,
+    lse1: Optional[torch.Tensor] = None,
+    lse2: Optional[torch.Tensor] = None,
+    delta: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per-row ``KL(P1 ‖ P2)`` with the given causal/mask semantics (those of
+    :func:`fuser.patterns.attention_kl_reference.reference`).
+
+    Args:
+        split_k: number of key ranges per query block (1: one pass); clamped to the number of
+            key tiles. :func:`default_split_k` gives a heuristic value.
+        config: launch config (missing keys from the table's default); ``None``: the table's
+            candidates, the first that fits the device.
+        rows, lse1, lse2, delta: output buffers to write (else allocated).
+
+    Returns:
+        ``(rows, lse1, lse2, delta)``: ``rows`` ``[B, H, Nq]`` float32, L in nats (0 for a row
+        with no visible key); ``lse1, lse2`` (base 2, ``+inf`` for an empty row) and ``delta``
+        (``E_P1[s1 − s2]`` in base-2 units, 0 for an empty row) ``[B, H, Nq]`` float32, or
+        ``None`` each when ``need_stats`` is false.
+    """
+    _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
+    b, h, n_q, d1 = q1.shape
+    n_k = k1.shape[2]
+    if rows is None:
+        rows = alloc_rows(q1)
+    if need_stats:
+        lse1 = alloc_stats(q1) if lse1 is None else lse1
+        lse2 = alloc_stats(q1) if lse2 is None else lse2
+        delta = alloc_stats(q1) if delta is None else delta
+    else:
+        lse1 = lse2 = delta = None
+    if rows.numel() == 0 or n_k == 0:  # nothing to compute, or every row empty
+        rows.zero_()
+        if need_stats:
+            lse1.fill_(math.inf)
+            lse2.fill_(math.inf)
+            delta.zero_()
+        return rows, lse1, lse2, delta
+    interpret = launch.interpreted(q1.device)
+    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    row = bool(row_broadcast) and mask_kind != "none"
+    configs = _configs(config, q1, q2, causal, "fwd")
+    precision = launch.dot_precision(q1.dtype)
+    split_k = max(1, int(split_k))
+
+    def run(cfg):
+        splits = min(split_k, launch.cdiv(n_k, cfg["BLOCK_N"]))
+        kernel, module = _fwd_module(causal, mask_kind, row, bool(need_stats), splits > 1, interpret)
+        args = [q1, k1, q2, k2, rows]
+        if need_stats:
+            args += [lse1, lse2, delta]
+        if mask4 is not None:
+            args.append(mask4)
+        if splits > 1:
+            args.append(launch.empty((5, splits, b * h * n_q), torch.float32, q1.device))
+        with _launching(interpret):
+            module.launch_fwd(
+                *args,
+                qk_scale1=float(scale1) * LOG2E,
+                qk_scale2=float(scale2) * LOG2E,
+                causal_offset=causal_offset(causal, n_q, n_k),
+                config=cfg,
+                input_precision=precision,
+            )
+
+    key = ("attention_kl_fwd", causal, mask_kind, row, bool(need_stats), split_k > 1, interpret, q1.dtype,
+           d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision)
+    _launch_first_fitting(key, configs, run)
+    return rows, lse1, lse2, delta
+
+
+def backward(
+    g_rows: torch.Tensor,
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    lse1: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: Optional[torch.Tensor],
+    *,
+    scale1: float,
+    scale2: float,
+    causal: str = "none",
+    mask: Optional[torch.Tensor] = None,
+    mask_kind: str = "none",
+    needs_grad: Sequence[bool] = (True, True, True, True),
+    bwd_mode: str = "two_kernel",
+    config: Optional[dict] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients ``(dq1, dk1, dq2, dk2)`` of ``Σ_i g_rows_i · L_i``; ``None`` for each one
+    ``needs_grad`` turns off.
+
+    ``g_rows`` ``[B, H, Nq]`` (any strides, any float dtype); ``lse1, lse2, delta``: the
+    forward's statistics (base 2; ``delta`` may be ``None`` when no side-1 gradient is wanted).
+    ``bwd_mode``: ``"two_kernel"`` (deterministic: a dK kernel and a dQ kernel) or
+    ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast). Without
+    side-1 gradients the frozen-teacher kernels run (no DELTA term, no side-1 products).
+    """
+    _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
+    _check_variant(causal, mask_kind, bwd_mode)
+    need = tuple(bool(x) for x in needs_grad)
+    if len(need) != 4:
+        raise ValueError(f"needs_grad must have 4 entries (q1, k1, q2, k2), got {needs_grad!r}")
+    dq1, dk1, dq2, dk2 = alloc_grads(q1, k1, q2, k2, need)
+    if not any(need):
+        return None, None, None, None
+    b, h, n_q, d1 = q1.shape
+    n_k = k1.shape[2]
+    if tuple(g_rows.shape) != (b, h, n_q):
+        raise ValueError(f"g_rows must be [B, H, Nq] = {(b, h, n_q)}, got {tuple(g_rows.shape)}")
+    if b * h == 0 or n_q == 0 or n_k == 0:  # nothing flows
+        for t in (dq1, dk1, dq2, dk2):
+            if t is not None:
+                t.zero_()
+        return dq1, dk1, dq2, dk2
+    teacher_grad = need[0] or need[1]
+    if teacher_grad and delta is None:
+        raise ValueError("side-1 gradients need the forward's delta")
+    lse1, lse2 = lse1.contiguous(), lse2.contiguous()
+    if delta is not None:
+        delta = delta.contiguous()
+    if not g_rows.is_floating_point():
+        g_rows = g_rows.float()
+    interpret = launch.interpreted(q1.device)
+    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    row = bool(row_broadcast) and mask_kind != "none"
+    configs = _configs(config, q1, q2, causal, "bwd")
+    kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
+    args = [g_rows, q1, k1, q2, k2, lse1, lse2, delta, dq1, dk1, dq2, dk2]
+    if mask4 is not None:
+        args.append(mask4)
+    accs = []
+    if bwd_mode == "atomic_dq":
+        for dq, q in ((dq1, q1), (dq2, q2)):
+            if dq is None:
+                accs.append(None)
+            elif dq.dtype == torch.float32:  # contiguous float32: accumulate in place
+                accs.append(dq)
+            else:
+                accs.append(launch.empty(q.shape, torch.float32, q.device))
+        args += accs
+    precision = launch.dot_precision(q1.dtype)
+
+    def run(cfg):
+        # re-running after an OutOfResources is safe: the dQ accumulators are re-zeroed, the
+        # other kernels overwrite their outputs
+        with _launching(interpret):
+            module.launch_bwd(
+                *args,
+                scale1=float(scale1),
+                scale2=float(scale2),
+                causal_offset=causal_offset(causal, n_q, n_k),
+                config=cfg,
+                input_precision=precision,
+            )
+
+    key = (kernel.path, "bwd", q1.dtype, d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision, need)
+    _launch_first_fitting(key, configs, run)
+    for dq, acc in zip((dq1, dq2), accs):
+        if acc is not None and acc is not dq:
+            dq.copy_(acc)
+    return dq1, dk1, dq2, dk2
