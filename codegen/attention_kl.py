@@ -200,51 +200,75 @@ def _bwd(m1, n1, m2, n2, w, s):
 _INTERP_FWD = [_fwd(32, 16, 4, 1), _fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)]
 _INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 16, 16, 32, 4, 1)]
 
-# GPU tables: NOT MEASURED. Written without access to a GPU, as guesses from the attention
-# table (codegen/attention.py, measured on an H100) adjusted for the extra work: the forward
-# holds two query tiles and two [BLOCK_M, BLOCK_N] score tiles (no [BLOCK_M, Dv] accumulator),
-# and streams two key tiles per step (the same bytes as attention's K and V at D1 = D2 = Dv);
-# the backward's dK kernel holds two key tiles and two fp32 [BLOCK_N, D] accumulators (like
-# attention's dK, dV) plus four score-sized tiles. Hence tiles no larger than attention's, and
-# smaller where D = 256. Autotuning (launch.autotune over candidate_configs) or a measured
-# table should replace these. Head-dim bucket = max(next_pow2(D1), next_pow2(D2)).
+# GPU tables: NOT TIMED. Written without access to a GPU. Each sm90 entry was compiled for
+# sm_90a (Triton 3.9 and 3.6, their normal pipeline with ptxas, through a stub driver) and is
+# free of register spills for the variants it serves (16-bit: two_kernel and atomic_dq,
+# D1 = D2 = the bucket, no mask; with masks or atomic_dq at D=128 a few entries spill 8..80
+# bytes) and within 227 KB of shared memory; the order is a guess from the attention table
+# (codegen/attention.py, measured on an H100) adjusted for the extra work: the forward holds two
+# query tiles and two [BLOCK_M, BLOCK_N] score tiles (no [BLOCK_M, Dv] accumulator) and streams
+# two key tiles per step; the backward's dK kernel holds two fp32 [BLOCK_N, D] accumulators and
+# four score-sized tiles, the atomic_dq variant also two [BLOCK_M, D] dQ tiles per step.
+# fp32 entries ("ieee" dots on CUDA cores) are the least-spilling of those compiled (the
+# trainable-teacher atomic_dq backward spills at every fp32 tile size tried beyond D=64).
+# Registers per thread and shared memory of the first entries are noted. Timing the
+# candidates on an H100 (launch.autotune over candidate_configs) should reorder these.
+# Head-dim bucket = max(next_pow2(D1), next_pow2(D2)).
 _FWD_TABLE = {
-    ("sm90", 64, 2): [_fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 32, 4, 3), _fwd(64, 128, 4, 3)],
-    ("sm90", 128, 2): [_fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 32, 8, 3), _fwd(64, 32, 4, 3)],
-    ("sm90", 256, 2): [_fwd(64, 32, 4, 2), _fwd(64, 64, 8, 2), _fwd(32, 64, 4, 2), _fwd(64, 32, 4, 1)],
-    ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(64, 32, 4, 2)],
-    ("sm90", 128, 4): [_fwd(32, 32, 4, 1), _fwd(32, 32, 4, 2), _fwd(16, 32, 4, 1)],
+    # 16-bit. D=64: 128x64/8 warps 128 regs, 80 KB; D=128: 128x64/8 warps/3 stages 128 regs, 160 KB;
+    # D=256: 64x64/8 warps 169 regs, 193 KB.
+    ("sm90", 64, 2): [_fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 128, 8, 3),
+                      _fwd(128, 32, 4, 3)],
+    ("sm90", 128, 2): [_fwd(128, 64, 8, 3), _fwd(128, 128, 8, 2), _fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4),
+                       _fwd(128, 32, 8, 3)],
+    ("sm90", 256, 2): [_fwd(64, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2), _fwd(32, 64, 4, 2)],
+    # fp32 ("ieee" dots run on CUDA cores; larger tiles spill)
+    ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(16, 32, 4, 2)],
+    ("sm90", 128, 4): [_fwd(32, 32, 4, 2), _fwd(16, 32, 4, 2), _fwd(32, 16, 4, 2)],
     ("sm90", 256, 4): [_fwd(16, 32, 4, 1), _fwd(32, 16, 4, 1), _fwd(16, 16, 4, 1)],
+    # other CUDA GPUs (Ampere/Ada: 99..163 KB shared memory): conservative, not checked
     ("cuda", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 32, 4, 3), _fwd(64, 32, 4, 2)],
     ("cuda", 128, 2): [_fwd(64, 64, 4, 2), _fwd(64, 32, 4, 3), _fwd(32, 32, 4, 2)],
     ("cuda", 256, 2): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
     ("cuda", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1)],
-    ("cuda", 128, 4): [_fwd(32, 32, 4, 1), _fwd(16, 32, 4, 1)],
+    ("cuda", 128, 4): [_fwd(32, 32, 4, 2), _fwd(16, 32, 4, 2)],
     ("cuda", 256, 4): [_fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)],
 }
 
 # Causal forward: smaller query blocks balance the triangle (as measured for attention).
+# Keys missing here fall back to _FWD_TABLE.
 _FWD_CAUSAL_TABLE = {
-    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 4, 3), _fwd(64, 32, 4, 3)],
+    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3)],
     ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(64, 32, 4, 3)],
 }
 
+# Backward with a trainable teacher (dQ1, dK1 and dQ2, dK2).
 _BWD_TABLE = {
-    ("sm90", 64, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3), _bwd(64, 64, 64, 64, 4, 3),
-                      _bwd(16, 64, 64, 16, 4, 2)],
-    ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(64, 64, 64, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 2),
-                       _bwd(16, 64, 64, 16, 4, 2)],
-    ("sm90", 256, 2): [_bwd(16, 32, 32, 16, 4, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 64, 64, 16, 8, 1),
+    # D=64: dK 221 regs, dQ 176 regs, atomic dK 232; D=128: dK 244, dQ 186, atomic dK 255 (8 B spill);
+    # D=256: dK 176, dQ 175, atomic dK 234.
+    ("sm90", 64, 2): [_bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 64, 64, 32, 8, 3),
+                      _bwd(16, 128, 128, 16, 8, 2)],
+    ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 8, 3), _bwd(16, 128, 128, 16, 8, 2), _bwd(32, 128, 128, 32, 8, 1),
+                       _bwd(16, 64, 64, 16, 8, 2)],
+    ("sm90", 256, 2): [_bwd(32, 32, 32, 32, 8, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 32, 32, 16, 8, 2),
                        _bwd(16, 16, 16, 16, 4, 1)],
-    ("sm90", 64, 4): [_bwd(32, 32, 32, 32, 4, 2), _bwd(16, 32, 32, 16, 4, 2), _bwd(16, 16, 16, 16, 4, 1)],
-    ("sm90", 128, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("sm90", 64, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 2)],
+    ("sm90", 128, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 1)],
     ("sm90", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
     ("cuda", 64, 2): [_bwd(32, 64, 64, 32, 4, 2), _bwd(16, 64, 64, 16, 4, 2)],
     ("cuda", 128, 2): [_bwd(16, 64, 64, 16, 4, 2), _bwd(16, 32, 32, 16, 4, 2)],
     ("cuda", 256, 2): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
-    ("cuda", 64, 4): [_bwd(16, 32, 32, 16, 4, 2), _bwd(16, 16, 16, 16, 4, 1)],
-    ("cuda", 128, 4): [_bwd(16, 32, 32, 16, 4, 1), _bwd(16, 16, 16, 16, 4, 1)],
+    ("cuda", 64, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 2)],
+    ("cuda", 128, 4): [_bwd(16, 16, 16, 16, 4, 1)],
     ("cuda", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
+}
+
+# Backward with a frozen teacher (dQ2, dK2 only: one dK accumulator, no dS1): room for larger
+# tiles. D=64: dK 242 regs, dQ 128, atomic dK 240; D=128: dK 229, dQ 137, atomic dK 229.
+# Keys missing here fall back to _BWD_TABLE.
+_BWD_FROZEN_TABLE = {
+    ("sm90", 64, 2): [_bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3)],
+    ("sm90", 128, 2): [_bwd(32, 128, 128, 32, 8, 2), _bwd(32, 64, 64, 32, 8, 3), _bwd(16, 128, 128, 16, 8, 2)],
 }
 
 
@@ -254,13 +278,14 @@ def _dim_bucket(head_dim1: int, head_dim2: int) -> int:
 
 
 def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, device, causal="none",
-                      kind: str = "fwd") -> list[dict]:
+                      kind: str = "fwd", teacher_grad: bool = True) -> list[dict]:
     """Launch configs for one problem kind, best first (the first is the default).
 
     Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages`` (also used by the split-K forward);
     bwd ``BLOCK_M1, BLOCK_N1`` (dK kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per
-    step), ``BLOCK_M2, BLOCK_N2`` (dQ kernel), ``num_warps, num_stages``. The GPU entries are
-    unmeasured guesses (see the comment above :data:`_FWD_TABLE`).
+    step), ``BLOCK_M2, BLOCK_N2`` (dQ kernel), ``num_warps, num_stages``; ``teacher_grad=False``
+    picks the frozen-teacher backward's candidates. The GPU entries are compile-checked but
+    untimed guesses (see the comment above :data:`_FWD_TABLE`).
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
@@ -270,6 +295,8 @@ def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, dev
     size = 4 if dtype == torch.float32 else 2
     key = (dev, _dim_bucket(head_dim1, head_dim2), size)
     if kind == "bwd":
+        if not teacher_grad and key in _BWD_FROZEN_TABLE:
+            return [dict(c) for c in _BWD_FROZEN_TABLE[key]]
         return [dict(c) for c in _BWD_TABLE[key]]
     if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
@@ -277,15 +304,17 @@ def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, dev
 
 
 @functools.lru_cache(maxsize=None)
-def _table_configs(d1: int, d2: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
+def _table_configs(d1: int, d2: int, dtype: torch.dtype, device: torch.device, causal, kind: str,
+                   teacher_grad: bool) -> list[dict]:
     # cached: the launchers only read these dicts
-    cands = candidate_configs(head_dim1=d1, head_dim2=d2, dtype=dtype, device=device, causal=causal, kind=kind)
+    cands = candidate_configs(head_dim1=d1, head_dim2=d2, dtype=dtype, device=device, causal=causal, kind=kind,
+                              teacher_grad=teacher_grad)
     return [_check_config(c) for c in cands]
 
 
-def _configs(config: Optional[dict], q1, q2, causal, kind: str) -> list[dict]:
+def _configs(config: Optional[dict], q1, q2, causal, kind: str, teacher_grad: bool = True) -> list[dict]:
     """The given config alone (missing keys from the default), or every candidate (default first)."""
-    cands = _table_configs(q1.shape[-1], q2.shape[-1], q1.dtype, q1.device, causal, kind)
+    cands = _table_configs(q1.shape[-1], q2.shape[-1], q1.dtype, q1.device, causal, kind, teacher_grad)
     if config:
         return [_check_config({**cands[0], **config})]
     return cands
@@ -533,7 +562,7 @@ def backward(
     interpret = launch.interpreted(q1.device)
     mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
-    configs = _configs(config, q1, q2, causal, "bwd")
+    configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
     args = [g_rows, q1, k1, q2, k2, lse1, lse2, delta, dq1, dk1, dq2, dk2]
     if mask4 is not None:

@@ -32,13 +32,16 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(dropout)
         self.register_buffer("causal", torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool)), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_qk: bool = False):
+        """``[B, T, dim]`` -> ``[B, T, dim]``; with ``return_qk`` also ``(q, k)``, q
+        ``[B, H, T, hd]`` and k ``[B, Hkv, T, hd]`` (before the GQA repeat)."""
         b, t, _ = x.shape
         hd = self.head_dim
         q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
         q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv_heads, hd).transpose(1, 2)
         v = v.view(b, t, self.n_kv_heads, hd).transpose(1, 2)
+        qk = (q, k)
         k = repeat_kv(k, self.n_heads // self.n_kv_heads)
         v = repeat_kv(v, self.n_heads // self.n_kv_heads)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
@@ -47,7 +50,7 @@ class CausalSelfAttention(nn.Module):
         att = self.attn_dropout(att)
         y = att @ v
         y = y.transpose(1, 2).reshape(b, t, -1)
-        return self.proj(y)
+        return (self.proj(y), qk) if return_qk else self.proj(y)
 
 
 class Block(nn.Module):
@@ -58,9 +61,11 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, return_qk: bool = False):
+        a, qk = self.attn(self.ln1(x), return_qk=True)
+        x = x + a
+        x = x + self.mlp(self.ln2(x))
+        return (x, qk) if return_qk else x
 
 
 class TinyGPT(nn.Module):
@@ -78,9 +83,13 @@ class TinyGPT(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, return_qk: bool = False):
+        """Logits ``[B, T, vocab]``; with ``return_qk`` also the last layer's ``(q, k)``
+        (for attention distillation, see ``examples/distill.py``)."""
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        qk = None
         for blk in self.blocks:
-            x = blk(x)
-        return self.ln(x) @ self.tok.weight.t()
+            x, qk = blk(x, return_qk=True)
+        logits = self.ln(x) @ self.tok.weight.t()
+        return (logits, qk) if return_qk else logits

@@ -69,6 +69,10 @@ EFFICIENCY = {
     "sdpa.flash.fwd": (0.56, 0.78, 0.74),
     "sdpa.flash.bwd": (0.52, 0.62, 0.45),
     "eager.matmul": (0.70, 0.70, 0.70),
+    # attention-KL: not measured yet (no GPU run); two dots and two exps per score, so set
+    # below attention's. Replace with measurements from benchmarks/attention_kl.py.
+    "fuser.attention_kl.fwd": (0.35, 0.40, 0.25),
+    "fuser.attention_kl.bwd": (0.25, 0.30, 0.15),
 }
 
 

@@ -148,6 +148,8 @@ _LOG_SOFTMAX = _fns("F.log_softmax", "torch.log_softmax", "torch.special.log_sof
 _AMAX = _fns("torch.amax") | _aten("amax")
 _MAX = _fns("torch.max") | _aten("max")
 _SUM = _fns("torch.sum") | _aten("sum")
+_MEAN = _fns("torch.mean") | _aten("mean")
+_KL_DIV = _fns("F.kl_div", "torch.kl_div") | _aten("kl_div")
 _MASKED_FILL = _fns("torch.masked_fill") | _aten("masked_fill")
 _WHERE = _fns("torch.where") | _aten("where")
 _DROPOUT = _fns("F.dropout", "torch.dropout") | _aten("dropout")
@@ -364,6 +366,23 @@ class GraphView:
                 return mk("sum", (x0,), dim=None, keepdim=False, dtype=n.kwargs.get("dtype"))
             dims = (dims,) if isinstance(dims, int) else tuple(dims)
             return mk("sum", (x0,), dim=tuple(_norm_dim(d, rank0) for d in dims), keepdim=bool(_arg(n, 2, "keepdim", False)), dtype=n.kwargs.get("dtype"))
+        if (fn and t in _MEAN) or (meth and t == "mean"):
+            dims = _arg(n, 1, "dim", None)
+            if dims is None:
+                return mk("mean", (x0,), dim=None, keepdim=False)
+            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            return mk("mean", (x0,), dim=tuple(_norm_dim(d, rank0) for d in dims), keepdim=bool(_arg(n, 2, "keepdim", False)))
+        if fn and t in _KL_DIV:
+            if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+                # aten.kl_div(self, target, reduction: int = 1, log_target=False)
+                reduction, log_target = _arg(n, 2, "reduction", 1), _arg(n, 3, "log_target", False)
+                reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction)
+                return mk("kl_div", (x0, _arg(n, 1, "target")), reduction=reduction, log_target=bool(log_target))
+            # F.kl_div(input, target, size_average, reduce, reduction, log_target)
+            if _arg(n, 2, "size_average") is not None or _arg(n, 3, "reduce") is not None:
+                return None  # legacy arguments: not worth the semantics table
+            reduction = _arg(n, 4, "reduction", "mean")
+            return mk("kl_div", (x0, _arg(n, 1, "target")), reduction=reduction, log_target=bool(_arg(n, 5, "log_target", False)))
         if (fn and t in _MASKED_FILL) or (meth and t in ("masked_fill", "masked_fill_")):
             return mk("masked_fill", (x0, _arg(n, 1, "mask"), _arg(n, 2, "value")))
         if fn and t in _WHERE and len(n.args) + len(n.kwargs) >= 3:

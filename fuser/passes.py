@@ -27,15 +27,25 @@ log = logging.getLogger("fuser")
 # Pattern modules, by pattern name. Each defines PATTERN (a fuser.pattern.Pattern).
 PATTERN_MODULES = {
     "attention": "fuser.patterns.attention",
+    "attention_kl": "fuser.patterns.attention_kl",
 }
 
 
+_broken: dict[str, str] = {}
+
+
 def load_patterns(options: Options) -> list[Pattern]:
-    """The enabled patterns' objects, in a fixed order."""
+    """The enabled patterns' objects, in a fixed order. A pattern module that fails to import
+    is skipped with a warning (once) rather than taking every other pattern down with it."""
     out = []
     for name, module in PATTERN_MODULES.items():
-        if name in options.patterns:
+        if name not in options.patterns or name in _broken:
+            continue
+        try:
             out.append(importlib.import_module(module).PATTERN)
+        except Exception as exc:  # pragma: no cover - only a broken installation gets here
+            _broken[name] = repr(exc)
+            log.warning("fuser: pattern %s is unavailable (%r); it will not be fused", name, exc)
     return out
 
 

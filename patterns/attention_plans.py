@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from fuser import costmodel as cm
 from fuser.codegen import launch
 from fuser.graph import shape, val
-from fuser.passes import annotate
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
+from .scores import Emitter
 
 BLOCK_M, BLOCK_N = 128, 64  # the nominal tile used for tile counts in the cost model
 
@@ -209,84 +209,28 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     b = m.bindings
     rank = b["rank"]
     compute = b["compute_dtype"]
-
-    def node(kind: str, target, args, kwargs=None) -> fx.Node:
-        n = graph.create_node(kind, target, args, kwargs or {})
-        return annotate(n)
-
-    def prep(x, transposed: bool, detach: bool = False):
-        if detach:
-            x = node("call_method", "detach", (x,))
-        if transposed:
-            x = node("call_method", "transpose", (x, -2, -1))
-        for _ in range(4 - rank):
-            x = node("call_method", "unsqueeze", (x, 0))
-        if b["in_dtype"] != compute:
-            x = node("call_method", "to", (x, compute))
-        return x
-
+    e = Emitter(graph, rank, compute)
     with graph.inserting_before(m.root):
-        q = prep(b["q"], b["q_t"], b["detach_qk"])
-        k = prep(b["k"], b["k_t"], b["detach_qk"])
-        v = prep(b["v"], b["v_t"])
-        scale = _scale_node(b["factors"], node)
-        mask = _mask_node(b, node)
+        q = e.operand(b["q"], b["q_t"], b["in_dtype"], detach=b["detach_qk"])
+        k = e.operand(b["k"], b["k_t"], b["in_dtype"], detach=b["detach_qk"])
+        v = e.operand(b["v"], b["v_t"], b["in_dtype"])
+        scale = e.scale(b["factors"])
+        mask = e.mask(b["mask_terms"], b["mask_shape"])
         impl = plan.params["impl"]
         if impl == "fuser":
-            op = node(
+            op = e.node(
                 "call_function", torch.ops.fuser.attention.default,
                 (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params)),
             )
-            out = node("call_function", operator.getitem, (op, 0))
+            out = e.node("call_function", operator.getitem, (op, 0))
         elif impl == "sdpa":
-            out = node(
+            out = e.node(
                 "call_function", F.scaled_dot_product_attention, (q, k, v),
                 {"is_causal": b["causal"] != "none", "scale": scale, "enable_gqa": b["group"] > 1},
             )
         else:
             raise ValueError(f"attention plan {plan.name} emits nothing")
-        for _ in range(4 - rank):
-            out = node("call_method", "squeeze", (out, 0))
+        out = e.unrank(out)
         if b["out_dtype"] != compute:
-            out = node("call_method", "to", (out, b["out_dtype"]))
-    return out
-
-
-def _mask_node(b: dict, node) -> object:
-    """The mask operand: the single mask term as it is (scaled/negated when the scores were
-    scaled or subtracted after it), or several terms summed into one additive mask."""
-    terms = b["mask_terms"]
-    if not terms:
-        return None
-    parts = []
-    for t in terms:
-        x = t["node"]
-        if len(terms) > 1 and t["kind"] != "additive":
-            keep = x if t["kind"] == "bool_keep" else node("call_function", operator.invert, (x,))
-            x = node("call_function", torch.where, (keep, 0.0, float("-inf")))
-        if t["neg"]:
-            x = node("call_function", operator.neg, (x,))
-        if t["scale"]:
-            x = node("call_function", operator.mul, (x, _scale_node(t["scale"], node)))
-        parts.append(x)
-    mask = parts[0]
-    for x in parts[1:]:
-        mask = node("call_function", operator.add, (mask, x))
-    for _ in range(4 - len(b["mask_shape"])):
-        mask = node("call_method", "unsqueeze", (mask, 0))
-    return mask
-
-
-def _scale_node(factors: list, node) -> object:
-    """Π value**power as a Python float, or as graph nodes when some factor is symbolic."""
-    total = 1.0
-    symbolic = []
-    for v, p in factors:
-        if isinstance(v, float):
-            total = total * v if p == 1 else total / v
-        else:
-            symbolic.append((v, p))
-    out: object = total
-    for v, p in symbolic:
-        out = node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
+            out = e.node("call_method", "to", (out, b["out_dtype"]))
     return out

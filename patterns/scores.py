@@ -10,6 +10,7 @@ general), GQA head repeats undone, operand layouts. Every decline carries its re
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional
 
 import torch
@@ -368,6 +369,10 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     if not (ndim(q) == ndim(k) == rank):
         raise Decline(f"q, k ranks {ndim(q)}, {ndim(k)} differ from the scores' rank {rank} (broadcast matmul)")
     k0, group = (ungroup(k, view) if rank == 4 and not k_t else (k, 1))
+    # scores computed under torch.no_grad() (a frozen teacher, say): Dynamo keeps only the
+    # grad-mode switches, so read it off the values; the fused op sits where grad is on again
+    if ctx.grad_enabled and not val(scores).requires_grad and (val(q).requires_grad or val(k).requires_grad):
+        detached = True
     if dtype(q) != dtype(k):
         raise Decline(f"q and k dtypes differ ({dtype(q)}, {dtype(k)})")
     in_dtype = dtype(q)
@@ -424,6 +429,83 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         factors=factors, causal=causal, mask_terms=mask_terms, buffers=buffers, in_dtype=in_dtype,
         compute_dtype=compute_dtype, device=dev, detached=detached,
     )
+
+
+class Emitter:
+    """Inserts the graph code around a fused op of a scores-based pattern (call it inside
+    ``graph.inserting_before(root)``): operands brought to the kernels' 4-D ``[B, H, N, D]``
+    form, the scale as a float or symbolic expression, the mask operand; every new node gets
+    fake-value metadata for the passes that run after fuser.
+
+    Args:
+        graph: the graph being rewritten.
+        rank: the scores' rank (2 to 4): operands of lower rank get leading unit dims.
+        compute_dtype: the dtype the scores are computed in (autocast may differ from the
+            operands' dtype; operands are cast to it).
+    """
+
+    def __init__(self, graph: fx.Graph, rank: int, compute_dtype: torch.dtype):
+        self.graph, self.rank, self.compute_dtype = graph, rank, compute_dtype
+
+    def node(self, kind: str, target, args, kwargs=None) -> fx.Node:
+        from fuser.passes import annotate
+
+        return annotate(self.graph.create_node(kind, target, args, kwargs or {}))
+
+    def operand(self, x, transposed: bool, in_dtype: torch.dtype, detach: bool = False):
+        """``x`` as ``[B, H, N, D]``: detached, transposed back, given leading unit dims, cast."""
+        if detach:
+            x = self.node("call_method", "detach", (x,))
+        if transposed:
+            x = self.node("call_method", "transpose", (x, -2, -1))
+        for _ in range(4 - self.rank):
+            x = self.node("call_method", "unsqueeze", (x, 0))
+        if in_dtype != self.compute_dtype:
+            x = self.node("call_method", "to", (x, self.compute_dtype))
+        return x
+
+    def unrank(self, x, lead: int = 0):
+        """Drop the leading unit dims :meth:`operand` added (``lead``: dims in front of them)."""
+        for _ in range(4 - self.rank):
+            x = self.node("call_method", "squeeze", (x, lead))
+        return x
+
+    def scale(self, factors: list) -> object:
+        """Π value**power as a Python float, or as graph nodes when some factor is symbolic."""
+        total = 1.0
+        symbolic = []
+        for v, p in factors:
+            if isinstance(v, float):
+                total = total * v if p == 1 else total / v
+            else:
+                symbolic.append((v, p))
+        out: object = total
+        for v, p in symbolic:
+            out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
+        return out
+
+    def mask(self, terms: list, mask_shape: Optional[tuple]) -> object:
+        """The mask operand: the single mask term as it is (scaled/negated when the scores were
+        scaled or subtracted after it), or several terms summed into one additive mask."""
+        if not terms:
+            return None
+        parts = []
+        for t in terms:
+            x = t["node"]
+            if len(terms) > 1 and t["kind"] != "additive":
+                keep = x if t["kind"] == "bool_keep" else self.node("call_function", operator.invert, (x,))
+                x = self.node("call_function", torch.where, (keep, 0.0, float("-inf")))
+            if t["neg"]:
+                x = self.node("call_function", operator.neg, (x,))
+            if t["scale"]:
+                x = self.node("call_function", operator.mul, (x, self.scale(t["scale"])))
+            parts.append(x)
+        mask = parts[0]
+        for x in parts[1:]:
+            mask = self.node("call_function", operator.add, (mask, x))
+        for _ in range(4 - len(mask_shape)):
+            mask = self.node("call_method", "unsqueeze", (mask, 0))
+        return mask
 
 
 def describe_mask(terms: list) -> str:

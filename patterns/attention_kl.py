@@ -1,0 +1,235 @@
+"""Attention-KL: ``KL(P1 ‖ P2)`` between two attention distributions over the same keys.
+
+``P1 = softmax(S1)`` (the target, usually a teacher's attention) and ``P2 = softmax(S2)`` (the
+student's), ``S = scale · Q Kᵀ`` with the same causal/padding mask on both sides (head dims may
+differ; GQA on either side). Per query row ``L_i = Σ_j P1_ij (log P1_ij − log P2_ij)``, then the
+user's reduction. Recognised spellings of the elementwise term:
+
+- ``F.kl_div(log_softmax(S2), log_softmax(S1), log_target=True)``
+- ``F.kl_div(log_softmax(S2), softmax(S1))`` (also with ``log(softmax(S2))`` as input)
+- ``p1 * (log_softmax(s1) - log_softmax(s2))`` and ``p1 * (log(p1) - log(p2))``
+
+reduced by ``kl_div``'s ``sum``/``mean``/``batchmean`` (``mean`` divides by every element, N_k
+included; ``batchmean`` by dim 0 only), or ``none``/hand-written followed by ``.sum(-1)`` (per
+row), ``.sum()`` or ``.mean()``; terms zeroed under the scores' own mask first
+(``masked_fill(mask, 0)`` / ``where``) are accepted. The fused kernels stream over key tiles and
+never materialise P1 or P2; the math (offset-free accumulator, exact split-K merge, backward) is
+in DESIGN.md and ``codegen/attention_kl.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+from fuser.graph import GraphView, dtype, location, shape, val
+from fuser.matcher import Alt, Op, Same, match
+from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
+from fuser.static import NotStatic
+
+from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl and its backward)
+from .scores import Decline, Scores, analyze_scores, describe_mask, describe_scale, scores_rule, softmax_rule, static_class
+
+# --------------------------------------------------------------------------------------------
+# Spelling (side 1 = target P1, side 2 = input log P2)
+# --------------------------------------------------------------------------------------------
+
+_LOGP2 = Alt(
+    Op("log_softmax", scores_rule("2"), name="logp2"),
+    Op("log", softmax_rule("2"), name="logp2"),
+)
+TERM = Alt(
+    Op("kl_div", _LOGP2, Op("log_softmax", scores_rule("1"), name="logp1"), name="term",
+       check=lambda c: c.attrs["log_target"]),
+    Op("kl_div", _LOGP2, softmax_rule("1"), name="term", check=lambda c: not c.attrs["log_target"]),
+    Op("mul", softmax_rule("1"),
+       Op("sub", Alt(Op("log_softmax", Same("S1"), name="logp1"), Op("log", Same("softmax1"), name="logp1")), _LOGP2),
+       commutative=True, name="term"),
+)
+# between the elementwise term and its reduction
+_TERM_THROUGH = frozenset({"cast", "identity"})
+
+
+def _is_zero(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
+class AttentionKLPattern(Pattern):
+    """KL divergence between two attention distributions (attention distillation)."""
+
+    name = "attention_kl"
+
+    def anchors(self, view: GraphView):
+        for n in view.graph.nodes:
+            if view.op(n) in ("kl_div", "mul"):
+                yield n
+
+    def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
+        first: Optional[Rejection] = None
+        for b in match(TERM, anchor, ctx.view):
+            red = self._reduction(anchor, ctx.view, b)
+            if red is None:
+                return None
+            if isinstance(red, str):
+                return Rejection(self.name, red, location(anchor), anchor.name, ctx.graph_index)
+            try:
+                return self._analyze(b, anchor, red, ctx)
+            except Decline as exc:
+                first = first or Rejection(self.name, str(exc), location(anchor), anchor.name, ctx.graph_index)
+        return first
+
+    # -- the reduction after the elementwise term -------------------------------------------
+    def _reduction(self, term: fx.Node, view: GraphView, b):
+        """``(root, kind, keepdim, passed, zeroing)`` with kind in rows/sum/mean/batchmean; None
+        when the term feeds no reduction fuser knows; a reason string for a near-miss."""
+        c = view.canon(term)
+        rank = len(shape(term)) if shape(term) is not None else None
+        if c.op == "kl_div" and c.attrs["reduction"] != "none":
+            if c.attrs["reduction"] not in ("sum", "mean", "batchmean"):
+                return f"kl_div reduction {c.attrs['reduction']!r}"
+            return term, c.attrs["reduction"], False, [], []
+        x, passed, zeroing = term, [], []
+        while True:
+            readers = view.readers(x)
+            if len(readers) != 1:
+                return None
+            r = readers[0]
+            rc = view.canon(r)
+            if rc is None:
+                return None
+            if rc.op in _TERM_THROUGH and rc.args[0] is x:
+                passed.append(r)
+                x = r
+                continue
+            if rc.op == "masked_fill" and rc.args[0] is x and _is_zero(rc.args[2]):
+                zeroing.append(("bool_drop", rc.args[1]))
+            elif rc.op == "where" and rc.args[2] is x and _is_zero(rc.args[1]):
+                zeroing.append(("bool_drop", rc.args[0]))
+            elif rc.op == "where" and rc.args[1] is x and _is_zero(rc.args[2]):
+                zeroing.append(("bool_keep", rc.args[0]))
+            elif rc.op == "sum" and rc.args[0] is x:
+                dims = rc.attrs["dim"]
+                if dims == (rank - 1,):
+                    return r, "rows", rc.attrs["keepdim"], passed, zeroing
+                if dims is None or set(dims) == set(range(rank)):
+                    return r, "sum", False, passed, zeroing
+                return f"the KL terms are summed over dims {dims}, not over the keys or everything"
+            elif rc.op == "mean" and rc.args[0] is x:
+                if rc.attrs["dim"] is None or set(rc.attrs["dim"]) == set(range(rank)):
+                    return r, "mean", False, passed, zeroing
+                return f"the KL terms are averaged over dims {rc.attrs['dim']}"
+            else:
+                return None
+            passed.append(r)
+            x = r
+
+    # -- analysis -----------------------------------------------------------------------------
+    def _analyze(self, b, term: fx.Node, red, ctx: MatchContext) -> Match:
+        root, kind, keepdim, passed, zeroing = red
+        view = ctx.view
+        s1, s2 = analyze_scores(b, ctx, "1"), analyze_scores(b, ctx, "2")
+        rank = s1.rank
+        if s2.rank != rank:
+            raise Decline(f"the two score matrices have ranks {s1.rank} and {s2.rank}")
+        for name in ("softmax1", "softmax2", "logp1", "logp2"):
+            n = b.get(name)
+            c = view.canon(n) if n is not None else None
+            if c is not None and c.op in ("softmax", "log_softmax") and c.attrs["dim"] != rank - 1:
+                raise Decline(f"{c.op} over dim {c.attrs['dim']}, not over the keys (last dim)")
+        (nq1, nk1, d1), (nq2, nk2, d2) = s1.dims(), s2.dims()
+        b1 = shape(s1.q)[:-2]
+        b2 = shape(s2.q)[:-2]
+        if b1 != b2 or nq1 != nq2 or nk1 != nk2:
+            raise Decline(f"the two attentions have different shapes (q1 {shape(s1.q)}, q2 {shape(s2.q)}, Nk {nk1} vs {nk2})")
+        if s1.in_dtype != s2.in_dtype:
+            raise Decline(f"teacher and student dtypes differ ({s1.in_dtype}, {s2.in_dtype})")
+        if s1.device != s2.device:
+            raise Decline("teacher and student are on different devices")
+        if s1.causal != s2.causal or not _same_masks(s1, s2):
+            raise Decline(
+                f"the masks differ between the two sides (causal {s1.causal} vs {s2.causal}; "
+                f"{describe_mask(s1.mask_terms)} vs {describe_mask(s2.mask_terms)})"
+            )
+        for t in s1.mask_terms:
+            if t["kind"] == "additive" and t["scale"]:
+                raise Decline("an additive mask added before the scale (it would differ per side)")
+        for zkind, cond in zeroing:
+            if not _zeroing_matches(zkind, cond, s1, ctx):
+                raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
+
+        g1 = ctx.grad_enabled and not s1.detached and any(val(x).requires_grad for x in (s1.q, s1.k))
+        g2 = ctx.grad_enabled and not s2.detached and any(val(x).requires_grad for x in (s2.q, s2.k))
+        region = frozenset(b.region) | frozenset(passed) | {root}
+        bindings = dict(
+            s1=s1, s2=s2, rank=rank, reduction=kind, keepdim=keepdim, out_dtype=dtype(root),
+            grad_teacher=bool(g1), grad_student=bool(g2), need_stats=bool(g1 or g2),
+            causal=s1.causal, mask_terms=s1.mask_terms, mask_kind=s1.mask_kind, mask_shape=s1.mask_shape,
+            device=s1.device, in_dtype=s1.in_dtype,
+        )
+        spelling = {
+            "kl_div": "kl_div(log_target=True)" if view.canon(term).attrs.get("log_target") else "kl_div(probs)",
+            "mul": "p1 * (log p1 - log p2)",
+        }[view.canon(term).op]
+        summary = {
+            "teacher": f"q={s1.q.name} k={s1.k.name}",
+            "student": f"q={s2.q.name} k={s2.k.name}",
+            "scale1": describe_scale(s1.factors),
+            "scale2": describe_scale(s2.factors),
+            "causal": s1.causal,
+            "mask": describe_mask(s1.mask_terms),
+            "gqa_groups": (s1.group, s2.group),
+            "head_dims": (d1, d2),
+            "reduction": kind,
+            "spelling": spelling,
+            "grads": "both sides" if g1 and g2 else "student only" if g2 else "teacher only" if g1 else "none",
+            "dtype": str(s1.in_dtype).replace("torch.", ""),
+        }
+        buffers = sorted(set(s1.buffers + s2.buffers))
+        if buffers:
+            summary["assumes_constant"] = buffers
+        return Match(self.name, root, region, bindings, summary, location(term), ctx.graph_index)
+
+    # -- planning and emission ----------------------------------------------------------------
+    def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
+        from .attention_kl_plans import candidates
+
+        return candidates(m, ctx)
+
+    def kernels(self, m: Match, plan: Candidate) -> list:
+        from .attention_kl_plans import kernels
+
+        return kernels(m, plan)
+
+    def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
+        from .attention_kl_plans import emit
+
+        return emit(m, plan, graph)
+
+
+def _same_masks(s1: Scores, s2: Scores) -> bool:
+    """Both sides load the same mask tensor(s) with the same meaning."""
+    if len(s1.mask_terms) != len(s2.mask_terms):
+        return False
+    for a, c in zip(s1.mask_terms, s2.mask_terms):
+        if a["kind"] != c["kind"] or a["node"] is not c["node"] or a["neg"] != c["neg"]:
+            return False
+        if describe_scale(a["scale"]) != describe_scale(c["scale"]):
+            return False
+    return True
+
+
+def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext) -> bool:
+    """A ``masked_fill(term, cond, 0)``/``where`` on the KL terms changes nothing when it zeroes
+    exactly terms the scores' mask already hides (those are 0 in the fused result)."""
+    for t in s.mask_terms:
+        if t["node"] is cond and t["kind"] == kind:
+            return True
+    try:
+        cls, _ = static_class(cond, kind, s.node, ctx)
+    except NotStatic:
+        return False
+    return cls == "none" or cls == s.causal
+
+
+PATTERN = AttentionKLPattern()

@@ -1,0 +1,123 @@
+"""The fused attention-KL ops: ``torch.ops.fuser.attention_kl`` and its backward.
+
+``torch.ops.fuser.attention_kl(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan) -> (rows, lse1, lse2, delta)``
+    Side 1 is the target distribution P1 (the teacher), side 2 the student P2.
+    q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2 ``[B, Hkv2, Nk, D2]``
+    (any strides; GQA per side); ``mask`` broadcastable to ``[B, H, Nq, Nk]`` (shared by both
+    sides) or None. Returns ``rows`` ``[B, H, Nq]`` float32, ``L_i = Σ_j P1 (log P1 − log P2)``
+    in nats (0 for a row with no visible key), and the per-row statistics the backward needs
+    (``[B, H, Nq]`` float32, base 2; empty tensors when ``need_stats`` is false).
+    ``plan``: ``"split_k=<n>;backward=two_kernel|atomic_dq"``.
+
+``torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs) -> (dq1, dk1, dq2, dk2)``
+    gradients for the inputs flagged in ``needs`` (empty tensors for the others), given the
+    upstream gradient ``g`` of ``rows``.
+
+Neither op mutates or aliases its inputs; both have fake implementations with the real
+outputs' strides. Kernels: ``codegen/attention_kl.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..codegen import attention_kl as kernels
+from .attention_ops import parse_plan
+
+
+def _empty_stat(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fuser::attention_kl", mutates_args=())
+def attention_kl(
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale1: float,
+    scale2: float,
+    causal: str,
+    mask_kind: str,
+    need_stats: bool,
+    plan: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = parse_plan(plan)
+    split = p.get("split_k", "1")
+    split_k = kernels.default_split_k(q1.shape[0], q1.shape[1], q1.shape[2], k1.shape[2], q1.device) if split == "auto" else int(split)
+    rows, lse1, lse2, delta = kernels.forward(
+        q1, k1, q2, k2, scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind,
+        need_stats=need_stats, split_k=split_k,
+    )
+    if not need_stats:  # three distinct tensors: custom-op outputs may not alias each other
+        lse1, lse2, delta = _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
+    return rows, lse1, lse2, delta
+
+
+@attention_kl.register_fake
+def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan):
+    rows = kernels.alloc_rows(q1)
+    if not need_stats:
+        return rows, _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
+    return rows, kernels.alloc_stats(q1), kernels.alloc_stats(q1), kernels.alloc_stats(q1)
+
+
+@torch.library.custom_op("fuser::attention_kl_backward", mutates_args=())
+def attention_kl_backward(
+    g: torch.Tensor,
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    lse1: torch.Tensor,
+    lse2: torch.Tensor,
+    delta: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale1: float,
+    scale2: float,
+    causal: str,
+    mask_kind: str,
+    plan: str,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if lse1.numel() == 0 and q1.numel() != 0:
+        raise RuntimeError("fuser: attention_kl backward on a forward that stored no statistics; a fuser bug")
+    p = parse_plan(plan)
+    grads = kernels.backward(
+        g, q1, k1, q2, k2, lse1, lse2, delta, scale1=scale1, scale2=scale2, causal=causal, mask=mask,
+        mask_kind=mask_kind, needs_grad=tuple(needs), bwd_mode=p.get("backward", "two_kernel"),
+    )
+    likes = (q1, k1, q2, k2)
+    return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
+
+
+@attention_kl_backward.register_fake
+def _attention_kl_backward_fake(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs):
+    grads = kernels.alloc_grads(q1, k1, q2, k2, tuple(needs))
+    likes = (q1, k1, q2, k2)
+    return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
+
+
+def _setup_context(ctx, inputs, output):
+    q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan = inputs
+    _, lse1, lse2, delta = output
+    ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, delta, mask)
+    ctx.params = (scale1, scale2, causal, mask_kind, plan)
+
+
+def _backward(ctx, g_rows, g_lse1, g_lse2, g_delta):
+    q1, k1, q2, k2, lse1, lse2, delta, mask = ctx.saved_tensors
+    scale1, scale2, causal, mask_kind, plan = ctx.params
+    needs = [bool(x) for x in ctx.needs_input_grad[:4]]
+    if not any(needs) or g_rows is None:
+        return (None,) * 11
+    grads = torch.ops.fuser.attention_kl_backward(
+        g_rows, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs
+    )
+    return tuple(gr if need else None for gr, need in zip(grads, needs)) + (None,) * 7
+
+
+attention_kl.register_autograd(_backward, setup_context=_setup_context)

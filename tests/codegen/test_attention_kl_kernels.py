@@ -1,0 +1,622 @@
+"""Attention-KL kernels (codegen/attention_kl.py + templates) against the float64 reference.
+
+On CPU the kernels run in Triton's interpreter at small, ragged sizes; tests marked ``gpu``
+run the compiled kernels at realistic sizes. Every output is allocated poisoned (NaN), so an
+element a kernel fails to write shows up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fuser.codegen import attention_kl, launch
+from fuser.patterns.attention_kl_reference import reference
+
+LOG2E = 1.4426950408889634
+LN2 = math.log(2.0)
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+BWD_MODES = ("two_kernel", "atomic_dq")
+ALL = (True, True, True, True)
+FROZEN = (False, False, True, True)  # teacher frozen: only the student's gradients
+CPU = torch.device("cpu")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+def _inputs(seed, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=torch.float32, device=CPU):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((b, h, n_q, d1), (b, hkv1, n_k, d1), (b, h, n_q, d2), (b, hkv2, n_k, d2))
+    return tuple(torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
+
+
+def _grads_ref(q1, k1, q2, k2, g, **kw):
+    leaves = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
+    rows = reference(*leaves, **kw)["rows"]
+    return torch.autograd.grad((rows * g.double()).sum(), leaves)
+
+
+def _check(
+    q1, k1, q2, k2, *, causal="none", mask=None, mask_kind="none", scale1=None, scale2=None,
+    split_k=1, grad=True, modes=BWD_MODES, needs=(ALL, FROZEN), g=None, tol=None,
+    config=None, bwd_config=None, seed=0,
+):
+    """Forward (and the backward per mode and needs_grad) against the reference.
+
+    Returns ``(rows, (lse1, lse2, delta), {(mode, needs): grads})``.
+    """
+    dtype = q1.dtype
+    tol = TOL[dtype] if tol is None else tol
+    scale1 = q1.shape[-1] ** -0.5 if scale1 is None else scale1
+    scale2 = q2.shape[-1] ** -0.5 if scale2 is None else scale2
+    kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind)
+    with launch.poison_outputs():
+        rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split_k, config=config, **kw)
+    ref = reference(q1, k1, q2, k2, **kw)
+
+    assert rows.shape == ref["rows"].shape and rows.dtype == torch.float32 and rows.is_contiguous()
+    assert not rows.isnan().any()
+    err = _rel(rows, ref["rows"])
+    assert err < tol, f"rows: relative error {err:.3g} >= {tol}"
+    empty = torch.isneginf(ref["lse1"])
+    assert (rows[empty] == 0).all(), "rows with no visible key must give L = 0"
+    stat_tol = 1e-4 if dtype == torch.float32 else 2e-3
+    for name, got, want in (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
+        assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+        assert not got.isnan().any()
+        assert torch.isposinf(got[empty]).all(), f"{name}: empty rows must store +inf"
+        # a row whose every visible score carries a finfo.min bias has LSE = finfo.min + O(1),
+        # which base 2 cannot hold in fp32: the kernel saturates it near -FLT_MAX (L and the
+        # gradients stay exact: that row is uniform on both sides, as in the reference)
+        saturated = ~empty & (want < -1e38)
+        assert (got[saturated] < -1e38).all(), name
+        normal = ~empty & ~saturated
+        if normal.any():
+            e = (got[normal].double() / LOG2E - want[normal]).abs().max().item()
+            assert e < stat_tol * (1 + want[normal].abs().max().item()), f"{name} error {e:.3g}"
+    assert not delta.isnan().any() and (delta[empty] == 0).all()
+    e = (delta.double() * LN2 - ref["delta"]).abs().max().item()
+    assert e < stat_tol * (1 + ref["delta"].abs().max().item()), f"delta error {e:.3g}"
+
+    grads = {}
+    if grad:
+        if g is None:
+            g = torch.randn(rows.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q1.device)
+        ref_grads = _grads_ref(q1, k1, q2, k2, g, **kw)
+        for mode in modes:
+            for need in needs:
+                with launch.poison_outputs():
+                    got = attention_kl.backward(
+                        g, q1, k1, q2, k2, lse1, lse2, delta, needs_grad=need, bwd_mode=mode,
+                        config=bwd_config, **kw,
+                    )
+                grads[(mode, need)] = got
+                for name, gr, rg, t, n in zip(("dq1", "dk1", "dq2", "dk2"), got, ref_grads, (q1, k1, q2, k2), need):
+                    if not n:
+                        assert gr is None, f"{name} not asked for but returned ({mode})"
+                        continue
+                    assert gr.shape == t.shape and gr.dtype == t.dtype and gr.is_contiguous(), f"{name} ({mode})"
+                    assert not gr.isnan().any(), f"{name} has NaN ({mode}, {need})"
+                    e = _rel(gr, rg)
+                    assert e < tol, f"{name} ({mode}, {need}): relative error {e:.3g} >= {tol}"
+    return rows, (lse1, lse2, delta), grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter tests (CPU)
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = [
+    # id, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal
+    ("ragged_d24_d40_gqa_1_2", 2, 4, 1, 2, 37, 50, 24, 40, "none"),
+    ("top_left_q<k", 1, 2, 2, 2, 50, 67, 32, 32, "top_left"),
+    ("top_left_q>k", 1, 2, 2, 1, 67, 37, 32, 16, "top_left"),
+    ("bottom_right_q<k_gqa_2_1", 2, 4, 2, 1, 37, 67, 32, 24, "bottom_right"),
+    ("bottom_right_q>k_empty_rows", 2, 2, 1, 2, 67, 37, 16, 32, "bottom_right"),
+    ("d80_d48", 1, 2, 2, 2, 40, 33, 80, 48, "none"),
+    ("gqa_groups_2_3", 1, 6, 3, 2, 29, 45, 32, 16, "top_left"),  # groups that do not nest
+    ("single_query", 2, 2, 1, 1, 1, 67, 32, 32, "bottom_right"),
+]
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=[c[0] for c in SHAPES])
+def test_fp32_forward_backward(case):
+    _, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal = case
+    q1, k1, q2, k2 = _inputs(SHAPES.index(case), b, h, hkv1, hkv2, n_q, n_k, d1, d2)
+    rows, (lse1, lse2, delta), grads = _check(q1, k1, q2, k2, causal=causal)
+    if case[0] == "bottom_right_q>k_empty_rows":
+        # the first Nq - Nk rows see no key: L = 0, LSE = +inf, no gradient into their queries
+        e = n_q - n_k
+        assert (rows[:, :, :e] == 0).all() and torch.isposinf(lse1[:, :, :e]).all()
+        assert torch.isposinf(lse2[:, :, :e]).all() and (delta[:, :, :e] == 0).all()
+        for (mode, need), (dq1, _, dq2, _) in grads.items():
+            assert (dq2[:, :, :e] == 0).all(), mode
+            if dq1 is not None:
+                assert (dq1[:, :, :e] == 0).all(), mode
+
+
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_fp16(causal):
+    q1, k1, q2, k2 = _inputs(11, 2, 4, 2, 4, 45, 53, 64, 40, dtype=torch.float16)
+    _check(q1, k1, q2, k2, causal=causal)
+
+
+def test_bf16_interpreter_upcast():
+    # the interpreter's bf16 tl.dot is wrong; interpreted kernels upcast dot operands to fp32
+    q1, k1, q2, k2 = _inputs(12, 1, 2, 1, 2, 37, 50, 32, 24, dtype=torch.bfloat16)
+    _check(q1, k1, q2, k2, causal="top_left", needs=(ALL,))
+
+
+@pytest.mark.parametrize("scales", [(0.37, -0.5), (0.0, 0.25), (-0.3, -0.2)], ids=["neg2", "zero1", "neg_both"])
+def test_scales(scales):
+    # positive scales are folded into the exp2 argument; zero and negative ones take the plain path
+    q1, k1, q2, k2 = _inputs(14, 1, 2, 2, 2, 29, 41, 32, 16)
+    _check(q1, k1, q2, k2, scale1=scales[0], scale2=scales[1], causal="bottom_right",
+           modes=("two_kernel",), needs=(ALL,))
+
+
+def test_non_default_configs():
+    q1, k1, q2, k2 = _inputs(13, 1, 2, 1, 2, 50, 45, 32, 24)
+    kw = dict(head_dim1=32, head_dim2=24, dtype=q1.dtype, device=q1.device)
+    fwd = attention_kl.candidate_configs(kind="fwd", **kw)
+    bwd = attention_kl.candidate_configs(kind="bwd", **kw)
+    for fc, bc in zip(fwd[1:], bwd[1:] + bwd[:1]):
+        _check(q1, k1, q2, k2, causal="top_left", config=fc, bwd_config=bc, needs=(ALL,))
+
+
+# --- split-K ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_split_k_equals_one_pass(causal):
+    q1, k1, q2, k2 = _inputs(41, 2, 2, 1, 2, 37, 75, 32, 24)
+    kw = dict(scale1=0.2, scale2=0.3, causal=causal)
+    one = attention_kl.forward(q1, k1, q2, k2, split_k=1, **kw)
+    ref = reference(q1, k1, q2, k2, **kw)
+    # 75 keys = 5 tiles of 16: splits of 2 and 3 tiles, and more splits than tiles (clamped)
+    for split in (2, 3, 8):
+        with launch.poison_outputs():
+            got = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        for name, a, b in zip(("rows", "lse1", "lse2", "delta"), got, one):
+            assert not a.isnan().any(), (name, split)
+            fin = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), fin) and torch.equal(a[~fin], b[~fin]), (name, split)
+            assert (a[fin] - b[fin]).abs().max().item() < 1e-6 * (1 + b[fin].abs().max().item()), (name, split)
+        assert _rel(got[0], ref["rows"]) < 1e-4
+
+
+def test_split_k_with_empty_splits_and_backward():
+    # key padding hides the last 40 of 80 keys: for split_k = 3, the last split of every row
+    # is empty (m = -inf, l = 0); one batch hides every key (all splits empty)
+    b, h, n_q, n_k = 2, 2, 33, 80
+    q1, k1, q2, k2 = _inputs(42, b, h, 2, 1, n_q, n_k, 16, 32)
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., 40:] = False
+    keep[1] = False
+    rows, _, grads = _check(q1, k1, q2, k2, mask=keep, mask_kind="bool_keep", split_k=3,
+                            modes=("atomic_dq",), needs=(FROZEN,))
+    assert (rows[1] == 0).all()
+
+
+# --- masks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bool_keep", "bool_drop"])
+def test_key_padding_with_fully_masked_batch(kind):
+    b, h, n_q, n_k = 2, 2, 37, 50
+    q1, k1, q2, k2 = _inputs(21, b, h, 2, 1, n_q, n_k, 32, 24)
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., 41:] = False  # padded keys
+    keep[0, ..., 3] = False
+    keep[1] = False  # every key of batch 1 is hidden
+    mask = keep if kind == "bool_keep" else ~keep
+    causal = "none" if kind == "bool_keep" else "top_left"
+    rows, (lse1, lse2, delta), grads = _check(q1, k1, q2, k2, mask=mask, mask_kind=kind, causal=causal)
+    assert (rows[1] == 0).all() and torch.isposinf(lse1[1]).all() and torch.isposinf(lse2[1]).all()
+    for key, gs in grads.items():
+        for gr in gs:
+            if gr is not None:
+                assert (gr[1] == 0).all(), key
+
+
+def test_bool_mask_full_per_head():
+    # a full [1, H, Nq, Nk] mask (not row-broadcast) with some rows entirely hidden
+    h, n_q, n_k = 2, 45, 50
+    q1, k1, q2, k2 = _inputs(22, 2, h, 1, 2, n_q, n_k, 32, 16)
+    gen = torch.Generator().manual_seed(5)
+    keep = torch.rand(1, h, n_q, n_k, generator=gen) > 0.3
+    keep[0, 0, 7] = False
+    keep[0, 1, 40] = False
+    rows, _, _ = _check(q1, k1, q2, k2, mask=keep, mask_kind="bool_keep", causal="bottom_right")
+    assert rows[:, 0, 7].eq(0).all() and rows[:, 1, 40].eq(0).all()
+
+
+def test_additive_bias_per_head_with_neg_inf_and_finfo_min():
+    b, h, n_q, n_k = 2, 2, 37, 50
+    q1, k1, q2, k2 = _inputs(23, b, h, 2, 2, n_q, n_k, 24, 32)
+    gen = torch.Generator().manual_seed(6)
+    bias = 2.0 * torch.randn(1, h, n_q, n_k, generator=gen)
+    pick = torch.rand(1, h, n_q, n_k, generator=gen)
+    bias[pick < 0.2] = -math.inf
+    bias[(pick >= 0.2) & (pick < 0.3)] = torch.finfo(torch.float32).min
+    bias[0, 0, 3] = -math.inf  # a row with no visible key: L = 0
+    bias[0, 1, 5] = torch.finfo(torch.float32).min  # finite everywhere: uniform on both sides, L = 0
+    rows, _, _ = _check(q1, k1, q2, k2, mask=bias, mask_kind="additive")
+    assert (rows[:, 0, 3] == 0).all() and (rows[:, 1, 5].abs() < 1e-6).all()
+
+
+def test_additive_key_padding_low_precision_mask_causal():
+    # row-broadcast additive mask in another float dtype than the inputs
+    b, h, n_q, n_k = 2, 2, 33, 47
+    q1, k1, q2, k2 = _inputs(26, b, h, 1, 2, n_q, n_k, 32, 32)
+    bias = torch.zeros(b, 1, 1, n_k, dtype=torch.float16)
+    bias[0, ..., 30:] = torch.finfo(torch.float16).min
+    bias[1, ..., :5] = -math.inf
+    bias[1, ..., 10:12] = 1.5
+    _check(q1, k1, q2, k2, mask=bias, mask_kind="additive", causal="bottom_right", split_k=2)
+
+
+# --- layouts, options ------------------------------------------------------------------------
+
+
+def test_strided_views_and_expanded_upstream_grad():
+    b, n, h, d = 2, 45, 2, 32
+    gen = torch.Generator().manual_seed(31)
+    qkv1 = torch.randn(b, n, 3, h, d, generator=gen)  # teacher: q, k, v views of one buffer
+    qk2 = torch.randn(b, n, h, 2, 24, generator=gen)  # student: another interleaving
+    q1, k1 = qkv1[:, :, 0].transpose(1, 2), qkv1[:, :, 1].transpose(1, 2)
+    q2, k2 = qk2[:, :, :, 0].transpose(1, 2), qk2[:, :, :, 1].transpose(1, 2)
+    assert not any(t.is_contiguous() for t in (q1, k1, q2, k2))
+    g = torch.full((1, 1, 1), 0.5).expand(b, h, n)  # rows.sum() * 0.5: stride 0 everywhere
+    _check(q1, k1, q2, k2, causal="top_left", g=g)
+    g2 = torch.randn(b, n, h, generator=gen).transpose(1, 2)  # strided, another dtype
+    _check(q1, k1, q2, k2, g=g2.double(), modes=("atomic_dq",), needs=(ALL,))
+
+
+@pytest.mark.parametrize("mode", BWD_MODES)
+@pytest.mark.parametrize(
+    "need",
+    [(True, False, False, False), (False, True, False, False), (False, False, False, True), (False, True, False, True)],
+    ids=["dq1", "dk1", "dk2", "dk1_dk2"],
+)
+def test_needs_grad_subsets(mode, need):
+    q1, k1, q2, k2 = _inputs(34, 1, 4, 1, 2, 37, 29, 32, 24)
+    _check(q1, k1, q2, k2, causal="bottom_right", modes=(mode,), needs=(need,))
+
+
+def test_frozen_teacher_needs_no_delta():
+    q1, k1, q2, k2 = _inputs(35, 1, 2, 2, 2, 20, 30, 32, 32)
+    rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, scale1=0.2, scale2=0.3)
+    g = torch.randn(rows.shape)
+    a = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, None, scale1=0.2, scale2=0.3, needs_grad=FROZEN)
+    b = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, delta, scale1=0.2, scale2=0.3, needs_grad=FROZEN)
+    assert a[0] is None and a[1] is None and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    with pytest.raises(ValueError):
+        attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, None, scale1=0.2, scale2=0.3)
+    src = attention_kl.bwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False,
+                                  bwd_mode="two_kernel", teacher_grad=False, interpret=False).source
+    src = src.split("import triton.language as tl")[1]  # the code, not the header comment
+    assert "Delta" not in src and "dK1" not in src and "dQ1" not in src
+
+
+def test_need_stats_false():
+    q1, k1, q2, k2 = _inputs(33, 2, 2, 2, 2, 37, 50, 32, 32)
+    kw = dict(scale1=0.2, scale2=0.3, causal="bottom_right")
+    rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, need_stats=False, **kw)
+    assert lse1 is None and lse2 is None and delta is None
+    assert _rel(rows, reference(q1, k1, q2, k2, **kw)["rows"]) < 1e-4
+    for split in (False, True):
+        src = attention_kl.fwd_kernel(causal=True, mask_kind="none", mask_row_broadcast=False,
+                                      need_stats=False, split_k=split, interpret=True).source
+        assert "LSE1" not in src.split("import triton")[1].split("def launch_fwd")[0]
+
+
+def test_given_output_buffers():
+    q1, k1, q2, k2 = _inputs(36, 1, 2, 2, 2, 20, 30, 32, 32)
+    bufs = [attention_kl.alloc_rows(q1)] + [attention_kl.alloc_stats(q1) for _ in range(3)]
+    got = attention_kl.forward(q1, k1, q2, k2, scale1=0.2, scale2=0.3, rows=bufs[0], lse1=bufs[1],
+                               lse2=bufs[2], delta=bufs[3])
+    assert all(a is b for a, b in zip(got, bufs))
+
+
+def test_two_kernel_mode_is_deterministic():
+    q1, k1, q2, k2 = _inputs(37, 1, 4, 1, 2, 40, 40, 32, 32)
+    kw = dict(scale1=0.2, scale2=0.3, causal="top_left")
+    rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, **kw)
+    g = torch.randn(rows.shape)
+    a = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, delta, **kw)
+    b = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, delta, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_empty_sizes():
+    # Nq == 0, B == 0: empty outputs, nothing launched
+    for b, n_q, n_k in [(2, 0, 5), (0, 7, 5)]:
+        q1, k1, q2, k2 = _inputs(38, b, 2, 2, 1, n_q, n_k, 32, 16)
+        rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, scale1=0.1, scale2=0.1)
+        assert rows.shape == (b, 2, n_q) and lse1.shape == (b, 2, n_q)
+        grads = attention_kl.backward(torch.zeros(rows.shape), q1, k1, q2, k2, lse1, lse2, delta,
+                                      scale1=0.1, scale2=0.1)
+        assert all(gr.shape == t.shape and (gr == 0).all() for gr, t in zip(grads, (q1, k1, q2, k2)))
+    # Nk == 0: every row is empty -> L 0, LSE +inf, gradients 0
+    q1, k1, q2, k2 = _inputs(39, 1, 2, 2, 1, 7, 0, 32, 16)
+    with launch.poison_outputs():
+        rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, scale1=0.1, scale2=0.1)
+        assert (rows == 0).all() and torch.isposinf(lse1).all() and torch.isposinf(lse2).all()
+        assert (delta == 0).all()
+        grads = attention_kl.backward(torch.ones(rows.shape), q1, k1, q2, k2, lse1, lse2, delta,
+                                      scale1=0.1, scale2=0.1)
+    assert all(gr.shape == t.shape and (gr == 0).all() for gr, t in zip(grads, (q1, k1, q2, k2)))
+
+
+def test_alloc_helpers_work_on_meta_tensors():
+    q1 = torch.empty(2, 4, 9, 24, device="meta")
+    k1 = torch.empty(2, 1, 11, 24, device="meta")
+    q2 = torch.empty(2, 4, 9, 40, device="meta")
+    k2 = torch.empty(2, 2, 11, 40, device="meta")
+    rows = attention_kl.alloc_rows(q1)
+    assert rows.shape == (2, 4, 9) and rows.dtype == torch.float32 and rows.is_contiguous()
+    assert attention_kl.alloc_stats(q1).shape == (2, 4, 9)
+    dq1, dk1, dq2, dk2 = attention_kl.alloc_grads(q1, k1, q2, k2, (False, False, True, True))
+    assert dq1 is None and dk1 is None and dq2.shape == q2.shape and dk2.shape == k2.shape
+    assert dk2.is_contiguous()
+
+
+def test_rejects_bad_inputs():
+    q1, k1, q2, k2 = _inputs(40, 1, 3, 3, 2, 8, 8, 32, 32)
+    with pytest.raises(ValueError):
+        attention_kl.forward(q1, k1, q2, k2, scale1=1.0, scale2=1.0)  # 3 query heads, 2 kv heads
+    q1, k1, q2, k2 = _inputs(40, 1, 2, 2, 2, 8, 8, 32, 32)
+    with pytest.raises(ValueError):
+        attention_kl.forward(q1, k1, q2[:, :, :7], k2, scale1=1.0, scale2=1.0)  # Nq differs
+    with pytest.raises(ValueError):
+        attention_kl.forward(q1, k1, q2, k2.half(), scale1=1.0, scale2=1.0)
+    with pytest.raises(ValueError):
+        attention_kl.forward(q1, k1, q2, k2, scale1=1.0, scale2=1.0, mask=torch.ones(8, 8, dtype=torch.bool),
+                             mask_kind="additive")
+    with pytest.raises(ValueError):
+        attention_kl.forward(q1, k1, q2, k2, scale1=1.0, scale2=1.0, causal="diagonal")
+    with pytest.raises(ValueError):
+        attention_kl.backward(torch.zeros(1, 2, 8), q1, k1, q2, k2, None, None, None, scale1=1.0, scale2=1.0,
+                              bwd_mode="fused")
+
+
+# --- numerics --------------------------------------------------------------------------------
+
+
+def _streamed_rows_fp32(s1, s2, block_n, offset_free):
+    """A float32 torch emulation of the streaming forward (base-2 scores), with the offset-free
+    accumulator or the naive one that sums raw s1 - s2; returns L in nats."""
+    shape = s1.shape[:-1]
+    m1 = torch.full(shape, -math.inf)
+    m2, l1, l2, acc = m1.clone(), torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+    for j in range(0, s1.shape[-1], block_n):
+        t1, t2 = s1[..., j:j + block_n], s2[..., j:j + block_n]
+        n1, n2 = torch.maximum(m1, t1.amax(-1)), torch.maximum(m2, t2.amax(-1))
+        a1, a2 = torch.exp2(m1 - n1), torch.exp2(m2 - n2)
+        p1, p2 = torch.exp2(t1 - n1[..., None]), torch.exp2(t2 - n2[..., None])
+        if offset_free:
+            shift = torch.where(l1 > 0, ((m1 - n1) - (m2 - n2)) * l1, torch.zeros_like(l1))
+            acc = a1 * (acc + shift) + (p1 * ((t1 - n1[..., None]) - (t2 - n2[..., None]))).sum(-1)
+        else:
+            acc = a1 * acc + (p1 * (t1 - t2)).sum(-1)
+        l1, l2, m1, m2 = a1 * l1 + p1.sum(-1), a2 * l2 + p2.sum(-1), n1, n2
+    if offset_free:
+        return (acc / l1 + torch.log2(l2 / l1)) * LN2
+    return (acc / l1 - (m1 + torch.log2(l1)) + (m2 + torch.log2(l2))) * LN2
+
+
+def test_offset_free_accumulator_is_accurate_with_large_scores():
+    # A student whose scores are the teacher's plus a per-row offset of up to +-50 (softmax does
+    # not see it) plus a small perturbation: |S2| ~ 50, KL ~ 1e-4. Summing raw s1 - s2 in fp32
+    # cancels ~50-sized terms against the LSE difference; the offset-free accumulator never
+    # forms them.
+    b, h, n, d = 1, 2, 64, 32
+    gen = torch.Generator().manual_seed(51)
+    q1 = torch.randn(b, h, n, d, generator=gen) * 2 / d ** 0.25
+    k1 = torch.randn(b, h, n, d, generator=gen) / d ** 0.25
+    offset = (torch.rand(b, h, n, 1, generator=gen) * 2 - 1) * 50
+    q2 = torch.cat([q1 + 0.01 * torch.randn(b, h, n, d, generator=gen) / d ** 0.25, offset], -1)
+    k2 = torch.cat([k1, torch.ones(b, h, n, 1)], -1)  # D2 = D1 + 1: S2 = S1' + offset
+    kw = dict(scale1=1.0, scale2=1.0)
+    ref = reference(q1, k1, q2, k2, **kw)["rows"]
+    assert 40 < (q2 @ k2.transpose(-1, -2)).abs().max() < 80 and 1e-5 < ref.mean() < 1e-3
+    rows = attention_kl.forward(q1, k1, q2, k2, need_stats=False, **kw)[0]
+    err = (rows - ref).abs().max().item()
+    s1 = (q1 @ k1.transpose(-1, -2)) * LOG2E
+    s2 = (q2 @ k2.transpose(-1, -2)) * LOG2E
+    raw_err = (_streamed_rows_fp32(s1, s2, 16, False) - ref).abs().max().item()
+    free_err = (_streamed_rows_fp32(s1, s2, 16, True) - ref).abs().max().item()
+    assert err < 1e-6, f"kernel error {err:.3g}"
+    assert raw_err > 10 * max(err, free_err), f"raw {raw_err:.3g} vs kernel {err:.3g}, offset-free {free_err:.3g}"
+
+
+# --- rendering and configs -------------------------------------------------------------------
+
+
+def test_kernels_for_renders_every_variant():
+    seen = set()
+    for causal in attention_kl.CAUSAL_MODES:
+        for mask_kind in attention_kl.MASK_KINDS:
+            for row in (False, True):
+                for split in (False, True):
+                    for bwd_mode in attention_kl.BWD_MODES:
+                        for interpret in (False, True):
+                            for training in (False, True):
+                                for teacher in (False, True):
+                                    ks = attention_kl.kernels_for(
+                                        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
+                                        split_k=split, bwd_mode=bwd_mode, interpret=interpret,
+                                        training=training, teacher_grad=teacher,
+                                    )
+                                    assert len(ks) == (2 if training else 1)
+                                    for kern in ks:
+                                        if kern.path not in seen:
+                                            seen.add(kern.path)
+                                            compile(kern.source, kern.path, "exec")
+                                    fwd = ks[0].source
+                                    assert ks[0].name.startswith("attention_kl_fwd")
+                                    assert "def attention_kl_fwd_kernel" in fwd and "def launch_fwd" in fwd
+                                    assert ("def attention_kl_fwd_merge" in fwd) == split
+                                    assert ("tl.store(LSE1" in fwd) == training
+                                    if training:
+                                        src = ks[1].source
+                                        assert "def attention_kl_bwd_dk(" in src and "def launch_bwd" in src
+                                        assert ("def attention_kl_bwd_dq(" in src) == (bwd_mode == "two_kernel")
+                                        assert ("tl.atomic_add" in src) == (bwd_mode == "atomic_dq")
+                                        assert ("dK1" in src.split("import triton.language")[1]) == teacher
+    k_gpu = attention_kl.fwd_kernel(causal="top_left", mask_kind="additive", mask_row_broadcast=False,
+                                    need_stats=True, split_k=False, interpret=False)
+    k_cpu = attention_kl.fwd_kernel(causal="top_left", mask_kind="additive", mask_row_broadcast=False,
+                                    need_stats=True, split_k=False, interpret=True)
+    assert k_gpu.name == "attention_kl_fwd_causal_maskadd" and k_cpu.path != k_gpu.path
+    assert "tl.float32)" not in k_gpu.source.split("tl.dot(")[1].split("\n")[0]
+    for word in ("CAUSAL_OFFSET", "BLOCK_M", "BLOCK_N", "GROUP1", "GROUP2", "LSE1", "DELTA"):
+        assert word in k_gpu.source
+
+
+def test_config_table():
+    for dev in ("sm90", "cuda"):
+        for bucket in (64, 128, 256):
+            for size in (2, 4):
+                for table, keys in ((attention_kl._FWD_TABLE, ("BLOCK_M", "BLOCK_N")),
+                                    (attention_kl._BWD_TABLE, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))):
+                    cands = table[(dev, bucket, size)]
+                    assert cands
+                    for c in cands:
+                        for key in keys:
+                            assert c[key] >= 16 and c[key] & (c[key] - 1) == 0
+                        assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+    for extra, base in ((attention_kl._FWD_CAUSAL_TABLE, attention_kl._FWD_TABLE),
+                        (attention_kl._BWD_FROZEN_TABLE, attention_kl._BWD_TABLE)):
+        for key, cands in extra.items():
+            assert key in base and cands
+            for c in cands:
+                assert set(c) == set(base[key][0])
+    first = attention_kl.candidate_configs(head_dim1=80, head_dim2=24, dtype=torch.float16, device="cpu", kind="fwd")
+    assert first[0]["num_stages"] == 1 and first[0]["BLOCK_M"] <= 32
+
+
+def test_default_split_k(monkeypatch):
+    assert attention_kl.default_split_k(1, 1, 64, 8192, "cpu") == 1  # interpreter: 1 unless asked
+    monkeypatch.setattr(launch, "interpreted", lambda device: False)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    # big grid: 8 * 16 * 32 = 4096 programs >= 2 waves
+    assert attention_kl.default_split_k(8, 16, 4096, 4096, "cuda") == 1
+    # one head, 8 query blocks: split to reach ~264 programs, capped at 16
+    assert attention_kl.default_split_k(1, 1, 1024, 65536, "cuda") == 16
+    # 2 * 4 * 8 = 64 programs -> 5 splits, but 1024 keys / 64 = 16 tiles allow at most 4
+    assert attention_kl.default_split_k(2, 4, 1024, 1024, "cuda") == 4
+    assert attention_kl.default_split_k(2, 4, 1024, 1024, "cuda", {"BLOCK_M": 64, "BLOCK_N": 32}) == 3
+    assert attention_kl.default_split_k(1, 1, 64, 100, "cuda") == 1  # too few key tiles to split
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests (compiled kernels, realistic sizes)
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask
+    ("bf16_d128_causal", torch.bfloat16, 1, 8, 8, 8, 2048, 2048, 128, 128, "top_left", None),
+    ("bf16_d64_gqa_n4096", torch.bfloat16, 1, 4, 1, 2, 4096, 4096, 64, 64, "none", None),
+    ("fp16_d128_d64_bottom_right_ragged", torch.float16, 2, 4, 4, 2, 1000, 1536, 128, 64, "bottom_right", None),
+    ("bf16_d128_keypad", torch.bfloat16, 2, 4, 4, 4, 1024, 1024, 128, 128, "none", "keypad"),
+    ("fp16_d64_bias_causal", torch.float16, 1, 4, 2, 4, 1024, 1024, 64, 64, "top_left", "bias"),
+    ("bf16_d256_d128", torch.bfloat16, 1, 4, 4, 4, 1024, 1024, 256, 128, "none", None),
+    ("fp32_d64", torch.float32, 1, 4, 4, 4, 1024, 1024, 64, 64, "top_left", None),
+]
+
+
+def _gpu_mask(spec, b, h, n_q, n_k, dev):
+    gen = torch.Generator().manual_seed(102)
+    if spec == "keypad":
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        return keep.to(dev), "bool_keep"
+    if spec == "bias":
+        return torch.randn(1, h, n_q, n_k, generator=gen).to(dev), "additive"
+    return None, "none"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_matches_reference(case):
+    _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, mask_spec = case
+    dev = torch.device("cuda")
+    q1, k1, q2, k2 = _inputs(101, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
+    mask, mask_kind = _gpu_mask(mask_spec, b, h, n_q, n_k, dev)
+    kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=mask_kind)
+    g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(103)).to(dev)
+    ref = reference(q1, k1, q2, k2, **kw)
+    ref_grads = _grads_ref(q1, k1, q2, k2, g, **kw)
+    # the scores are exact products of the inputs accumulated in fp32 (as in the reference up to
+    # fp32 rounding); only dS is rounded to the input dtype before the gradient products
+    fwd_tol = 1e-4 if dtype == torch.float32 else 1e-3
+    bwd_tol = 1e-4 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    splits = (1, 4, attention_kl.default_split_k(b, h, n_q, n_k, dev))
+    for split in splits:
+        with launch.poison_outputs():
+            rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        assert not rows.isnan().any() and not delta.isnan().any()
+        e = _rel(rows, ref["rows"])
+        assert e < fwd_tol, f"rows error {e:.3g} (split_k={split})"
+        empty = torch.isneginf(ref["lse1"])
+        lse_err = (lse1[~empty].double() / LOG2E - ref["lse1"][~empty]).abs().max().item()
+        assert lse_err < 1e-3, f"lse1 error {lse_err:.3g}"
+        d_err = (delta.double() * LN2 - ref["delta"]).abs().max().item()
+        assert d_err < 1e-3 * (1 + ref["delta"].abs().max().item()), f"delta error {d_err:.3g}"
+    for mode in BWD_MODES:
+        for need in (ALL, FROZEN):
+            with launch.poison_outputs():
+                grads = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, delta, bwd_mode=mode,
+                                              needs_grad=need, **kw)
+            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
+                if not n:
+                    assert gr is None
+                    continue
+                assert not gr.isnan().any(), f"{name} NaN ({mode})"
+                e = _rel(gr, r)
+                assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_large_small_grid_split_k(dtype):
+    # small B*H*Nq with long keys: the split-K path the heuristic picks, against the reference
+    dev = torch.device("cuda")
+    q1, k1, q2, k2 = _inputs(104, 1, 2, 1, 2, 256, 8192, 128, 128, dtype=dtype, device=dev)
+    kw = dict(scale1=128 ** -0.5, scale2=128 ** -0.5, causal="bottom_right")
+    split = attention_kl.default_split_k(1, 2, 256, 8192, dev)
+    assert split > 1
+    ref = reference(q1, k1, q2, k2, **kw)
+    one = attention_kl.forward(q1, k1, q2, k2, split_k=1, **kw)
+    many = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+    assert _rel(one[0], ref["rows"]) < 1e-3 and _rel(many[0], ref["rows"]) < 1e-3
+    assert (one[0] - many[0]).abs().max().item() < 1e-4 * (1 + one[0].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_one_compile_for_many_lengths():
+    dev = torch.device("cuda")
+    kern = attention_kl.fwd_kernel(causal=True, mask_kind="none", mask_row_broadcast=False, need_stats=True,
+                                   split_k=False, interpret=False)
+    fn = launch.kernel_module(kern, False).attention_kl_fwd_kernel
+    if not hasattr(fn, "device_caches"):
+        pytest.skip("this Triton keeps no device_caches")
+
+    def compiled():
+        return {key for entry in fn.device_caches.values() for key in entry[0]}
+
+    counts = []
+    for n in (1000, 1100, 1234, 77):
+        q1, k1, q2, k2 = _inputs(105, 1, 2, 2, 1, n, n + 7, 64, 64, dtype=torch.float16, device=dev)
+        attention_kl.forward(q1, k1, q2, k2, scale1=0.125, scale2=0.125, causal="bottom_right")
+        counts.append(len(compiled()))
+    assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}"
