@@ -601,22 +601,8 @@ def legend(args) -> str:
 
 def render(args, meta: dict, rows, done: bool) -> tuple[str, str, str]:
     """(full markdown for the file, details+errors for stdout, main table)."""
-    main = main_table(args, rows)
-    details = details_table(rows)
-    errs = errors_section(rows)
-    status = "complete" if done else "partial (run in progress or cut short)"
-    parts = [common.header_md("fuser attention benchmark", meta), f"- status: {status}", "",
-             legend(args), "", main, "", "## Details", "", details]
-    if errs:
-        parts += ["", "## Errors", "", errs]
-    stdout = "## Details\n\n" + details + (("\n\n## Errors\n\n" + errs) if errs else "")
-    return "\n".join(parts), stdout, main
-
-
-def to_json(args, meta: dict, rows, done: bool) -> dict:
-    a = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"meta": meta, "args": a, "complete": done,
-            "configs": [{**s, "results": recs} for _, recs, s in rows]}
+    return common.report("fuser attention benchmark", meta, done, [], legend(args), main_table(args, rows),
+                         details_table(rows), errors_section(rows))
 
 
 # --------------------------------------------------------------------------------------------
@@ -662,12 +648,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     recs = run_config(args, cfg, variants, dtype, device, seed, state)
                     rows.append((cfg, recs, summarize(args, cfg, recs, elt)))
                     md, _, _ = render(args, meta, rows, done=False)
-                    common.write_outputs(args.out, md, to_json(args, meta, rows, False), args.out_dir)
+                    common.write_outputs(args.out, md, common.to_json(args, meta, rows, False), args.out_dir)
                 del variants
                 common.free_memory(device, collect=True)
 
     md, stdout, main_tbl = render(args, meta, rows, done=True)
-    written = common.write_outputs(args.out, md, to_json(args, meta, rows, True), args.out_dir)
+    written = common.write_outputs(args.out, md, common.to_json(args, meta, rows, True), args.out_dir)
     wrong = [f"{subj} at {cfg.label}" for cfg, _, s in rows for subj, d in s["subjects"].items() if d["wrong"]]
     print("\n" + stdout + "\n")
     print("wrote " + ", ".join(str(p) for p in written))

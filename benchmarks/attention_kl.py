@@ -735,10 +735,6 @@ def legend(args) -> str:
 
 def render(args, meta: dict, rows, state: dict, done: bool) -> tuple[str, str, str]:
     """(full markdown for the file, details+errors for stdout, main table)."""
-    main = main_table(args, rows)
-    details = details_table(args, rows)
-    errs = errors_section(rows, state)
-    status = "complete" if done else "partial (run in progress or cut short)"
     notes = []
     if state.get("budget_hit"):
         notes.append(f"- time budget of {args.budget_s:.0f} s was spent; later measurements were skipped")
@@ -746,18 +742,8 @@ def render(args, meta: dict, rows, state: dict, done: bool) -> tuple[str, str, s
         notes.append("- a CUDA error broke the context; later measurements were skipped")
     if "ref_s" in state:
         notes.append(f"- fp32 reference: {state['ref_s']:.0f} s in all (untimed)")
-    parts = [common.header_md("fuser attention-KL benchmark", meta), f"- status: {status}", *notes, "",
-             legend(args), "", main, "", "## Details", "", details]
-    if errs:
-        parts += ["", "## Errors", "", errs]
-    stdout = "## Details\n\n" + details + (("\n\n## Errors\n\n" + errs) if errs else "")
-    return "\n".join(parts), stdout, main
-
-
-def to_json(args, meta: dict, rows, done: bool) -> dict:
-    a = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"meta": meta, "args": a, "complete": done,
-            "configs": [{**s, "results": recs} for _, recs, s in rows]}
+    return common.report("fuser attention-KL benchmark", meta, done, notes, legend(args), main_table(args, rows),
+                         details_table(args, rows), errors_section(rows, state))
 
 
 # --------------------------------------------------------------------------------------------
@@ -803,12 +789,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 recs = run_config(args, cfg, variants, dtype, device, seed, state)
                 rows.append((cfg, recs, summarize(args, cfg, recs)))
                 md, _, _ = render(args, meta, rows, state, done=False)
-                common.write_outputs(args.out, md, to_json(args, meta, rows, False), args.out_dir)
+                common.write_outputs(args.out, md, common.to_json(args, meta, rows, False), args.out_dir)
             del variants
             common.free_memory(device, collect=True)
 
     md, stdout, main_tbl = render(args, meta, rows, state, done=True)
-    written = common.write_outputs(args.out, md, to_json(args, meta, rows, True), args.out_dir)
+    written = common.write_outputs(args.out, md, common.to_json(args, meta, rows, True), args.out_dir)
     wrong = [cfg.label for cfg, _, s in rows if s["fuser"] and s["fuser"]["wrong"]]
     unfused = [cfg.label for cfg, _, s in rows if s["fuser"] and s["fuser"]["status"] == "ok" and not s["fuser"]["fused"]]
     print("\n" + stdout + "\n")

@@ -375,3 +375,21 @@ def write_outputs(md_path: Path, markdown: str, data: dict, copy_dir: Optional[s
                 shutil.copyfile(p, d / p.name)
                 written.append(d / p.name)
     return written
+
+
+def report(title: str, meta: dict, done: bool, notes: Sequence[str], legend: str, main: str,
+           details: str, errors: str) -> tuple[str, str, str]:
+    """Assemble a benchmark's report: (markdown for the results file, details and errors for
+    stdout, the main table — printed last, since the device tool returns only the tail)."""
+    status = "complete" if done else "partial (run in progress or cut short)"
+    parts = [header_md(title, meta), f"- status: {status}", *notes, "", legend, "", main, "", "## Details", "", details]
+    if errors:
+        parts += ["", "## Errors", "", errors]
+    stdout = "## Details\n\n" + details + (("\n\n## Errors\n\n" + errors) if errors else "")
+    return "\n".join(parts), stdout, main
+
+
+def to_json(args: Any, meta: dict, rows: Sequence, done: bool) -> dict:
+    """The raw results: environment, arguments, and every configuration with its records."""
+    a = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"meta": meta, "args": a, "complete": done, "configs": [{**s, "results": recs} for _, recs, s in rows]}

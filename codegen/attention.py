@@ -31,7 +31,6 @@ Limits:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Optional, Sequence
@@ -51,21 +50,19 @@ __all__ = [
     "fwd_kernel",
     "bwd_kernel",
     "candidate_configs",
-    "causal_offset",
 ]
+
+# the kernel families' shared vocabulary, re-exported for callers of this family
+CAUSAL_MODES, MASK_KINDS, BWD_MODES, causal_offset = launch.CAUSAL_MODES, launch.MASK_KINDS, launch.BWD_MODES, launch.causal_offset
 
 LOG2E = 1.4426950408889634
 
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-MASK_KINDS = ("none", "bool_keep", "bool_drop", "additive")
-BWD_MODES = ("two_kernel", "atomic_dq")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 FWD_TEMPLATE = "attention_fwd.py.jinja"
 BWD_TEMPLATE = "attention_bwd.py.jinja"
 
-_MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", "additive": "_maskadd"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,21 +70,10 @@ _MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", 
 # --------------------------------------------------------------------------------------------
 
 
-def _check_variant(causal, mask_kind: str, bwd_mode: Optional[str] = None) -> None:
-    if causal not in CAUSAL_MODES and not isinstance(causal, bool):
-        raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
-    if mask_kind not in MASK_KINDS:
-        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
-    if bwd_mode is not None and bwd_mode not in BWD_MODES:
-        raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
-
-
-def _is_causal(causal) -> bool:
-    return causal if isinstance(causal, bool) else causal != "none"
 
 
 def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: bool) -> tuple[str, str]:
-    head = ("_causal" if causal else "") + _MASK_SUFFIX[mask_kind]
+    head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
     if mask_kind != "none" and mask_row_broadcast:
         head += "_rowbcast"
     return head, ("_interp" if interpret else "")
@@ -95,8 +81,8 @@ def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: b
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool) -> RenderedKernel:
     """Render the forward kernel module of one static variant (``causal``: a mode or a bool)."""
-    _check_variant(causal, mask_kind)
-    causal = _is_causal(causal)
+    launch.check_variant(causal, mask_kind)
+    causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret)
     name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
@@ -109,8 +95,8 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bo
 
 def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, interpret: bool) -> RenderedKernel:
     """Render the backward kernel module (preprocess, dK/dV and, for two_kernel, dQ kernels)."""
-    _check_variant(causal, mask_kind, bwd_mode)
-    causal = _is_causal(causal)
+    launch.check_variant(causal, mask_kind, bwd_mode)
+    causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret)
     name = "attention_bwd" + head + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + tail
@@ -261,20 +247,13 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     return [dict(c) for c in _FWD_TABLE[key]]
 
 
-def _check_config(cfg: dict) -> dict:
-    for key, val in cfg.items():
-        if key.startswith("BLOCK") or key == "PRE_BLOCK_M":
-            if val < 16 or val & (val - 1):
-                raise ValueError(f"{key} must be a power of two >= 16, got {val}")
-    return cfg
-
 
 def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
     """The configs to try in order: the given one alone (missing keys from the default), or
     every candidate of the table (the default first)."""
     if config:
         cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
-        return [_check_config({**cands[0], **config})]
+        return [launch.check_config({**cands[0], **config})]
     return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
 
 
@@ -282,31 +261,8 @@ def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
 def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
     # cached: the launchers only read these dicts
     cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal, kind=kind)
-    return [_check_config(c) for c in cands]
+    return [launch.check_config(c) for c in cands]
 
-
-_working: dict[tuple, int] = {}
-
-
-def _launch_first_fitting(key: tuple, configs: list[dict], run) -> None:
-    """``run(config)`` with the first config that fits the device.
-
-    A default config can exceed shared memory for some variants (e.g. a full [M, N] additive
-    bias tile per pipeline stage); Triton then raises OutOfResources at compile time, before
-    anything is written, and the next candidate is tried. The index that worked is remembered
-    per ``key``. An explicitly given config (a list of one) fails as is.
-    """
-    start = _working.get(key, 0)
-    for i in range(start, len(configs)):
-        try:
-            run(configs[i])
-        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
-            if type(exc).__name__ != "OutOfResources" or i == len(configs) - 1:
-                raise
-            continue
-        if i != start:
-            _working[key] = i
-        return
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,16 +296,9 @@ def alloc_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_grad: S
 # --------------------------------------------------------------------------------------------
 
 
-def causal_offset(causal: str, n_q: int, n_k: int) -> int:
-    """Key j is visible to query i iff ``j <= i + offset``: 0 for top-left alignment,
-    ``n_k - n_q`` for bottom-right; unused (0) without causal masking."""
-    if causal == "bottom_right":
-        return n_k - n_q
-    return 0
-
 
 def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
-    _check_variant(causal, mask_kind)
+    launch.check_variant(causal, mask_kind)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -375,19 +324,6 @@ def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
             raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
 
 
-def _expand_mask(mask, mask_kind: str, shape) -> tuple[Optional[torch.Tensor], bool]:
-    """The mask as a 4-D ``[B, Hq, Nq, Nk]`` view (stride 0 on broadcast dims) and whether it is
-    the same for every query row (then the kernel loads one vector per key tile)."""
-    if mask is None:
-        return None, False
-    if mask.dim() > 4:
-        raise ValueError(f"mask must have at most 4 dims, got {tuple(mask.shape)}")
-    m = mask.expand(*shape)
-    if m.dtype == torch.bool:
-        m = m.view(torch.uint8)
-    row_broadcast = m.stride(2) == 0 or shape[2] == 1
-    return m, row_broadcast
-
 
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool):
@@ -403,11 +339,6 @@ def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, interpret: boo
     kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode, interpret=interpret)
     return kernel, launch.kernel_module(kernel, interpret)
 
-
-def _launching(interpret: bool):
-    """Context for a launch: :func:`launch.interpreter_mode` for interpreted kernels (Triton's
-    standard library in interpreted form, whatever the import order), nothing for the GPU."""
-    return launch.interpreter_mode() if interpret else contextlib.nullcontext()
 
 
 def forward(
@@ -450,7 +381,7 @@ def forward(
             lse.fill_(math.inf)
         return out, lse
     interpret = launch.interpreted(q.device)
-    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret)
     args = [q, k, v, out]
@@ -461,17 +392,17 @@ def forward(
     precision = launch.dot_precision(q.dtype)
 
     def run(cfg):
-        with _launching(interpret):
+        with launch.launching(interpret):
             module.launch_fwd(
                 *args,
                 qk_scale=float(scale) * LOG2E,
-                causal_offset=causal_offset(causal, n_q, n_k),
+                causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
             )
 
     key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
-    _launch_first_fitting(key, configs, run)
+    launch.launch_first_fitting(key, configs, run)
     return out, lse
 
 
@@ -501,7 +432,7 @@ def backward(
     ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast).
     """
     _check_inputs(q, k, v, causal, mask, mask_kind)
-    _check_variant(causal, mask_kind, bwd_mode)
+    launch.check_variant(causal, mask_kind, bwd_mode)
     need_dq, need_dk, need_dv = (bool(x) for x in needs_grad)
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
@@ -524,7 +455,7 @@ def backward(
     if not lse.is_contiguous():
         lse = lse.contiguous()
     interpret = launch.interpreted(q.device)
-    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "bwd")
     kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
@@ -545,19 +476,19 @@ def backward(
     def run(cfg):
         # re-running after an OutOfResources is safe: preprocess rewrites delta (and re-zeroes
         # the dq accumulator), the other kernels overwrite their outputs
-        with _launching(interpret):
+        with launch.launching(interpret):
             module.launch_bwd(
                 *args,
                 scale=float(scale),
                 qk_scale=float(scale) * LOG2E,
-                causal_offset=causal_offset(causal, n_q, n_k),
+                causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
             )
 
     key = (kernel.path, "bwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision,
            need_dq, need_dk, need_dv)
-    _launch_first_fitting(key, configs, run)
+    launch.launch_first_fitting(key, configs, run)
     if dq_acc is not None and dq_acc is not dq:
         dq.copy_(dq_acc)
     return dq, dk, dv

@@ -48,18 +48,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import launch
-from .attention import (
-    BWD_MODES,
-    CAUSAL_MODES,
-    DTYPES,
-    MASK_KINDS,
-    _check_config,
-    _expand_mask,
-    _is_causal,
-    _launch_first_fitting,
-    causal_offset,
-    device_kind,
-)
+from .attention import DTYPES, device_kind
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -78,6 +67,9 @@ __all__ = [
     "BWD_MODES",
 ]
 
+# the kernel families' shared vocabulary, re-exported for callers of this family
+CAUSAL_MODES, MASK_KINDS, BWD_MODES = launch.CAUSAL_MODES, launch.MASK_KINDS, launch.BWD_MODES
+
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 MAX_SPLIT_K = 16
@@ -85,7 +77,6 @@ MAX_SPLIT_K = 16
 FWD_TEMPLATE = "attention_kl_fwd.py.jinja"
 BWD_TEMPLATE = "attention_kl_bwd.py.jinja"
 
-_MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", "additive": "_maskadd"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,25 +84,17 @@ _MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", 
 # --------------------------------------------------------------------------------------------
 
 
-def _check_variant(causal, mask_kind: str, bwd_mode: Optional[str] = None) -> None:
-    if causal not in CAUSAL_MODES and not isinstance(causal, bool):
-        raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
-    if mask_kind not in MASK_KINDS:
-        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
-    if bwd_mode is not None and bwd_mode not in BWD_MODES:
-        raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
-
 
 def _head(causal: bool, mask_kind: str, row: bool) -> str:
-    head = ("_causal" if causal else "") + _MASK_SUFFIX[mask_kind]
+    head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
     return head + ("_rowbcast" if mask_kind != "none" and row else "")
 
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: bool, split_k: bool,
                interpret: bool) -> RenderedKernel:
     """Render the forward module of one static variant (``causal``: a mode or a bool)."""
-    _check_variant(causal, mask_kind)
-    causal = _is_causal(causal)
+    launch.check_variant(causal, mask_kind)
+    causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     name = ("attention_kl_fwd" + _head(causal, mask_kind, row) + ("" if need_stats else "_nostats")
             + ("_splitk" if split_k else "") + ("_interp" if interpret else ""))
@@ -125,8 +108,8 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: 
 def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, teacher_grad: bool,
                interpret: bool) -> RenderedKernel:
     """Render the backward module (dK kernel and, for two_kernel, the dQ kernel)."""
-    _check_variant(causal, mask_kind, bwd_mode)
-    causal = _is_causal(causal)
+    launch.check_variant(causal, mask_kind, bwd_mode)
+    causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     name = ("attention_kl_bwd" + _head(causal, mask_kind, row) + ("" if teacher_grad else "_frozen")
             + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + ("_interp" if interpret else ""))
@@ -309,14 +292,14 @@ def _table_configs(d1: int, d2: int, dtype: torch.dtype, device: torch.device, c
     # cached: the launchers only read these dicts
     cands = candidate_configs(head_dim1=d1, head_dim2=d2, dtype=dtype, device=device, causal=causal, kind=kind,
                               teacher_grad=teacher_grad)
-    return [_check_config(c) for c in cands]
+    return [launch.check_config(c) for c in cands]
 
 
 def _configs(config: Optional[dict], q1, q2, causal, kind: str, teacher_grad: bool = True) -> list[dict]:
     """The given config alone (missing keys from the default), or every candidate (default first)."""
     cands = _table_configs(q1.shape[-1], q2.shape[-1], q1.dtype, q1.device, causal, kind, teacher_grad)
     if config:
-        return [_check_config({**cands[0], **config})]
+        return [launch.check_config({**cands[0], **config})]
     return cands
 
 
@@ -372,22 +355,9 @@ def alloc_grads(q1, k1, q2, k2, needs_grad: Sequence[bool] = (True, True, True, 
 # --------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _launching(interpret: bool):
-    """Context for a launch: for interpreted kernels :func:`launch.interpreter_mode`, and NumPy's
-    "invalid value" warnings silenced — the kernels compute NaN (``-inf - -inf``) in branches of
-    ``tl.where`` that are never selected, which is free on the GPU but NumPy reports."""
-    if not interpret:
-        yield
-        return
-    import numpy as np
-
-    with launch.interpreter_mode(), np.errstate(invalid="ignore"):
-        yield
-
 
 def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
-    _check_variant(causal, mask_kind)
+    launch.check_variant(causal, mask_kind)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     ts = (q1, k1, q2, k2)
@@ -474,7 +444,7 @@ def forward(
             delta.zero_()
         return rows, lse1, lse2, delta
     interpret = launch.interpreted(q1.device)
-    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "fwd")
     precision = launch.dot_precision(q1.dtype)
@@ -490,19 +460,19 @@ def forward(
             args.append(mask4)
         if splits > 1:
             args.append(launch.empty((5, splits, b * h * n_q), torch.float32, q1.device))
-        with _launching(interpret):
+        with launch.launching(interpret):
             module.launch_fwd(
                 *args,
                 qk_scale1=float(scale1) * LOG2E,
                 qk_scale2=float(scale2) * LOG2E,
-                causal_offset=causal_offset(causal, n_q, n_k),
+                causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
             )
 
     key = ("attention_kl_fwd", causal, mask_kind, row, bool(need_stats), split_k > 1, interpret, q1.dtype,
            d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision)
-    _launch_first_fitting(key, configs, run)
+    launch.launch_first_fitting(key, configs, run)
     return rows, lse1, lse2, delta
 
 
@@ -535,7 +505,7 @@ def backward(
     side-1 gradients the frozen-teacher kernels run (no DELTA term, no side-1 products).
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
-    _check_variant(causal, mask_kind, bwd_mode)
+    launch.check_variant(causal, mask_kind, bwd_mode)
     need = tuple(bool(x) for x in needs_grad)
     if len(need) != 4:
         raise ValueError(f"needs_grad must have 4 entries (q1, k1, q2, k2), got {needs_grad!r}")
@@ -560,7 +530,7 @@ def backward(
     if not g_rows.is_floating_point():
         g_rows = g_rows.float()
     interpret = launch.interpreted(q1.device)
-    mask4, row_broadcast = _expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
@@ -582,18 +552,18 @@ def backward(
     def run(cfg):
         # re-running after an OutOfResources is safe: the dQ accumulators are re-zeroed, the
         # other kernels overwrite their outputs
-        with _launching(interpret):
+        with launch.launching(interpret):
             module.launch_bwd(
                 *args,
                 scale1=float(scale1),
                 scale2=float(scale2),
-                causal_offset=causal_offset(causal, n_q, n_k),
+                causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
             )
 
     key = (kernel.path, "bwd", q1.dtype, d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision, need)
-    _launch_first_fitting(key, configs, run)
+    launch.launch_first_fitting(key, configs, run)
     for dq, acc in zip((dq1, dq2), accs):
         if acc is not None and acc is not dq:
             dq.copy_(acc)

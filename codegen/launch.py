@@ -241,3 +241,99 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any]) -
         tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
         os.replace(tmp, _tune_file())
     return best
+
+
+# --------------------------------------------------------------------------------------------
+# The vocabulary and launch mechanics every attention-like kernel family shares.
+# --------------------------------------------------------------------------------------------
+
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+MASK_KINDS = ("none", "bool_keep", "bool_drop", "additive")
+BWD_MODES = ("two_kernel", "atomic_dq")
+MASK_SUFFIX = {"none": "", "bool_keep": "_maskkeep", "bool_drop": "_maskdrop", "additive": "_maskadd"}
+
+
+def check_variant(causal, mask_kind: str, bwd_mode: str | None = None) -> None:
+    """Raise ``ValueError`` naming the valid values for an unknown causal mode (a mode or a
+    bool), mask kind or backward mode."""
+    if causal not in CAUSAL_MODES and not isinstance(causal, bool):
+        raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if bwd_mode is not None and bwd_mode not in BWD_MODES:
+        raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
+
+
+def is_causal(causal) -> bool:
+    """A causal mode (or bool) as the render-time bool: one kernel variant serves both alignments."""
+    return causal if isinstance(causal, bool) else causal != "none"
+
+
+def causal_offset(causal: str, n_q: int, n_k: int) -> int:
+    """Key j is visible to query i iff ``j <= i + offset``: 0 for top-left alignment,
+    ``n_k - n_q`` for bottom-right; unused (0) without causal masking."""
+    if causal == "bottom_right":
+        return n_k - n_q
+    return 0
+
+
+def expand_mask(mask, mask_kind: str, shape) -> tuple:
+    """The mask as a 4-D ``[B, H, Nq, Nk]`` view (stride 0 on broadcast dims; bool as uint8) and
+    whether it is the same for every query row (then kernels load one vector per key tile)."""
+    if mask is None:
+        return None, False
+    if mask.dim() > 4:
+        raise ValueError(f"mask must have at most 4 dims, got {tuple(mask.shape)}")
+    m = mask.expand(*shape)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    row_broadcast = m.stride(2) == 0 or shape[2] == 1
+    return m, row_broadcast
+
+
+def check_config(cfg: dict) -> dict:
+    """Raise ``ValueError`` unless every block size in ``cfg`` is a power of two >= 16."""
+    for key, value in cfg.items():
+        if key.startswith("BLOCK") or key == "PRE_BLOCK_M":
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{key} must be a power of two >= 16, got {value}")
+    return cfg
+
+
+_working: dict[tuple, int] = {}
+
+
+def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], Any]) -> None:
+    """``run(config)`` with the first config that fits the device.
+
+    A default config can exceed shared memory for some variants (e.g. a full [M, N] additive
+    bias tile per pipeline stage); Triton then raises OutOfResources at compile time, before
+    anything is written, and the next candidate is tried. The index that worked is remembered
+    per ``key``. An explicitly given config (a list of one) fails as is.
+    """
+    start = _working.get(key, 0)
+    for i in range(start, len(configs)):
+        try:
+            run(configs[i])
+        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
+            if type(exc).__name__ != "OutOfResources" or i == len(configs) - 1:
+                raise
+            continue
+        if i != start:
+            _working[key] = i
+        return
+
+
+@contextlib.contextmanager
+def launching(interpret: bool) -> Iterator[None]:
+    """Context for one launch: nothing on the GPU; for interpreted kernels
+    :func:`interpreter_mode`, with NumPy's "invalid value" warnings silenced (kernels compute
+    NaN such as ``-inf - -inf`` in ``tl.where`` branches that are never selected: free on the
+    GPU, but NumPy reports it)."""
+    if not interpret:
+        yield
+        return
+    import numpy as np
+
+    with interpreter_mode(), np.errstate(invalid="ignore"):
+        yield

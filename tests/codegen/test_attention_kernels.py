@@ -521,12 +521,12 @@ def test_default_config_falls_back_when_out_of_resources():
             raise OutOfResources("shared memory")
 
     configs = [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}]
-    attention._launch_first_fitting(("test-key",), configs, run)
+    launch.launch_first_fitting(("test-key",), configs, run)
     assert tried == [0, 1, 2]
     tried.clear()
-    attention._launch_first_fitting(("test-key",), configs, run)  # remembered
+    launch.launch_first_fitting(("test-key",), configs, run)  # remembered
     assert tried == [2]
     with pytest.raises(OutOfResources):  # an explicit config is not replaced
-        attention._launch_first_fitting(("other-key",), [{"n": 0}], run)
+        launch.launch_first_fitting(("other-key",), [{"n": 0}], run)
     with pytest.raises(ValueError):  # other errors are not retried
-        attention._launch_first_fitting(("third-key",), configs, lambda cfg: (_ for _ in ()).throw(ValueError()))
+        launch.launch_first_fitting(("third-key",), configs, lambda cfg: (_ for _ in ()).throw(ValueError()))
