@@ -147,18 +147,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.causals = {"0": [False], "1": [True], "both": [False, True]}[a.causal]
     a.mode_list = ["fwd", "fwdbwd"] if a.modes == "both" else [a.modes]
     a.impl_list = [i for i in RUN_ORDER if i in a.impls]
-    a.fuser_options = dict(_parse_option(s) for s in a.fuser_option)
+    a.fuser_options = dict(common.parse_option(s) for s in a.fuser_option)
     return a
-
-
-def _parse_option(s: str) -> tuple[str, Any]:
-    key, _, val = s.partition("=")
-    low = val.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return key.strip(), True
-    if low in ("0", "false", "no", "off"):
-        return key.strip(), False
-    return key.strip(), val
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,16 +347,6 @@ def rel_err(got: tuple, ref: tuple) -> float:
     return worst
 
 
-def fuser_collector():
-    """A context-manager factory collecting fuser's report of what it compiled, or None."""
-    try:
-        import importlib
-
-        return importlib.import_module("fuser.explain").collecting
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def describe_fuser(report) -> str:
     """``fused: <plan>`` / ``NOT fused: <reason>`` from a fuser report."""
     if report is None:
@@ -426,7 +406,7 @@ def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: s
             r = reference()
             return None if r is None else rel_err(out, r)
 
-        collector = fuser_collector() if impl in SUBJECTS else None
+        collector = common.fuser_collector() if impl in SUBJECTS else None
         try:
             fn = var.bind(cfg.n)
         except Exception as exc:  # noqa: BLE001 - e.g. create_block_mask failing

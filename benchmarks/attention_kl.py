@@ -197,19 +197,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.mode_list = ["fwd", "fwdbwd"] if a.modes == "both" else [a.modes]
     a.grads = list(dict.fromkeys(a.grads))
     a.impl_list = [i for i in RUN_ORDER if i in a.impls]
-    a.fuser_options = dict(_parse_option(s) for s in a.fuser_option)
+    a.fuser_options = dict(common.parse_option(s) for s in a.fuser_option)
     a.tol_loss, a.tol_grads = WRONG_TOL[a.dtype]
     return a
-
-
-def _parse_option(s: str) -> tuple[str, Any]:
-    key, _, val = s.partition("=")
-    low = val.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return key.strip(), True
-    if low in ("0", "false", "no", "off"):
-        return key.strip(), False
-    return key.strip(), val
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,16 +263,6 @@ def build_variants(args, mode: str, grads: str, causal: bool) -> dict[str, Varia
             kw["options"] = dict(args.fuser_options) or None
         variants[impl] = Variant(impl, torch.compile(common.fresh_function(eager, f"kl_{impl}_{tag}"), **kw))
     return variants
-
-
-def fuser_collector():
-    """A context-manager factory collecting fuser's report of what it compiled, or None."""
-    try:
-        from fuser.explain import collecting
-
-        return collecting
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def describe_fuser(report) -> tuple[str, str, Optional[bool]]:
@@ -512,7 +492,7 @@ def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: s
         def check(out):
             return None if ref is None else rel_errs(out, ref)
 
-        collector = fuser_collector() if impl == SUBJECT else None
+        collector = common.fuser_collector() if impl == SUBJECT else None
         m = common.measure(make_runner(var.fn, cfg, inputs), device, args.warmup, args.rep,
                            check=check, on_first=collector)
         if impl == SUBJECT:

@@ -393,3 +393,24 @@ def to_json(args: Any, meta: dict, rows: Sequence, done: bool) -> dict:
     """The raw results: environment, arguments, and every configuration with its records."""
     a = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return {"meta": meta, "args": a, "complete": done, "configs": [{**s, "results": recs} for _, recs, s in rows]}
+
+
+def parse_option(s: str) -> tuple[str, Any]:
+    """``"key=value"`` from ``--fuser-option`` -> (key, value); on/off words become bools."""
+    key, _, val = s.partition("=")
+    low = val.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return key.strip(), True
+    if low in ("0", "false", "no", "off"):
+        return key.strip(), False
+    return key.strip(), val
+
+
+def fuser_collector():
+    """A context-manager factory collecting fuser's report of what it compiled, or None."""
+    try:
+        from fuser.explain import collecting
+
+        return collecting
+    except Exception:  # noqa: BLE001
+        return None
