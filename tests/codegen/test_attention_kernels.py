@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from tables import check_table
 import torch
 
 from fuser.codegen import attention, launch
@@ -379,17 +380,7 @@ def test_kernels_for_renders_every_variant():
 
 
 def test_config_table():
-    for dev in ("sm90", "cuda"):
-        for bucket in (64, 128, 256):
-            for size in (2, 4):
-                for table, keys in ((attention._FWD_TABLE, ("BLOCK_M", "BLOCK_N")),
-                                    (attention._BWD_TABLE, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))):
-                    cands = table[(dev, bucket, size)]
-                    assert cands
-                    for c in cands:
-                        for key in keys:
-                            assert c[key] >= 16 and c[key] & (c[key] - 1) == 0
-                        assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+    check_table(attention._FWD_TABLE, attention._BWD_TABLE)
     for key, cands in attention._FWD_CAUSAL_TABLE.items():
         assert key in attention._FWD_TABLE and cands
     first = attention.candidate_configs(head_dim=80, head_dim_v=80, dtype=torch.float16, device="cpu", kind="fwd")

@@ -1,0 +1,18 @@
+"""Shared check of a kernel family's config table (used by the kernel test modules)."""
+
+from fuser.codegen import launch
+
+
+def check_table(fwd: dict, bwd: dict) -> None:
+    """Every (device kind, head-dim bucket, dtype size) has candidates, and each candidate has
+    power-of-two blocks >= 16 (``launch.check_config``), 1..8 warps and >= 1 stage."""
+    for dev in ("sm90", "cuda"):
+        for bucket in (64, 128, 256):
+            for size in (2, 4):
+                for table, keys in ((fwd, ("BLOCK_M", "BLOCK_N")), (bwd, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))):
+                    cands = table[(dev, bucket, size)]
+                    assert cands
+                    for c in cands:
+                        assert all(key in c for key in keys)
+                        launch.check_config(c)
+                        assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
