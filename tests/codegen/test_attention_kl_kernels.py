@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from tables import check_table
+from _config_tables import check_table
 import torch
 
 from fuser.codegen import attention_kl, launch
