@@ -1,4 +1,4 @@
-"""Shared check of a kernel family's config table (used by the kernel test modules)."""
+"""Checks shared by the kernel test modules: config tables, compiled specialisations."""
 
 from fuser.codegen import launch
 
@@ -16,3 +16,14 @@ def check_table(fwd: dict, bwd: dict) -> None:
                         assert all(key in c for key in keys)
                         launch.check_config(c)
                         assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+
+
+def compiled_keys(fn) -> set:
+    """The specialisation keys a @triton.jit function has compiled on the device so far (to
+    check that new sequence lengths do not recompile); skips the test on a Triton that keeps no
+    ``device_caches``."""
+    import pytest
+
+    if not hasattr(fn, "device_caches"):
+        pytest.skip("this Triton keeps no device_caches")
+    return {key for entry in fn.device_caches.values() for key in entry[0]}
