@@ -62,6 +62,8 @@ __all__ = [
     "bwd_kernel",
     "candidate_configs",
     "default_split_k",
+    "atomic_dq_chunks",
+    "ATOMIC_DQ_WORKSPACE_BYTES",
     "CAUSAL_MODES",
     "MASK_KINDS",
     "BWD_MODES",
@@ -73,6 +75,9 @@ CAUSAL_MODES, MASK_KINDS, BWD_MODES = launch.CAUSAL_MODES, launch.MASK_KINDS, la
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 MAX_SPLIT_K = 16
+# Bound on the float32 dQ accumulators of the atomic_dq backward (16-bit inputs): larger
+# problems run the backward in head/batch chunks (see atomic_dq_chunks).
+ATOMIC_DQ_WORKSPACE_BYTES = 32 * 2**20
 
 FWD_TEMPLATE = "attention_kl_fwd.py.jinja"
 BWD_TEMPLATE = "attention_kl_bwd.py.jinja"
@@ -501,7 +506,9 @@ def backward(
     ``g_rows`` ``[B, H, Nq]`` (any strides, any float dtype); ``lse1, lse2, delta``: the
     forward's statistics (base 2; ``delta`` may be ``None`` when no side-1 gradient is wanted).
     ``bwd_mode``: ``"two_kernel"`` (deterministic: a dK kernel and a dQ kernel) or
-    ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast). Without
+    ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast; for 16-bit
+    inputs the accumulators are bounded by :data:`ATOMIC_DQ_WORKSPACE_BYTES`, larger problems
+    are launched in head/batch chunks, see :func:`atomic_dq_chunks`). Without
     side-1 gradients the frozen-teacher kernels run (no DELTA term, no side-1 products).
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
@@ -534,24 +541,38 @@ def backward(
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
-    args = [g_rows, q1, k1, q2, k2, lse1, lse2, delta, dq1, dk1, dq2, dk2]
-    if mask4 is not None:
-        args.append(mask4)
-    accs = []
-    if bwd_mode == "atomic_dq":
-        for dq, q in ((dq1, q1), (dq2, q2)):
-            if dq is None:
-                accs.append(None)
-            elif dq.dtype == torch.float32:  # contiguous float32: accumulate in place
-                accs.append(dq)
-            else:
-                accs.append(launch.empty(q.shape, torch.float32, q.device))
-        args += accs
     precision = launch.dot_precision(q1.dtype)
+    outs = (dq1, dk1, dq2, dk2)
+    if bwd_mode == "atomic_dq" and q1.dtype != torch.float32:
+        # float32 dQ accumulators, bounded: the launch is split into head/batch chunks
+        row_bytes = 4 * (d1 * (dq1 is not None) + q2.shape[-1] * (dq2 is not None))
+        chunks = atomic_dq_chunks(b, h, h // k1.shape[1], h // k2.shape[1], n_q * row_bytes)
+    else:
+        chunks = [(slice(None), slice(None))]
+    group1, group2 = h // k1.shape[1], h // k2.shape[1]
 
-    def run(cfg):
-        # re-running after an OutOfResources is safe: the dQ accumulators are re-zeroed, the
-        # other kernels overwrite their outputs
+    def launch_chunk(cfg, bs: slice, hs: slice, workspace: list):
+        hs1 = slice(None) if hs == slice(None) else slice(hs.start // group1, hs.stop // group1)
+        hs2 = slice(None) if hs == slice(None) else slice(hs.start // group2, hs.stop // group2)
+        sub = lambda t, heads: None if t is None else t[bs, heads]  # noqa: E731
+        cq1, ck1, cq2, ck2 = sub(q1, hs), sub(k1, hs1), sub(q2, hs), sub(k2, hs2)
+        stats = [None if t is None else t[bs, hs].contiguous() for t in (lse1, lse2, delta)]
+        grads = [sub(dq1, hs), sub(dk1, hs1), sub(dq2, hs), sub(dk2, hs2)]
+        args = [g_rows[bs, hs], cq1, ck1, cq2, ck2, *stats, *grads]
+        if mask4 is not None:
+            args.append(mask4[bs, hs])
+        accs = []
+        if bwd_mode == "atomic_dq":
+            for i, (dq, q) in enumerate(((grads[0], cq1), (grads[2], cq2))):
+                if dq is None:
+                    accs.append(None)
+                elif dq.dtype == torch.float32 and dq.is_contiguous():  # accumulate in place
+                    accs.append(dq)
+                else:  # one reused buffer per side, sized by the first (largest) chunk
+                    if workspace[i] is None or workspace[i].numel() < q.numel():
+                        workspace[i] = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+                    accs.append(workspace[i][: q.numel()].view(q.shape))
+            args += accs
         with launch.launching(interpret):
             module.launch_bwd(
                 *args,
@@ -561,10 +582,44 @@ def backward(
                 config=cfg,
                 input_precision=precision,
             )
+        for dq, acc in zip((grads[0], grads[2]), accs):
+            if acc is not None and acc is not dq:
+                dq.copy_(acc)
+
+    def run(cfg):
+        # re-running after an OutOfResources is safe: it is raised at compile time, before the
+        # first chunk writes anything; the dQ accumulators are zeroed by every launch
+        workspace = [None, None]
+        for bs, hs in chunks:
+            launch_chunk(cfg, bs, hs, workspace)
 
     key = (kernel.path, "bwd", q1.dtype, d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision, need)
     launch.launch_first_fitting(key, configs, run)
-    for dq, acc in zip((dq1, dq2), accs):
-        if acc is not None and acc is not dq:
-            dq.copy_(acc)
-    return dq1, dk1, dq2, dk2
+    return outs
+
+
+def atomic_dq_chunks(b: int, h: int, group1: int, group2: int, head_bytes: int,
+                     budget: Optional[int] = None) -> list[tuple[slice, slice]]:
+    """How to split an ``atomic_dq`` backward so its float32 dQ accumulators stay within budget.
+
+    Args:
+        b, h: batch size and query heads; ``group1, group2``: query heads per kv head of each side.
+        head_bytes: accumulator bytes for one (batch, query head): ``4 · Nq · (D1 + D2)`` over
+            the sides whose dQ is wanted.
+        budget: bytes (default :data:`ATOMIC_DQ_WORKSPACE_BYTES`).
+
+    Returns:
+        ``[(batch slice, query-head slice), ...]`` covering ``[0, B) × [0, H)``; one entry
+        ``(slice(None), slice(None))`` when everything fits. Head slices are whole multiples of
+        ``lcm(group1, group2)`` (a dK program sums all query heads of its kv head), so one
+        chunk may exceed the budget when a single such unit does (very long sequences).
+    """
+    budget = ATOMIC_DQ_WORKSPACE_BYTES if budget is None else budget
+    if b * h * head_bytes <= budget:
+        return [(slice(None), slice(None))]
+    unit = math.lcm(group1, group2)
+    if h * head_bytes <= budget:  # whole batches per chunk
+        per = max(1, budget // (h * head_bytes))
+        return [(slice(i, min(i + per, b)), slice(None)) for i in range(0, b, per)]
+    heads = max(unit, (budget // (head_bytes * unit)) * unit)
+    return [(slice(i, i + 1), slice(j, min(j + heads, h))) for i in range(b) for j in range(0, h, heads)]

@@ -292,6 +292,30 @@ def test_needs_grad_subsets(mode, need):
     _check(q1, k1, q2, k2, causal="bottom_right", modes=(mode,), needs=(need,))
 
 
+def test_atomic_dq_chunks_cover_every_head_once():
+    chunk = attention_kl.atomic_dq_chunks
+    assert chunk(2, 8, 1, 1, 100, budget=1600) == [(slice(None), slice(None))]
+    # whole batches per chunk
+    assert chunk(3, 8, 1, 1, 100, budget=1600) == [(slice(0, 2), slice(None)), (slice(2, 3), slice(None))]
+    # head chunks aligned to lcm(group1, group2) = 6 query heads
+    got = chunk(2, 12, 2, 3, 100, budget=700)
+    assert got == [(slice(b, b + 1), slice(h, h + 6)) for b in (0, 1) for h in (0, 6)]
+    # a single unit above the budget still runs, one unit per chunk
+    assert chunk(1, 4, 2, 2, 100, budget=10) == [(slice(0, 1), slice(0, 2)), (slice(0, 1), slice(2, 4))]
+
+
+@pytest.mark.parametrize("need", [ALL, FROZEN], ids=["both", "frozen"])
+def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need):
+    # fp16 (float32 inputs accumulate in place, no chunks); a budget of one kv-head group of
+    # side 2 per chunk: 3 batches x 2 chunks, GQA groups 2 and 1 (lcm 2)
+    b, h, n_q, n_k, d1, d2 = 3, 4, 33, 40, 32, 16
+    q1, k1, q2, k2 = _inputs(36, b, h, 2, 4, n_q, n_k, d1, d2, dtype=torch.float16)
+    row_bytes = 4 * ((d1 if need[0] else 0) + d2)
+    monkeypatch.setattr(attention_kl, "ATOMIC_DQ_WORKSPACE_BYTES", 2 * n_q * row_bytes)
+    assert len(attention_kl.atomic_dq_chunks(b, h, 2, 1, n_q * row_bytes)) == 6
+    _check(q1, k1, q2, k2, causal="bottom_right", modes=("atomic_dq",), needs=(need,))
+
+
 def test_frozen_teacher_needs_no_delta():
     q1, k1, q2, k2 = _inputs(35, 1, 2, 2, 2, 20, 30, 32, 32)
     rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, scale1=0.2, scale2=0.3)
