@@ -311,7 +311,7 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
     anything is written, and the next candidate is tried. The index that worked is remembered
     per ``key``. An explicitly given config (a list of one) fails as is.
     """
-    start = _working.get(key, 0)
+    start = _working.get(key, 0) if len(configs) > 1 else 0  # an explicit config is tried as is
     for i in range(start, len(configs)):
         try:
             run(configs[i])
