@@ -207,8 +207,8 @@ _FWD_TABLE = {
     # D=256: 64x64/8 warps 169 regs, 193 KB.
     ("sm90", 64, 2): [_fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 128, 8, 3),
                       _fwd(128, 32, 4, 3)],
-    ("sm90", 128, 2): [_fwd(128, 64, 8, 3), _fwd(128, 128, 8, 2), _fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4),
-                       _fwd(128, 32, 8, 3)],
+    ("sm90", 128, 2): [_fwd(128, 64, 8, 4), _fwd(128, 32, 8, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 2),
+                       _fwd(64, 64, 4, 2)],
     ("sm90", 256, 2): [_fwd(64, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2), _fwd(32, 64, 4, 2)],
     # fp32 ("ieee" dots run on CUDA cores; larger tiles spill)
     ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(16, 32, 4, 2)],
@@ -227,7 +227,7 @@ _FWD_TABLE = {
 # Keys missing here fall back to _FWD_TABLE.
 _FWD_CAUSAL_TABLE = {
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3)],
-    ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(64, 32, 4, 3)],
+    ("sm90", 128, 2): [_fwd(64, 128, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 8, 4), _fwd(64, 64, 4, 2)],
 }
 
 # Backward with a trainable teacher (dQ1, dK1 and dQ2, dK2).
@@ -236,8 +236,8 @@ _BWD_TABLE = {
     # D=256: dK 176, dQ 175, atomic dK 234.
     ("sm90", 64, 2): [_bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 64, 64, 32, 8, 3),
                       _bwd(16, 128, 128, 16, 8, 2)],
-    ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 8, 3), _bwd(16, 128, 128, 16, 8, 2), _bwd(32, 128, 128, 32, 8, 1),
-                       _bwd(16, 64, 64, 16, 8, 2)],
+    ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3),
+                       _bwd(32, 128, 128, 32, 8, 2)],
     ("sm90", 256, 2): [_bwd(32, 32, 32, 32, 8, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 32, 32, 16, 8, 2),
                        _bwd(16, 16, 16, 16, 4, 1)],
     ("sm90", 64, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 2)],
@@ -256,7 +256,14 @@ _BWD_TABLE = {
 # Keys missing here fall back to _BWD_TABLE.
 _BWD_FROZEN_TABLE = {
     ("sm90", 64, 2): [_bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3)],
-    ("sm90", 128, 2): [_bwd(32, 128, 128, 32, 8, 2), _bwd(32, 64, 64, 32, 8, 3), _bwd(16, 128, 128, 16, 8, 2)],
+    ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(64, 64, 64, 64, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
+                       _bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 2)],
+}
+
+# Causal backward with a trainable teacher: smaller tiles balance the triangle. Keys missing
+# here fall back to _BWD_TABLE.
+_BWD_CAUSAL_TABLE = {
+    ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(64, 128, 128, 64, 8, 3), _bwd(32, 128, 128, 32, 8, 3)],
 }
 
 
@@ -285,6 +292,8 @@ def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, dev
     if kind == "bwd":
         if not teacher_grad and key in _BWD_FROZEN_TABLE:
             return [dict(c) for c in _BWD_FROZEN_TABLE[key]]
+        if teacher_grad and causal not in ("none", False) and key in _BWD_CAUSAL_TABLE:
+            return [dict(c) for c in _BWD_CAUSAL_TABLE[key]]
         return [dict(c) for c in _BWD_TABLE[key]]
     if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
