@@ -80,7 +80,6 @@ FAMILIES = {  # name -> launcher arguments
 # --------------------------------------------------------------------------------------------
 
 FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES = (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
-FWD_PIPELINE = (0, 1)  # the forward's hand-pipelined full-tile loop off / on
 
 
 def keep_fwd(bm: int, bn: int, w: int, s: int) -> bool:
@@ -91,8 +90,8 @@ def keep_fwd(bm: int, bn: int, w: int, s: int) -> bool:
                 or (bn == 32 and s < 3))
 
 
-FWD_GRID = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "PIPELINE": pl}
-            for pl, bm, bn, w, s in itertools.product(FWD_PIPELINE, FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES)
+FWD_GRID = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+            for bm, bn, w, s in itertools.product(FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, FWD_STAGES)
             if keep_fwd(bm, bn, w, s)]
 
 BWD_DK_TILES = ((16, 128), (32, 128), (64, 128), (32, 64), (64, 64))  # (BLOCK_M1, BLOCK_N1)
@@ -122,13 +121,13 @@ def bwd_grid(default: dict, atomic: bool) -> list[dict]:
 def cfg_key(cfg: dict, atomic: bool = False) -> tuple:
     """Identity of a config for deduplication (atomic_dq: without the unused dQ tile)."""
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1") + (() if atomic else ("BLOCK_M2", "BLOCK_N2"))
-    return tuple(cfg.get(k) for k in keys + ("num_warps", "num_stages")) + (cfg.get("PIPELINE", 0),)
+    return tuple(cfg.get(k) for k in keys + ("num_warps", "num_stages"))
 
 
 def cfg_label(cfg: dict, atomic: bool = False) -> str:
     ws = f"w{cfg['num_warps']} s{cfg['num_stages']}"
     if "BLOCK_M" in cfg:
-        return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {ws}" + (" pipe" if cfg.get("PIPELINE") else "")
+        return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {ws}"
     dq = "" if atomic else f" dQ {cfg['BLOCK_M2']}x{cfg['BLOCK_N2']}"
     return f"dK {cfg['BLOCK_M1']}x{cfg['BLOCK_N1']}{dq} {ws}"
 
@@ -136,8 +135,7 @@ def cfg_label(cfg: dict, atomic: bool = False) -> str:
 def cfg_literal(cfg: dict) -> str:
     """The config as an entry of codegen/attention_kl.py's tables."""
     if "BLOCK_M" in cfg:
-        pipe = ", pipeline=1" if cfg.get("PIPELINE") else ""
-        return "_fwd({BLOCK_M}, {BLOCK_N}, {num_warps}, {num_stages}".format(**cfg) + pipe + ")"
+        return "_fwd({BLOCK_M}, {BLOCK_N}, {num_warps}, {num_stages})".format(**cfg)
     return "_bwd({BLOCK_M1}, {BLOCK_N1}, {BLOCK_M2}, {BLOCK_N2}, {num_warps}, {num_stages})".format(**cfg)
 
 

@@ -188,25 +188,21 @@ def _bwd(m1, n1, m2, n2, w, s):
 _INTERP_FWD = [_fwd(32, 16, 4, 1), _fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)]
 _INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 16, 16, 32, 4, 1)]
 
-# GPU tables: NOT TIMED. Written without access to a GPU. Each sm90 entry was compiled for
-# sm_90a (Triton 3.9 and 3.6, their normal pipeline with ptxas, through a stub driver) and is
-# free of register spills for the variants it serves (16-bit: two_kernel and atomic_dq,
-# D1 = D2 = the bucket, no mask; with masks or atomic_dq at D=128 a few entries spill 8..80
-# bytes) and within 227 KB of shared memory; the order is a guess from the attention table
-# (codegen/attention.py, measured on an H100) adjusted for the extra work: the forward holds two
-# query tiles and two [BLOCK_M, BLOCK_N] score tiles (no [BLOCK_M, Dv] accumulator) and streams
-# two key tiles per step; the backward's dK kernel holds two fp32 [BLOCK_N, D] accumulators and
-# four score-sized tiles, the atomic_dq variant also two [BLOCK_M, D] dQ tiles per step.
-# fp32 entries ("ieee" dots on CUDA cores) are the least-spilling of those compiled (the
-# trainable-teacher atomic_dq backward spills at every fp32 tile size tried beyond D=64).
-# Registers per thread and shared memory of the first entries are noted. Timing the
-# candidates on an H100 (launch.autotune over candidate_configs) should reorder these.
-# Head-dim bucket = max(next_pow2(D1), next_pow2(D2)).
+# GPU tables, best first. sm90 16-bit entries for head-dim buckets 64 and 128 are ordered by
+# measurement: benchmarks/tune_attention_kl.py on an H100 80GB HBM3 (torch 2.11, Triton 3.6,
+# 2026-11-21; B=1, H=16, N=8192, D1 = D2 = 64 or 128, bf16, causal and not; every candidate
+# of its grid timed). Measured then (ms, N=8192, D=128 / D=64): forward 1.49 / 0.92, causal
+# 0.86 / 0.52; frozen-teacher backward two_kernel 4.01 / 2.31 (causal 2.05 / 1.41), atomic_dq
+# 3.71 / 2.60; both sides two_kernel 5.14 / 3.32 (causal 2.60 / 1.82). The first entries of
+# the former untimed tables were 1.0-2.6x slower. A hand-pipelined forward loop (next tile's
+# products issued before this tile's update) was also timed and was slower in every config.
+# The D=256 and fp32 entries and the "cuda" (pre-Hopper) entries are NOT TIMED: compiled for
+# sm_90a with ptxas (no spills for the variants they serve, within 227 KB of shared memory),
+# ordered by analogy with the attention tables. Head-dim bucket = max(next_pow2(D1),
+# next_pow2(D2)).
 _FWD_TABLE = {
-    # 16-bit. D=64: 128x64/8 warps 128 regs, 80 KB; D=128: 128x64/8 warps/3 stages 128 regs, 160 KB;
-    # D=256: 64x64/8 warps 169 regs, 193 KB.
-    ("sm90", 64, 2): [_fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(128, 128, 8, 3),
-                      _fwd(128, 32, 4, 3)],
+    # 16-bit (D=256: 64x64/8 warps 169 regs, 193 KB)
+    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(64, 64, 4, 2), _fwd(128, 64, 4, 4), _fwd(128, 64, 8, 3)],
     ("sm90", 128, 2): [_fwd(128, 64, 8, 4), _fwd(128, 32, 8, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 2),
                        _fwd(64, 64, 4, 2)],
     ("sm90", 256, 2): [_fwd(64, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2), _fwd(32, 64, 4, 2)],
@@ -226,16 +222,15 @@ _FWD_TABLE = {
 # Causal forward: smaller query blocks balance the triangle (as measured for attention).
 # Keys missing here fall back to _FWD_TABLE.
 _FWD_CAUSAL_TABLE = {
-    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3)],
+    ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(64, 64, 4, 2), _fwd(64, 128, 4, 3)],
     ("sm90", 128, 2): [_fwd(64, 128, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 8, 4), _fwd(64, 64, 4, 2)],
 }
 
 # Backward with a trainable teacher (dQ1, dK1 and dQ2, dK2).
 _BWD_TABLE = {
-    # D=64: dK 221 regs, dQ 176 regs, atomic dK 232; D=128: dK 244, dQ 186, atomic dK 255 (8 B spill);
-    # D=256: dK 176, dQ 175, atomic dK 234.
-    ("sm90", 64, 2): [_bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 64, 64, 32, 8, 3),
-                      _bwd(16, 128, 128, 16, 8, 2)],
+    # D=256: dK 176 regs, dQ 175, atomic dK 234
+    ("sm90", 64, 2): [_bwd(64, 64, 64, 64, 4, 3), _bwd(64, 64, 64, 64, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
+                      _bwd(64, 128, 128, 64, 8, 3)],
     ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3),
                        _bwd(32, 128, 128, 32, 8, 2)],
     ("sm90", 256, 2): [_bwd(32, 32, 32, 32, 8, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 32, 32, 16, 8, 2),
@@ -251,11 +246,11 @@ _BWD_TABLE = {
     ("cuda", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
 }
 
-# Backward with a frozen teacher (dQ2, dK2 only: one dK accumulator, no dS1): room for larger
-# tiles. D=64: dK 242 regs, dQ 128, atomic dK 240; D=128: dK 229, dQ 137, atomic dK 229.
+# Backward with a frozen teacher (dQ2, dK2 only: one dK accumulator, no dS1), both bwd modes.
 # Keys missing here fall back to _BWD_TABLE.
 _BWD_FROZEN_TABLE = {
-    ("sm90", 64, 2): [_bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 3), _bwd(32, 64, 64, 32, 4, 3)],
+    ("sm90", 64, 2): [_bwd(64, 64, 64, 64, 4, 3), _bwd(32, 64, 64, 32, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
+                      _bwd(64, 128, 128, 64, 8, 1)],
     ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(64, 64, 64, 64, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
                        _bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 2)],
 }

@@ -172,27 +172,6 @@ def test_non_default_configs():
         _check(q1, k1, q2, k2, causal="top_left", config=fc, bwd_config=bc, needs=(ALL,))
 
 
-@pytest.mark.parametrize(
-    "causal,mask_kind,split_k",
-    [("none", "none", 1), ("bottom_right", "none", 1), ("top_left", "bool_keep", 1), ("none", "additive", 2)],
-    ids=["plain", "causal", "causal_bool_mask", "additive_split_k"],
-)
-def test_pipelined_forward(causal, mask_kind, split_k):
-    # PIPELINE=1 issues the next key tile's products before the current tile's update: the
-    # same rows and statistics as the plain loop, to rounding; full-tile ranges of 0, 1 and
-    # several tiles (Nk = 75 keys, BLOCK_N 16: 4 full tiles plus an edge; Nq = 37 causal rows)
-    q1, k1, q2, k2 = _inputs(15, 2, 2, 1, 2, 37, 75, 32, 24)
-    mask = None
-    if mask_kind == "bool_keep":
-        mask = torch.rand(2, 1, 37, 75, generator=torch.Generator().manual_seed(3)) > 0.2
-    elif mask_kind == "additive":
-        mask = torch.randn(1, 2, 1, 75, generator=torch.Generator().manual_seed(4))
-        mask[..., 60:] = -math.inf
-    cfg = {**attention_kl.candidate_configs(head_dim1=32, head_dim2=24, dtype=q1.dtype, device=CPU)[0], "PIPELINE": 1}
-    _check(q1, k1, q2, k2, causal=causal, mask=mask, mask_kind=mask_kind, split_k=split_k, config=cfg,
-           needs=(FROZEN,), modes=("two_kernel",))
-
-
 # --- split-K ---------------------------------------------------------------------------------
 
 
