@@ -103,9 +103,15 @@ def test_compiled_matches_float64(dtype, name, fn, shape):
     ref = fn(*ref_in)
     assert torch.isfinite(out).all()
     assert abs(out.item() - ref.item()) <= LOSS_TOL[dtype] * abs(ref.item()), (out.item(), ref.item())
-    got = torch.autograd.grad(out, xs[2:])
     want = torch.autograd.grad(ref, ref_in[2:])
-    for a, b in zip(got, want):
+    # fp16 gradients of a mean over many rows fall into fp16's subnormal range (~1e-6 and
+    # below), where its relative precision is gone: scale the loss as fp16 training does, by a
+    # power of two that brings the largest gradient near 1
+    loss_scale = 1.0
+    if dtype == torch.float16:
+        loss_scale = 2.0 ** -math.ceil(math.log2(max(b.abs().max().item() for b in want)))
+    got = torch.autograd.grad(out * loss_scale, xs[2:])
+    for a, b in zip(got, (b * loss_scale for b in want)):
         assert a.dtype == dtype and not torch.isnan(a).any()
         assert _rel(a, b) < GRAD_TOL[dtype]
 
