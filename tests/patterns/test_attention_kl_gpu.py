@@ -156,6 +156,25 @@ def test_long_sequence_runs_in_linear_memory():
     assert torch.isfinite(out) and all(not torch.isnan(g).any() for g in grads)
 
 
+def test_cuda_graphs_mode_reduce_overhead():
+    # mode="reduce-overhead" records the step (fused ops included) in CUDA graphs: the small-N
+    # remedy for host overhead. Replays must give the default mode's loss and gradients.
+    xs = _inputs((1, 8, 1024, 64, 64), torch.bfloat16, False, seed=4)
+    torch._dynamo.reset()
+    plain = torch.compile(kl_causal_finfo_min, backend="fuser")
+    want_loss = plain(*xs)
+    want = torch.autograd.grad(want_loss, xs[2:])
+    torch._dynamo.reset()
+    graphed = torch.compile(kl_causal_finfo_min, backend="fuser", mode="reduce-overhead")
+    for _ in range(4):  # warm-up, recording, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = graphed(*xs)
+        got = [g.clone() for g in torch.autograd.grad(loss, xs[2:])]
+        assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
 def test_explain_names_the_plan():
     xs = _inputs((1, 16, 4096, 128, 128), torch.bfloat16, False, seed=3)
     rep = fuser.explain(kl_causal_finfo_min, *xs)
