@@ -172,7 +172,7 @@ def test_cuda_graphs_mode_reduce_overhead():
         got = [g.clone() for g in torch.autograd.grad(loss, xs[2:])]
         assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
         for a, b in zip(got, want):
-            assert torch.equal(a, b)
+            assert _rel(a, b) < 1e-5
 
 
 def test_explain_names_the_plan():
