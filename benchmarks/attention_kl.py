@@ -101,11 +101,14 @@ Flags: ``--seqs``, ``--long``, ``--long-seqs``, ``--causal {0,1,both}``, ``--mod
 ``--batch``/``--heads``/``--dim`` (1, 16, 128), ``--warmup``/``--rep`` (do_bench ms, 25/100),
 ``--shapes``, ``--check {all,loss,none}``, ``--budget-s`` (0 = no limit), ``--out`` (markdown path;
 JSON beside it), ``--out-dir`` (or env ``FUSER_BENCH_OUT_DIR``: also copy both files there, e.g.
-``$OUT``), ``--fuser-option key=value`` (repeatable), ``--peak-tflops``, ``--peak-exps``,
+``$OUT``), ``--fuser-option key=value`` (repeatable), ``--compile-mode`` (``torch.compile``'s
+``mode`` for Inductor and fuser alike, e.g. ``reduce-overhead``: CUDA graphs, with
+``torch.compiler.cudagraph_mark_step_begin()`` before every timed call; fuser then gets no
+``--fuser-option``, as torch.compile refuses mode with options), ``--peak-tflops``, ``--peak-exps``,
 ``--device``, ``--seed``, ``--smoke`` (B=1, H=2, D=16, N=64 128, fp32; ``--long`` adds N=256;
 results to ``attention_kl_smoke.md``).
 
-Time on an H100 (estimate, not yet measured): process start and imports ~10 s; compiles ~1-2 min
+Time on an H100 (estimate from before the first run; the full grid plus ``--long`` took ~5 min): process start and imports ~10 s; compiles ~1-2 min
 (Inductor ~15-30 s per variant, fuser a few s, 4 variants each); eager and Inductor at
 N ≤ 8192/16384 take ≤ 75 ms per call and ~10 calls per measurement; the OOMs are quick; the fp32
 reference ~10 s in all. Default grid (20 configurations): ~3-4 min. ``--long`` adds four fuser
@@ -174,6 +177,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="markdown path (default benchmarks/results/attention_kl.md; attention_kl_smoke.md with --smoke)")
     p.add_argument("--out-dir", default=os.environ.get("FUSER_BENCH_OUT_DIR", ""),
                    help="also copy the .md and .json here (env FUSER_BENCH_OUT_DIR)")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode for inductor and fuser (e.g. reduce-overhead: CUDA graphs)")
     p.add_argument("--fuser-option", action="append", default=[], metavar="KEY=VALUE",
                    help="option for torch.compile(backend='fuser', options=...), repeatable")
     p.add_argument("--peak-tflops", type=float, default=790.0)
@@ -258,9 +263,12 @@ def build_variants(args, mode: str, grads: str, causal: bool) -> dict[str, Varia
             variants[impl] = Variant(impl, eager)
             continue
         kw: dict[str, Any] = {"dynamic": dynamic}
+        if args.compile_mode:
+            kw["mode"] = args.compile_mode
         if impl == "fuser":
             kw["backend"] = "fuser"
-            kw["options"] = dict(args.fuser_options) or None
+            if not args.compile_mode:  # torch.compile refuses mode= with options=
+                kw["options"] = dict(args.fuser_options) or None
         variants[impl] = Variant(impl, torch.compile(common.fresh_function(eager, f"kl_{impl}_{tag}"), **kw))
     return variants
 
@@ -346,12 +354,15 @@ def make_inputs(args, cfg: Config, dtype, device: str, seed: int) -> list:
     return ts
 
 
-def make_runner(fn: Callable, cfg: Config, inputs: list) -> Callable[[], tuple]:
-    """The timed region: the loss (no_grad), or the loss + its gradients."""
+def make_runner(fn: Callable, cfg: Config, inputs: list, graphs: bool = False) -> Callable[[], tuple]:
+    """The timed region: the loss (no_grad), or the loss + its gradients. ``graphs``: a new
+    CUDA-graph step begins with every call (``--compile-mode reduce-overhead``)."""
     import torch
 
+    step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
     if cfg.mode == "fwd":
         def run_fwd():
+            step()
             with torch.no_grad():
                 return (fn(*inputs),)
         return run_fwd
@@ -359,6 +370,7 @@ def make_runner(fn: Callable, cfg: Config, inputs: list) -> Callable[[], tuple]:
     wrt = [inputs[i] for i in cfg.wrt]
 
     def run_fwdbwd():
+        step()
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, wrt)
         return (loss.detach(), *grads)
@@ -493,7 +505,7 @@ def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: s
             return None if ref is None else rel_errs(out, ref)
 
         collector = common.fuser_collector() if impl == SUBJECT else None
-        m = common.measure(make_runner(var.fn, cfg, inputs), device, args.warmup, args.rep,
+        m = common.measure(make_runner(var.fn, cfg, inputs, bool(args.compile_mode)), device, args.warmup, args.rep,
                            check=check, on_first=collector)
         if impl == SUBJECT:
             note, plan, fused = describe_fuser(m.first_context)
@@ -699,6 +711,7 @@ def errors_section(rows: list[tuple[Config, dict, dict]], state: dict) -> str:
 def legend(args) -> str:
     return (
         f"B={args.batch}, H={args.heads}, D={args.dim}, dtype={args.dtype}, shapes={args.shapes}, "
+        f"compile mode={args.compile_mode or 'default'}, "
         f"do_bench warmup={args.warmup} ms rep={args.rep} ms (median). Times in ms. "
         "grads: which side requires grad in fwdbwd (student = q2, k2; both = q1, k1, q2, k2). "
         f"Floors: FLOPs / {args.peak_tflops:g} TFLOP/s and exps / {args.peak_exps:.2f}e12/s (MUFU); "
