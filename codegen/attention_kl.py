@@ -188,24 +188,25 @@ def _bwd(m1, n1, m2, n2, w, s):
 _INTERP_FWD = [_fwd(32, 16, 4, 1), _fwd(16, 32, 4, 1), _fwd(16, 16, 4, 1)]
 _INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1), _bwd(32, 16, 16, 32, 4, 1)]
 
-# GPU tables, best first. sm90 16-bit entries for head-dim buckets 64 and 128 are ordered by
+# GPU tables, best first. sm90 16-bit entries (head-dim buckets 64, 128, 256) are ordered by
 # measurement: benchmarks/tune_attention_kl.py on an H100 80GB HBM3 (torch 2.11, Triton 3.6,
-# 2026-11-21; B=1, H=16, N=8192, D1 = D2 = 64 or 128, bf16, causal and not; every candidate
-# of its grid timed). Measured then (ms, N=8192, D=128 / D=64): forward 1.49 / 0.92, causal
-# 0.86 / 0.52; frozen-teacher backward two_kernel 4.01 / 2.31 (causal 2.05 / 1.41), atomic_dq
-# 3.71 / 2.60; both sides two_kernel 5.14 / 3.32 (causal 2.60 / 1.82). The first entries of
-# the former untimed tables were 1.0-2.6x slower. A hand-pipelined forward loop (next tile's
-# products issued before this tile's update) was also timed and was slower in every config.
-# The D=256 and fp32 entries and the "cuda" (pre-Hopper) entries are NOT TIMED: compiled for
-# sm_90a with ptxas (no spills for the variants they serve, within 227 KB of shared memory),
-# ordered by analogy with the attention tables. Head-dim bucket = max(next_pow2(D1),
-# next_pow2(D2)).
+# 2026-11-21; B=1, H=16, N=8192, D1 = D2 = the bucket, bf16, causal and not; every candidate
+# of its grid timed; results in benchmarks/results/tune_attention_kl_d{64,128,256}.md).
+# Measured then (ms, N=8192, D=64 / 128 / 256): forward 0.92 / 1.49 / 2.93, causal
+# 0.52 / 0.86 / 1.79; frozen-teacher backward two_kernel 2.31 / 4.01 / 7.64 (causal
+# 1.41 / 2.05 / 3.76), atomic_dq 2.60 / 3.71 / 10.7; both sides two_kernel 3.32 / 5.14 / 23.9
+# (causal 1.82 / 2.60 / 10.7). The first entries of the former untimed tables were 1.0-4x
+# slower. A hand-pipelined forward loop (next tile's products issued before this tile's
+# update) was also timed at D=64 and 128 and was slower in every config.
+# The fp32 entries and the "cuda" (pre-Hopper) entries are NOT TIMED: compiled for sm_90a
+# with ptxas (no spills for the variants they serve, within 227 KB of shared memory), ordered
+# by analogy with the attention tables. Head-dim bucket = max(next_pow2(D1), next_pow2(D2)).
 _FWD_TABLE = {
-    # 16-bit (D=256: 64x64/8 warps 169 regs, 193 KB)
+    # 16-bit
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(64, 64, 4, 2), _fwd(128, 64, 4, 4), _fwd(128, 64, 8, 3)],
     ("sm90", 128, 2): [_fwd(128, 64, 8, 4), _fwd(128, 32, 8, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 4, 2),
                        _fwd(64, 64, 4, 2)],
-    ("sm90", 256, 2): [_fwd(64, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2), _fwd(32, 64, 4, 2)],
+    ("sm90", 256, 2): [_fwd(128, 32, 8, 3), _fwd(64, 64, 4, 2), _fwd(128, 32, 4, 3), _fwd(64, 32, 4, 3)],
     # fp32 ("ieee" dots run on CUDA cores; larger tiles spill)
     ("sm90", 64, 4): [_fwd(32, 32, 4, 2), _fwd(32, 32, 4, 1), _fwd(16, 32, 4, 2)],
     ("sm90", 128, 4): [_fwd(32, 32, 4, 2), _fwd(16, 32, 4, 2), _fwd(32, 16, 4, 2)],
@@ -224,17 +225,17 @@ _FWD_TABLE = {
 _FWD_CAUSAL_TABLE = {
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(64, 64, 4, 2), _fwd(64, 128, 4, 3)],
     ("sm90", 128, 2): [_fwd(64, 128, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 64, 8, 4), _fwd(64, 64, 4, 2)],
+    ("sm90", 256, 2): [_fwd(64, 32, 4, 3), _fwd(64, 32, 4, 4), _fwd(128, 32, 4, 3), _fwd(64, 64, 4, 2)],
 }
 
 # Backward with a trainable teacher (dQ1, dK1 and dQ2, dK2).
 _BWD_TABLE = {
-    # D=256: dK 176 regs, dQ 175, atomic dK 234
     ("sm90", 64, 2): [_bwd(64, 64, 64, 64, 4, 3), _bwd(64, 64, 64, 64, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
                       _bwd(64, 128, 128, 64, 8, 3)],
     ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(32, 64, 64, 32, 4, 3), _bwd(32, 128, 128, 32, 8, 3),
                        _bwd(32, 128, 128, 32, 8, 2)],
-    ("sm90", 256, 2): [_bwd(32, 32, 32, 32, 8, 2), _bwd(32, 32, 32, 32, 8, 1), _bwd(16, 32, 32, 16, 8, 2),
-                       _bwd(16, 16, 16, 16, 4, 1)],
+    ("sm90", 256, 2): [_bwd(64, 64, 64, 64, 8, 2), _bwd(32, 64, 64, 32, 8, 3), _bwd(32, 64, 64, 32, 8, 2),
+                       _bwd(32, 32, 32, 32, 8, 2)],
     ("sm90", 64, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 2)],
     ("sm90", 128, 4): [_bwd(16, 16, 16, 16, 4, 1), _bwd(16, 32, 32, 16, 4, 1)],
     ("sm90", 256, 4): [_bwd(16, 16, 16, 16, 4, 1)],
@@ -253,12 +254,15 @@ _BWD_FROZEN_TABLE = {
                       _bwd(64, 128, 128, 64, 8, 1)],
     ("sm90", 128, 2): [_bwd(64, 128, 128, 64, 8, 3), _bwd(64, 64, 64, 64, 4, 2), _bwd(32, 64, 64, 32, 4, 3),
                        _bwd(64, 128, 128, 64, 8, 2), _bwd(32, 128, 128, 32, 8, 2)],
+    ("sm90", 256, 2): [_bwd(32, 128, 128, 32, 8, 3), _bwd(32, 128, 128, 32, 8, 2), _bwd(64, 128, 128, 64, 8, 1),
+                       _bwd(32, 64, 64, 32, 8, 3)],
 }
 
 # Causal backward with a trainable teacher: smaller tiles balance the triangle. Keys missing
 # here fall back to _BWD_TABLE.
 _BWD_CAUSAL_TABLE = {
     ("sm90", 128, 2): [_bwd(32, 64, 64, 32, 4, 3), _bwd(64, 128, 128, 64, 8, 3), _bwd(32, 128, 128, 32, 8, 3)],
+    ("sm90", 256, 2): [_bwd(32, 64, 64, 32, 8, 3), _bwd(64, 64, 64, 64, 8, 2), _bwd(32, 64, 64, 32, 8, 2)],
 }
 
 
