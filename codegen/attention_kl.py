@@ -560,15 +560,20 @@ def backward(
     group1, group2 = h // k1.shape[1], h // k2.shape[1]
 
     def launch_chunk(cfg, bs: slice, hs: slice, workspace: list):
-        hs1 = slice(None) if hs == slice(None) else slice(hs.start // group1, hs.stop // group1)
-        hs2 = slice(None) if hs == slice(None) else slice(hs.start // group2, hs.stop // group2)
-        sub = lambda t, heads: None if t is None else t[bs, heads]  # noqa: E731
-        cq1, ck1, cq2, ck2 = sub(q1, hs), sub(k1, hs1), sub(q2, hs), sub(k2, hs2)
-        stats = [None if t is None else t[bs, hs].contiguous() for t in (lse1, lse2, delta)]
-        grads = [sub(dq1, hs), sub(dk1, hs1), sub(dq2, hs), sub(dk2, hs2)]
-        args = [g_rows[bs, hs], cq1, ck1, cq2, ck2, *stats, *grads]
-        if mask4 is not None:
-            args.append(mask4[bs, hs])
+        if bs == hs == slice(None):  # the whole problem: no views to make (host time)
+            cq1, ck1, cq2, ck2, g = q1, k1, q2, k2, g_rows
+            stats, grads, cmask = [lse1, lse2, delta], [dq1, dk1, dq2, dk2], mask4
+        else:
+            hs1 = slice(hs.start // group1, hs.stop // group1) if hs != slice(None) else hs
+            hs2 = slice(hs.start // group2, hs.stop // group2) if hs != slice(None) else hs
+            sub = lambda t, heads: None if t is None else t[bs, heads]  # noqa: E731
+            cq1, ck1, cq2, ck2, g = sub(q1, hs), sub(k1, hs1), sub(q2, hs), sub(k2, hs2), g_rows[bs, hs]
+            stats = [None if t is None else t[bs, hs].contiguous() for t in (lse1, lse2, delta)]
+            grads = [sub(dq1, hs), sub(dk1, hs1), sub(dq2, hs), sub(dk2, hs2)]
+            cmask = sub(mask4, hs)
+        args = [g, cq1, ck1, cq2, ck2, *stats, *grads]
+        if cmask is not None:
+            args.append(cmask)
         accs = []
         if bwd_mode == "atomic_dq":
             for i, (dq, q) in enumerate(((grads[0], cq1), (grads[2], cq2))):
