@@ -133,7 +133,7 @@ def cfg_label(cfg: dict, atomic: bool = False) -> str:
 
 
 def cfg_literal(cfg: dict) -> str:
-    """The config as an entry of codegen/attention_kl.py's tables."""
+    """The config as an entry of codegen/attention_kl_configs.py's tables."""
     if "BLOCK_M" in cfg:
         return "_fwd({BLOCK_M}, {BLOCK_N}, {num_warps}, {num_stages})".format(**cfg)
     return "_bwd({BLOCK_M1}, {BLOCK_N1}, {BLOCK_M2}, {BLOCK_N2}, {num_warps}, {num_stages})".format(**cfg)
@@ -422,14 +422,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.setup_environment(force_cpu=args.device == "cpu")
     import torch
 
-    from fuser.codegen import attention_kl as akl
+    from fuser.codegen import attention_kl_configs
 
     device = "cuda" if (args.device != "cpu" and torch.cuda.is_available()) else "cpu"
     if args.device == "cuda" and device != "cuda":
         print("--device cuda: no CUDA device found", file=sys.stderr)
         return 2
     if args.list:
-        akl.device_kind = lambda _dev: "sm90"  # the H100 tables, without a GPU (nothing is launched)
+        attention_kl_configs.device_kind = lambda _dev: "sm90"  # the H100 tables, without a GPU (nothing is launched)
     if args.jobs is None:
         args.jobs = min(12, max(1, (os.cpu_count() or 1) - 4)) if device == "cuda" and not args.list else 0
     spec = {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": args.dtype, "device": device,

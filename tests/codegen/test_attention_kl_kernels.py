@@ -13,7 +13,7 @@ import pytest
 from _kernel_checks import check_table, compiled_keys
 import torch
 
-from fuser.codegen import attention_kl, launch
+from fuser.codegen import attention_kl, attention_kl_configs, launch
 from fuser.patterns.attention_kl_reference import reference
 
 LOG2E = 1.4426950408889634
@@ -507,14 +507,22 @@ def test_kernels_for_renders_every_variant():
         assert word in k_gpu.source
 
 
-def test_config_table():
-    check_table(attention_kl._FWD_TABLE, attention_kl._BWD_TABLE)
-    for extra, base in ((attention_kl._FWD_CAUSAL_TABLE, attention_kl._FWD_TABLE),
-                        (attention_kl._BWD_FROZEN_TABLE, attention_kl._BWD_TABLE)):
+def test_config_table(monkeypatch):
+    t = attention_kl_configs
+    check_table(t._FWD_TABLE, t._BWD_TABLE)
+    for extra, base in ((t._FWD_CAUSAL_TABLE, t._FWD_TABLE), (t._BWD_FROZEN_TABLE, t._BWD_TABLE),
+                        (t._BWD_CAUSAL_TABLE, t._BWD_TABLE)):
         for key, cands in extra.items():
             assert key in base and cands
             for c in cands:
                 assert set(c) == set(base[key][0])
+    kw = dict(head_dim1=128, head_dim2=128, dtype=torch.bfloat16, device="cuda", kind="bwd")
+    monkeypatch.setattr(attention_kl_configs, "device_kind", lambda d: "sm90")
+    assert attention_kl.candidate_configs(causal="top_left", **kw) == t._BWD_CAUSAL_TABLE[("sm90", 128, 2)]
+    assert attention_kl.candidate_configs(causal="none", **kw) == t._BWD_TABLE[("sm90", 128, 2)]
+    assert (attention_kl.candidate_configs(causal="top_left", teacher_grad=False, **kw)
+            == t._BWD_FROZEN_TABLE[("sm90", 128, 2)])
+    monkeypatch.undo()
     first = attention_kl.candidate_configs(head_dim1=80, head_dim2=24, dtype=torch.float16, device="cpu", kind="fwd")
     assert first[0]["num_stages"] == 1 and first[0]["BLOCK_M"] <= 32
 
