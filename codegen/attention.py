@@ -315,13 +315,7 @@ def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
     for dim in (d, v.shape[3]):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {dim}")
-    if (mask is None) != (mask_kind == "none"):
-        raise ValueError("a mask needs a mask_kind other than 'none', and mask_kind needs a mask")
-    if mask is not None:
-        if mask_kind == "additive" and not mask.is_floating_point():
-            raise ValueError(f"an additive mask must be floating point, got {mask.dtype}")
-        if mask_kind != "additive" and mask.dtype != torch.bool:
-            raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
+    launch.check_mask(mask, mask_kind)
 
 
 

@@ -40,7 +40,6 @@ Limits:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Optional, Sequence
@@ -266,13 +265,7 @@ def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
             raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[3]}")
         if k.shape[1] == 0 or h % k.shape[1]:
             raise ValueError(f"query heads ({h}) must be a multiple of k{side}'s kv heads ({k.shape[1]})")
-    if (mask is None) != (mask_kind == "none"):
-        raise ValueError("a mask needs a mask_kind other than 'none', and mask_kind needs a mask")
-    if mask is not None:
-        if mask_kind == "additive" and not mask.is_floating_point():
-            raise ValueError(f"an additive mask must be floating point, got {mask.dtype}")
-        if mask_kind != "additive" and mask.dtype != torch.bool:
-            raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
+    launch.check_mask(mask, mask_kind)
 
 
 def forward(

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -262,6 +262,18 @@ def check_variant(causal, mask_kind: str, bwd_mode: str | None = None) -> None:
         raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
     if bwd_mode is not None and bwd_mode not in BWD_MODES:
         raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
+
+
+def check_mask(mask: Optional[torch.Tensor], mask_kind: str) -> None:
+    """Raise ``ValueError`` unless ``mask`` matches ``mask_kind``: none for ``"none"``, else
+    present; floating point for ``"additive"``, ``torch.bool`` for the boolean kinds."""
+    if (mask is None) != (mask_kind == "none"):
+        raise ValueError("a mask needs a mask_kind other than 'none', and mask_kind needs a mask")
+    if mask is not None:
+        if mask_kind == "additive" and not mask.is_floating_point():
+            raise ValueError(f"an additive mask must be floating point, got {mask.dtype}")
+        if mask_kind != "additive" and mask.dtype != torch.bool:
+            raise ValueError(f"a {mask_kind} mask must be torch.bool, got {mask.dtype}")
 
 
 def is_causal(causal) -> bool:
