@@ -121,8 +121,10 @@ def candidate_configs(*, head_dim1: int, head_dim2: int, dtype: torch.dtype, dev
     Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages`` (also used by the split-K forward);
     bwd ``BLOCK_M1, BLOCK_N1`` (dK kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per
     step), ``BLOCK_M2, BLOCK_N2`` (dQ kernel), ``num_warps, num_stages``; ``teacher_grad=False``
-    picks the frozen-teacher backward's candidates. The GPU entries are compile-checked but
-    untimed guesses (see the comment above :data:`_FWD_TABLE`).
+    picks the frozen-teacher backward's candidates; ``causal`` (a mode other than ``"none"``)
+    the causal forward's, and the causal trainable-teacher backward's, where measured. Which
+    entries were timed and which are compile-checked only: the comment above
+    :data:`_FWD_TABLE`. Raises ``ValueError`` for an unknown ``kind``.
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")

@@ -55,7 +55,9 @@ H100 = DeviceModel(
     sm_count=132,
     exp_per_s=132 * 16 * 1.755e9,  # 16 ex2 per clock per SM
     # fp32 atomic adds resolved in L2: 1.2e12/s reproduces the attention-KL atomic_dq backward
-    # (N=8192, D=64 and 128, frozen teacher and both sides) to ~20% with the efficiencies below
+    # without a mask (N=8192, D=64 and 128, frozen teacher and both sides) within ~20% with the
+    # efficiencies below; causal atomic_dq is overestimated (~30%): the atomics term does not
+    # skip the tiles above the diagonal
     atomic_per_s=1.2e12,
     launch_us=4.0,
 )
