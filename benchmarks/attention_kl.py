@@ -29,7 +29,7 @@ Implementations (``--impls``; default all three):
 - ``eager``: that function, plain PyTorch.
 - ``inductor``: ``torch.compile`` of it (default backend).
 - ``fuser``: ``torch.compile(..., backend="fuser")`` of it. The plan fuser chose (from
-  ``fuser.explain.collecting()`` around the compiling call: ``rep.fused`` entries with
+  ``fuser.report.collecting()`` around the compiling call: ``rep.fused`` entries with
   ``.pattern == "attention_kl"`` and ``.plan.name``, e.g. ``fuser[split_k=1, backward=two_kernel]``)
   is shown in the ``fuser plan`` column. ``†`` on fuser's time: the KL was NOT fused (no match, a
   near-miss, or the planner left it to Inductor); the details table says why. To force fuser's

@@ -409,7 +409,7 @@ def parse_option(s: str) -> tuple[str, Any]:
 def fuser_collector():
     """A context-manager factory collecting fuser's report of what it compiled, or None."""
     try:
-        from fuser.explain import collecting
+        from fuser.report import collecting
 
         return collecting
     except Exception:  # noqa: BLE001

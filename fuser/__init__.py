@@ -21,7 +21,7 @@ if not _os.path.isdir(_os.path.join(_here, "codegen")):
     __path__.append(_os.path.dirname(_here))  # noqa: F821 - __path__ is the package's
 
 from .backend import fuser_backend, register as _register  # noqa: E402
-from .explain import Report, explain  # noqa: E402
+from .report import Report, explain  # noqa: E402
 from .options import FuserOptionError  # noqa: E402
 from .testing import rewrite  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from . import options as options_mod
 from . import passes
-from .explain import record
+from .report import record
 
 log = logging.getLogger("fuser")
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import fuser
 from fuser import testing
-from fuser.explain import collecting
+from fuser.report import collecting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

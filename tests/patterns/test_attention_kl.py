@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fuser
 from fuser import testing
-from fuser.explain import collecting
+from fuser.report import collecting
 
 B, H, N, D1, D2 = 2, 4, 19, 8, 12
 MIN = torch.finfo(torch.float32).min

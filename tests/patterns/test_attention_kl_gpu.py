@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fuser
-from fuser.explain import collecting
+from fuser.report import collecting
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,6 @@
-"""``fuser.explain``: what fuser fused, why, with which plan, and the Triton source it runs."""
+"""Reports: ``fuser.explain`` (what fuser fused, why, with which plan, and the Triton source it
+runs), ``collecting()`` (the report of every graph compiled inside a block) and the pass's
+``record`` hook. (Module named ``report`` so that ``fuser.explain`` is only ever the function.)"""
 
 from __future__ import annotations
 
