@@ -29,6 +29,9 @@ class Candidate:
             ``flops``, ``exps``, ``bytes``, ``tiles``, ``launches``, ...
         estimate_ms: the cost model's time at the example shapes.
         note: one line on what this candidate does.
+        deterministic: False when its results may vary from run to run (e.g. gradients summed
+            with atomics): such candidates are not chosen under
+            ``torch.use_deterministic_algorithms(True)``.
     """
 
     name: str
@@ -36,6 +39,7 @@ class Candidate:
     cost: dict
     estimate_ms: float
     note: str = ""
+    deterministic: bool = True
 
 
 @dataclasses.dataclass

@@ -2,11 +2,17 @@
 
 The cheapest candidate by the cost model wins, unless ``fuser.plan`` forces a choice
 (``attention.backward=atomic_dq``, ``attention.impl=inductor``, ...): forced values filter the
-candidates first. The reason for the choice and every alternative with its estimate are kept
-on the match for ``explain()``.
+candidates first. Under ``torch.use_deterministic_algorithms(True)`` candidates whose results
+may vary between runs (atomic accumulation) are left out, as PyTorch leaves out its own
+nondeterministic kernels. The reason for the choice and every alternative with its estimate are
+kept on the match for ``explain()``.
 """
 
 from __future__ import annotations
+
+import warnings
+
+import torch
 
 from .options import FuserOptionError, Options
 from .pattern import Candidate, Match
@@ -20,12 +26,15 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
 
     Raises:
         FuserOptionError: ``fuser.plan`` forces a value no candidate has (the message lists
-            the values that exist).
+            the values that exist), or a value only nondeterministic candidates have while
+            ``torch.use_deterministic_algorithms(True)`` is on (with ``warn_only=True``: a
+            warning instead, and the forced plan may run).
     """
     if not candidates:
         raise ValueError(f"pattern {match.pattern} offered no candidate plans")
     pool = list(candidates)
     forced_desc = []
+    strict = torch.are_deterministic_algorithms_enabled()
     for key, value in options.plan:
         pattern, _, choice = key.partition(".")
         if pattern != match.pattern:
@@ -33,23 +42,38 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
         relevant = [c for c in pool if choice in c.params]
         if not relevant:
             continue  # e.g. a backward choice for an inference-only match
-        kept = [c for c in pool if c.params.get(choice, value) == value]
-        if not kept:
-            values = sorted({str(c.params[choice]) for c in relevant})
+        offered = sorted({str(c.params[choice]) for c in relevant})
+        if str(value) not in offered:
             raise FuserOptionError(
                 f"fuser.plan forces {key}={value}, but {match.pattern} at {match.location} offers "
-                f"{choice} in {values}"
+                f"{choice} in {offered}"
             )
-        pool = kept
+        if strict and not any(c.deterministic for c in relevant if str(c.params[choice]) == str(value)):
+            message = (f"fuser.plan forces {key}={value} for {match.pattern} at {match.location}, which is "
+                       "not deterministic, while torch.use_deterministic_algorithms(True) is on: drop "
+                       f"{key} from fuser.plan or turn deterministic algorithms off")
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise FuserOptionError(message)
+            warnings.warn(message, stacklevel=2)
+            strict = False  # warn_only: the user's forced plan runs
+        # candidates without this choice (e.g. "inductor" for a backward mode) stay in the pool
+        pool = [c for c in pool if str(c.params.get(choice, value)) == str(value)]
         forced_desc.append(f"{key}={value}")
+    left_out = False
+    if strict:
+        kept = [c for c in pool if c.deterministic]
+        if kept:
+            left_out = len(kept) < len(pool)
+            pool = kept
     best = min(pool, key=lambda c: c.estimate_ms)
     if forced_desc:
         return best, f"forced by fuser.plan ({', '.join(forced_desc)})"
-    others = [c for c in candidates if c is not best]
+    others = [c for c in pool if c is not best]
+    note = "; nondeterministic plans left out (torch.use_deterministic_algorithms)" if left_out else ""
     if not others:
-        return best, "the only candidate"
+        return best, "the only candidate" + note
     runner_up = min(others, key=lambda c: c.estimate_ms)
     return best, (
         f"lowest estimated time: {best.estimate_ms:.3g} ms vs {runner_up.estimate_ms:.3g} ms "
-        f"for {runner_up.name}"
+        f"for {runner_up.name}{note}"
     )

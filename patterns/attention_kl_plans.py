@@ -141,7 +141,8 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
                 params["backward"] = mode
                 name += f", backward={mode}"
             note = "streaming KL, never materialises P1/P2" + ("" if split == "1" else "; keys split with an exact merge")
-            out.append(Candidate(name + "]", params, terms, _estimate(terms, subs, model, kind, "fuser"), note))
+            out.append(Candidate(name + "]", params, terms, _estimate(terms, subs, model, kind, "fuser"), note,
+                                 deterministic=mode != "atomic_dq"))
     if dev.type == "cuda":
         terms = cost_terms(m, "inductor", False, "two_kernel" if b["need_stats"] else None)
         out.append(Candidate("inductor", {"impl": "inductor"}, terms, _estimate(terms, subs, model, kind, "inductor"),

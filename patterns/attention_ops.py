@@ -67,11 +67,16 @@ def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) -> dict:
 
 
 def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, needs, mode) -> tuple[str, dict]:
-    """The fastest (backward mode, config); ``mode="autotune"`` also times both modes."""
+    """The fastest (backward mode, config); ``mode="autotune"`` also times both modes (only
+    ``two_kernel`` under ``torch.use_deterministic_algorithms(True)``: atomic dQ is not
+    deterministic)."""
     cands = kernels.candidate_configs(
         head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="bwd"
     )
-    modes = ["two_kernel", "atomic_dq"] if mode == "autotune" else [mode]
+    if mode == "autotune":
+        modes = ["two_kernel"] if torch.are_deterministic_algorithms_enabled() else ["two_kernel", "atomic_dq"]
+    else:
+        modes = [mode]
     pairs = [dict(cfg, bwd_mode=m) for m in modes for cfg in cands]
     if launch.interpreted(q.device) or len(pairs) == 1:
         best = pairs[0]

@@ -147,7 +147,8 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
             params["backward"] = mode
             name = f"fuser[backward={mode}]"
         out.append(Candidate(name, params, terms, _estimate(terms, subs, model, kind, "fuser"),
-                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}"))
+                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}",
+                             deterministic=mode != "atomic_dq"))
     if training and ctx.options.autotune:
         best = min(c.estimate_ms for c in out)
         terms = cost_terms(m, "fuser", "autotune")
