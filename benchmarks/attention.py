@@ -537,34 +537,19 @@ def details_table(rows: list[tuple[Config, dict, dict]]) -> str:
             r = recs.get(impl)
             if r is None:
                 continue
-            first = "—" if r["first_call_s"] is None else f"{r['first_call_s']:.2f}"
-            if r.get("graphs_compiled"):
-                first += f" (+{r['graphs_compiled']})"
             err = r["rel_err"]
             err_cell = common.fmt_err(err)
             if impl in SUBJECTS and err is not None and not (err <= WRONG_TOL):
                 err_cell = "WRONG " + err_cell
-            note = r["note"] or ""
-            if r["status"] != "ok":
-                note = (r["status"] + (f" ({note})" if note else "")).replace("|", "/")
             body.append([cfg.dim, cfg.n, "causal" if cfg.causal else "none", cfg.mode, impl,
                          common.fmt_ms(r["ms"]), common.fmt_sig(r.get("tflops")),
-                         common.fmt_num(r["extra_mib"], 0), first, err_cell, note.replace("|", "/")])
+                         common.fmt_num(r["extra_mib"], 0), common.first_call_cell(r), err_cell,
+                         common.note_cell(r)])
     return common.md_table(headers, body, "rrlll" + "r" * 5 + "l")
 
 
 def errors_section(rows: list[tuple[Config, dict, dict]]) -> str:
-    lines = []
-    seen = set()
-    for cfg, recs, _ in rows:
-        for impl, r in recs.items():
-            if r.get("error") and r["status"] != "OOM":
-                key = (impl, r["error"][:200])
-                if key in seen:
-                    continue
-                seen.add(key)
-                lines.append(f"- {impl} at {cfg.label}: {r['error'][:600]}".replace("\n", " "))
-    return "\n".join(lines)
+    return "\n".join(common.error_lines(rows))
 
 
 def legend(args) -> str:

@@ -677,32 +677,17 @@ def details_table(args, rows: list[tuple[Config, dict, dict]]) -> str:
             r = recs.get(impl)
             if r is None:
                 continue
-            first = "—" if r["first_call_s"] is None else f"{r['first_call_s']:.2f}"
-            if r.get("graphs_compiled"):
-                first += f" (+{r['graphs_compiled']})"
             err = fmt_errs(r)
             if impl == SUBJECT and is_wrong(args, r):
                 err = "WRONG " + err
-            note = r["note"] or ""
-            if r["status"] != "ok":
-                note = r["status"] + (f" ({note})" if note else "")
             body.append([cfg.n, mask_label(cfg), cfg.mode, cfg.grads, impl, common.fmt_ms(r["ms"]),
-                         common.fmt_sig(r.get("tflops")), common.fmt_num(r["extra_mib"], 0), first, err,
-                         note.replace("|", "/").replace("\n", " ")])
+                         common.fmt_sig(r.get("tflops")), common.fmt_num(r["extra_mib"], 0),
+                         common.first_call_cell(r), err, common.note_cell(r)])
     return common.md_table(headers, body, "rllll" + "r" * 5 + "l")
 
 
 def errors_section(rows: list[tuple[Config, dict, dict]], state: dict) -> str:
-    lines = []
-    seen = set()
-    for cfg, recs, _ in rows:
-        for impl, r in recs.items():
-            if r.get("error") and r["status"] != "OOM":
-                key = (impl, r["error"][:200])
-                if key in seen:
-                    continue
-                seen.add(key)
-                lines.append(f"- {impl} at {cfg.label}: {r['error'][:600]}".replace("\n", " "))
+    lines = common.error_lines(rows)
     for e in state.get("ref_errors", []):
         lines.append(f"- fp32 reference at {e[:600]}".replace("\n", " "))
     return "\n".join(lines)

@@ -389,6 +389,37 @@ def report(title: str, meta: dict, done: bool, notes: Sequence[str], legend: str
     return "\n".join(parts), stdout, main
 
 
+def first_call_cell(rec: dict) -> str:
+    """A record's first-call seconds, with ``(+k)`` for the graphs Dynamo compiled during it."""
+    cell = "—" if rec["first_call_s"] is None else f"{rec['first_call_s']:.2f}"
+    if rec.get("graphs_compiled"):
+        cell += f" (+{rec['graphs_compiled']})"
+    return cell
+
+
+def note_cell(rec: dict) -> str:
+    """A record's note, led by its status when it did not run ("OOM", "err: ..."); table-safe."""
+    note = rec["note"] or ""
+    if rec["status"] != "ok":
+        note = rec["status"] + (f" ({note})" if note else "")
+    return note.replace("|", "/").replace("\n", " ")
+
+
+def error_lines(rows: Sequence) -> list[str]:
+    """One markdown bullet per distinct failure (OOM excepted) in ``rows`` of
+    ``(config with .label, {impl: record}, ...)``."""
+    lines, seen = [], set()
+    for cfg, recs, *_ in rows:
+        for impl, r in recs.items():
+            if r.get("error") and r["status"] != "OOM":
+                key = (impl, r["error"][:200])
+                if key in seen:
+                    continue
+                seen.add(key)
+                lines.append(f"- {impl} at {cfg.label}: {r['error'][:600]}".replace("\n", " "))
+    return lines
+
+
 def to_json(args: Any, meta: dict, rows: Sequence, done: bool) -> dict:
     """The raw results: environment, arguments, and every configuration with its records."""
     a = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
