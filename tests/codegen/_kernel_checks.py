@@ -1,6 +1,28 @@
-"""Checks shared by the kernel test modules: config tables, compiled specialisations."""
+"""Checks shared by the kernel test modules: relative errors, random masks, config tables,
+compiled specialisations."""
+
+import torch
 
 from fuser.codegen import launch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / ‖b‖`` in float64 (``‖a − b‖`` when ``b`` is all zeros)."""
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+def random_mask(kind: str, row_shape: tuple, full_shape: tuple, row: bool, gen: torch.Generator):
+    """A random mask of ``kind`` (``"none"``: None; ``"additive"``: normal floats; boolean kinds:
+    ~70% True), shaped ``row_shape`` (one row broadcast over queries) if ``row`` else ``full_shape``."""
+    if kind == "none":
+        return None
+    shape = row_shape if row else full_shape
+    if kind == "additive":
+        return torch.randn(*shape, generator=gen)
+    return torch.rand(*shape, generator=gen) > 0.3
 
 
 def check_table(fwd: dict, bwd: dict) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _kernel_checks import check_table, compiled_keys
+from _kernel_checks import check_table, compiled_keys, rel_err as _rel
 import torch
 
 from fuser.codegen import attention, launch
@@ -20,13 +20,6 @@ LOG2E = 1.4426950408889634
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 BWD_MODES = ("two_kernel", "atomic_dq")
 CPU = torch.device("cpu")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    den = b.norm().item()
-    num = (a - b).norm().item()
-    return num / den if den > 0 else num
 
 
 def _rand(gen, *shape, dtype=torch.float32, device=CPU):

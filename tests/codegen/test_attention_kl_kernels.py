@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _kernel_checks import check_table, compiled_keys
+from _kernel_checks import check_table, compiled_keys, rel_err as _rel
 import torch
 
 from fuser.codegen import attention_kl, attention_kl_configs, launch
@@ -23,13 +23,6 @@ BWD_MODES = ("two_kernel", "atomic_dq")
 ALL = (True, True, True, True)
 FROZEN = (False, False, True, True)  # teacher frozen: only the student's gradients
 CPU = torch.device("cpu")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    den = b.norm().item()
-    num = (a - b).norm().item()
-    return num / den if den > 0 else num
 
 
 def _inputs(seed, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=torch.float32, device=CPU):

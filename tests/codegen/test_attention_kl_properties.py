@@ -5,6 +5,7 @@ modes, frozen or trainable teacher), forward rows and statistics-driven gradient
 from __future__ import annotations
 
 import torch
+from _kernel_checks import random_mask, rel_err as _rel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,11 +15,6 @@ from fuser.patterns.attention_kl_reference import reference
 
 ALL = (True, True, True, True)
 FROZEN = (False, False, True, True)
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @st.composite
@@ -45,13 +41,7 @@ def test_kernels_equal_reference(p):
     k1 = torch.randn(p["b"], p["hkv1"], p["nk"], p["d1"], generator=g)
     q2 = torch.randn(p["b"], p["h"], p["nq"], p["d2"], generator=g)
     k2 = torch.randn(p["b"], p["hkv2"], p["nk"], p["d2"], generator=g)
-    mask = None
-    if p["mask_kind"] != "none":
-        shape = (p["b"], 1, 1, p["nk"]) if p["row_mask"] else (1, p["h"], p["nq"], p["nk"])
-        if p["mask_kind"] == "additive":
-            mask = torch.randn(*shape, generator=g)
-        else:
-            mask = torch.rand(*shape, generator=g) > 0.3
+    mask = random_mask(p["mask_kind"], (p["b"], 1, 1, p["nk"]), (1, p["h"], p["nq"], p["nk"]), p["row_mask"], g)
     kw = dict(scale1=p["scale1"], scale2=p["scale2"], causal=p["causal"], mask=mask, mask_kind=p["mask_kind"])
     with launch.poison_outputs():
         rows, lse1, lse2, delta = kernels.forward(q1, k1, q2, k2, split_k=p["split_k"], **kw)

@@ -4,17 +4,13 @@ variants (ragged sizes, GQA, Dv != D, causal alignments, masks), forward and bac
 from __future__ import annotations
 
 import torch
+from _kernel_checks import random_mask, rel_err as _rel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuser.codegen import attention as kernels
 from fuser.codegen import launch
 from fuser.patterns.attention_reference import reference
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @st.composite
@@ -38,13 +34,7 @@ def test_kernels_equal_reference(p):
     q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], generator=g)
     k = torch.randn(p["b"], p["hkv"], p["nk"], p["d"], generator=g)
     v = torch.randn(p["b"], p["hkv"], p["nk"], p["dv"], generator=g)
-    mask = None
-    if p["mask_kind"] != "none":
-        shape = (p["b"], 1, 1, p["nk"]) if p["row_mask"] else (1, p["hq"], p["nq"], p["nk"])
-        if p["mask_kind"] == "additive":
-            mask = torch.randn(*shape, generator=g)
-        else:
-            mask = torch.rand(*shape, generator=g) > 0.3
+    mask = random_mask(p["mask_kind"], (p["b"], 1, 1, p["nk"]), (1, p["hq"], p["nq"], p["nk"]), p["row_mask"], g)
     kw = dict(scale=0.3, causal=p["causal"], mask=mask, mask_kind=p["mask_kind"])
     with launch.poison_outputs():
         out, lse = kernels.forward(q, k, v, **kw)
