@@ -416,13 +416,13 @@ def backward(
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
     precision = launch.dot_precision(q1.dtype)
     outs = (dq1, dk1, dq2, dk2)
+    group1, group2 = h // k1.shape[1], h // k2.shape[1]  # query heads per kv head, per side
     if bwd_mode == "atomic_dq" and q1.dtype != torch.float32:
         # float32 dQ accumulators, bounded: the launch is split into head/batch chunks
         row_bytes = 4 * (d1 * (dq1 is not None) + q2.shape[-1] * (dq2 is not None))
-        chunks = atomic_dq_chunks(b, h, h // k1.shape[1], h // k2.shape[1], n_q * row_bytes)
+        chunks = atomic_dq_chunks(b, h, group1, group2, n_q * row_bytes)
     else:
         chunks = [(slice(None), slice(None))]
-    group1, group2 = h // k1.shape[1], h // k2.shape[1]
 
     def launch_chunk(cfg, bs: slice, hs: slice, workspace: list):
         if bs == hs == slice(None):  # the whole problem: no views to make (host time)
