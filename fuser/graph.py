@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
@@ -211,6 +212,60 @@ def _einsum_as_matmul(eq: str, a_rank: int, b_rank: int) -> Optional[dict]:
     return {"ta": la[-1] != c, "tb": lb[-2] != c}
 
 
+_INPLACE_OPERATORS = {
+    getattr(operator, name) for name in (
+        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior",
+        "ixor", "ilshift", "irshift",
+    )
+}
+# canonical ops whose result may share memory with their first operand
+_VIEW_OPS = {"permute", "reshape", "expand", "identity", "detach", "cast"}
+_VIEW_METHODS = {"view", "view_as", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+                 "expand_as", "narrow", "select", "unflatten", "flatten", "as_strided", "detach", "contiguous",
+                 "__getitem__", "swapaxes", "swapdims", "movedim", "unfold", "split", "chunk", "unbind"}
+
+
+def written_args(n: fx.Node) -> list[fx.Node]:
+    """The nodes whose memory ``n`` writes in place: the tensor of a method ending in ``_``
+    (``x.mul_(2)``) or of ``operator.i*``/``setitem``, ``out=`` tensors, the input of an
+    ``inplace=True`` call, and the arguments an ATen overload's schema marks as written."""
+    out: list = []
+    t = n.target
+    if n.op == "call_method" and isinstance(t, str) and t.endswith("_") and not t.startswith("_"):
+        out.append(n.args[0] if n.args else None)
+    elif n.op == "call_function":
+        if t in _INPLACE_OPERATORS or t is operator.setitem:
+            out.append(n.args[0])
+        elif isinstance(t, torch._ops.OpOverload):
+            for i, a in enumerate(t._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    out.append(n.args[i] if i < len(n.args) else n.kwargs.get(a.name))
+        else:
+            name = getattr(t, "__name__", "")
+            if name.endswith("_") and not name.startswith("_") and n.args:
+                out.append(n.args[0])
+            if n.kwargs.get("inplace") is True and n.args:
+                out.append(n.args[0])
+        o = n.kwargs.get("out")
+        out.extend(o if isinstance(o, (list, tuple)) else [o])
+    return [x for x in out if isinstance(x, fx.Node)]
+
+
+def _grad_mode_after(n: fx.Node, mode: bool, stack: list) -> bool:
+    """The grad mode after node ``n`` has run, given the mode before it."""
+    if n.op != "call_function":
+        return mode
+    name = getattr(n.target, "__name__", "")
+    if name in ("_set_grad_enabled", "set_grad_enabled") and n.args and isinstance(n.args[0], bool):
+        return n.args[0]
+    if name == "_enter_inference_mode":
+        stack.append(mode)
+        return False if (not n.args or n.args[0]) else mode
+    if name == "_exit_inference_mode":
+        return stack.pop() if stack else mode
+    return mode
+
+
 class GraphView:
     """Canonical, read-only view of an ``fx.Graph`` (see the module docstring).
 
@@ -219,23 +274,38 @@ class GraphView:
             ``meta["val"]`` (make_fx/AOT) so shapes and dtypes are known.
     """
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, grad_enabled: bool = True):
         self.graph = graph
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
         self._canon: dict[fx.Node, Optional[COp]] = {}
-        # base node -> nodes that mutate it in place, in graph order
+        # base node -> nodes that mutate it in place and whose value carries on (x.add_(1),
+        # x += 1, x[i] = v), in graph order: what `operand` resolves reads through
         self.mutations: dict[fx.Node, list[fx.Node]] = {}
-        for n in graph.nodes:
+        # every in-place write in the graph, as (writing node, written node), in graph order:
+        # methods ending in "_", operator.i*, setitem, out= and inplace=True arguments, and
+        # ATen overloads whose schema marks an argument as written
+        self.writes: list[tuple[fx.Node, fx.Node]] = []
+        # the grad mode each node runs under (Dynamo keeps `with torch.no_grad()` as
+        # torch._C._set_grad_enabled calls in the graph)
+        self.grad_enabled: dict[fx.Node, bool] = {}
+        mode, stack = grad_enabled, []
+        for n in self.nodes:
+            self.grad_enabled[n] = mode
+            mode = _grad_mode_after(n, mode, stack)
             base = self._mutated_base(n)
             if base is not None:
                 self.mutations.setdefault(base, []).append(n)
+            for w in written_args(n):
+                self.writes.append((n, w))
+        self._alias: dict[fx.Node, Any] = {}
 
     # -- in-place resolution -------------------------------------------------------------------
     @staticmethod
     def _mutated_base(n: fx.Node) -> Optional[fx.Node]:
         if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") and not n.target.startswith("_"):
             base = n.args[0] if n.args else None
-        elif n.op == "call_function" and n.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
+        elif n.op == "call_function" and n.target in _INPLACE_OPERATORS:
             # Dynamo's graph names the result of `x /= c` as a new node and feeds it onwards;
             # the in-place op on a tensor also mutates x itself.
             base = n.args[0]
@@ -244,6 +314,51 @@ class GraphView:
         else:
             return None
         return base if isinstance(base, fx.Node) and is_tensor(base) else None
+
+    # -- aliasing ---------------------------------------------------------------------------
+    def alias_key(self, x: Any) -> Any:
+        """A key shared by every node whose tensor value may share memory with ``x``'s: the
+        storage of its fake value (views of one tensor share it; Dynamo gives aliased inputs
+        one fake storage), else the node reached by walking back through view-like ops. None
+        for non-tensors."""
+        if not isinstance(x, fx.Node):
+            return None
+        hit = self._alias.get(x)
+        if hit is None:
+            hit = self._alias[x] = self._alias_key(x)
+        return hit
+
+    def _alias_key(self, x: fx.Node) -> Any:
+        v = val(x)
+        if isinstance(v, torch.Tensor):
+            try:
+                return ("storage", StorageWeakRef(v.untyped_storage()).cdata)
+            except Exception:  # noqa: BLE001 - e.g. a tensor subclass without a storage
+                pass
+        elif v is not None:
+            return None
+        seen = set()
+        while isinstance(x, fx.Node) and x not in seen:
+            seen.add(x)
+            c = self.canon(x) if x in self.order else None
+            if c is not None and c.op in _VIEW_OPS and isinstance(c.args[0], fx.Node):
+                x = c.args[0]
+            elif x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], fx.Node) \
+                    and is_tensor(x.args[0]):
+                x = x.args[0]
+            elif x.op == "call_method" and x.target in _VIEW_METHODS and x.args and isinstance(x.args[0], fx.Node):
+                x = x.args[0]
+            else:
+                break
+        return ("node", x)
+
+    def writes_between(self, key: Any, lo: int, hi: int, exclude: Any = ()) -> list[fx.Node]:
+        """The in-place writes at graph positions strictly between ``lo`` and ``hi`` to memory
+        with alias key ``key`` (see :meth:`alias_key`), except those in ``exclude``."""
+        if key is None:
+            return []
+        return [w for w, target in self.writes
+                if lo < self.order[w] < hi and w not in exclude and self.alias_key(target) == key]
 
     def operand(self, x: Any, user: fx.Node) -> Any:
         """The value ``user`` reads through operand ``x``: the latest in-place mutation of

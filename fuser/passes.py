@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 
 from . import planner
-from .graph import GraphView, location, val
+from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
+from .graph import GraphView, flat_args, location, val, written_args
 from .options import Options
 from .pattern import Match, MatchContext, Pattern, Rejection
 from .static import StaticEvaluator
@@ -70,8 +71,17 @@ def _placeholder_inputs(gm: fx.GraphModule, example_inputs: Optional[Sequence[An
 
 
 def _check_region(m: Match, view: GraphView) -> Optional[str]:
-    """None if no node of the region but the root is read outside it; else the reason."""
+    """None if no node of the region but the root is read outside it and the region writes
+    no memory that outlives it; else the reason."""
     for n in m.region:
+        for target in written_args(n):
+            key = view.alias_key(target)
+            outside = [u for u in view.nodes if u not in m.region and view.alias_key(u) == key]
+            if target not in m.region or outside:
+                return (
+                    f"'{n.name}' ({location(n)}) writes '{target.name}' in place, and that memory is "
+                    "also seen outside the region; the fused op would not write it"
+                )
         if n is m.root:
             continue
         outside = [u for u in view.readers(n) if u not in m.region]
@@ -109,7 +119,7 @@ def apply(
     result = PassResult()
     if not options.enabled:
         return result
-    view = GraphView(gm.graph)
+    view = GraphView(gm.graph, grad_enabled=grad_enabled)
     evaluator = StaticEvaluator(view, _placeholder_inputs(gm, example_inputs), owner=gm)
     ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index)
     taken: set[fx.Node] = set()
@@ -137,6 +147,12 @@ def apply(
                 result.rejected.append(Rejection(pattern.name, why, r.location, r.root.name, graph_index))
                 log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
                 continue
+            if why is None:
+                why = _place(r, view)
+            if why is not None:
+                result.rejected.append(Rejection(pattern.name, why, r.location, r.root.name, graph_index))
+                log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
+                continue
             taken |= r.region
             found.append((pattern, r))
 
@@ -152,6 +168,10 @@ def apply(
         try:
             m.kernels = pattern.kernels(m, plan)
             new = pattern.emit(m, plan, gm.graph)
+            mismatch = _mismatch(new, m.root)
+            if mismatch:
+                raise RuntimeError(f"the replacement {mismatch}")
+            new = _protect_saved(m, new, view, gm.graph, before)
             _replace(m, new, gm.graph)
         except Exception as exc:  # a bug in a pattern must not break the user's model
             _undo(gm.graph, before)
@@ -167,6 +187,106 @@ def apply(
         gm.graph.lint()
         gm.recompile()
     return result
+
+
+def _inputs(m: Match, view: GraphView) -> list[fx.Node]:
+    """The nodes outside the region the replacement reads: what the pattern declared, and
+    every operand a region node reads from outside the region."""
+    out = dict.fromkeys(x for x in m.inputs if isinstance(x, fx.Node))
+    for n in m.region:
+        for a in flat_args(n):
+            if isinstance(a, fx.Node) and a not in m.region:
+                out.setdefault(view.operand(a, n))
+    return [x for x in out if x.op != "output"]
+
+
+def _place(m: Match, view: GraphView) -> Optional[str]:
+    """Choose where the replacement goes (``m.insert_before``) so that it reads every input
+    as the user's program did: no in-place write to an input's memory may fall between the
+    input's definition and the replacement. Tries just before the root, then just after the
+    last input (in the root's grad mode). Returns None, or the reason to decline."""
+    inputs = [x for x in _inputs(m, view) if view.alias_key(x) is not None]
+    order = view.order
+
+    def conflict(pos: int):
+        for x in inputs:
+            hits = view.writes_between(view.alias_key(x), order[x], pos, exclude=m.region)
+            if hits:
+                return x, hits[0]
+        return None
+
+    root_pos = max(order[n] for n in m.region)
+    c = conflict(root_pos)
+    if c is None:
+        return None
+    last = max((order[x] for x in _inputs(m, view)), default=-1)
+    early = view.nodes[last + 1] if last + 1 < len(view.nodes) else None
+    if early is not None and order[early] < root_pos and view.grad_enabled[early] == view.grad_enabled[m.root] \
+            and conflict(order[early]) is None:
+        m.insert_before = early
+        return None
+    x, w = c
+    return (
+        f"'{x.name}' is written in place by '{w.name}' ({location(w)}) after the {m.pattern} reads it "
+        f"and before its result is used, and an input is only ready after that write; the fused op "
+        f"would read the new value"
+    )
+
+
+def _mismatch(new: fx.Node, root: fx.Node) -> Optional[str]:
+    """How the replacement's value differs from the matched root's in shape or dtype (None
+    when they agree or either is unknown): a last check that a rewrite never changes what
+    the user's program computes."""
+    a, b = val(new), val(root)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.dtype != b.dtype:
+        return f"has dtype {a.dtype}, the matched value {b.dtype}"
+    if len(a.shape) != len(b.shape) or not all(_same_size(x, y) for x, y in zip(a.shape, b.shape)):
+        return f"has shape {tuple(a.shape)}, the matched value {tuple(b.shape)}"
+    return None
+
+
+def _same_size(x: Any, y: Any) -> bool:
+    if isinstance(x, int) and isinstance(y, int):
+        return x == y
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(x == y))
+
+
+def _protect_saved(m: Match, new: fx.Node, view: GraphView, graph: fx.Graph, before: set) -> fx.Node:
+    """Copies so that what a fused op saves for its backward survives in-place writes that
+    come after it in the graph (``o.mul_(gate)`` on the output, ``q.add_(1)`` on an input):
+    eager autograd saves only what it needs, fuser's ops save their inputs and output.
+    Only when gradients are recorded at the insertion point. Returns the node to use in
+    place of the root."""
+    if not view.grad_enabled[m.insertion_point]:
+        return new
+    pos = view.order[m.insertion_point]
+    later = {view.alias_key(t) for w, t in view.writes if view.order[w] >= pos and w not in m.region}
+    later.discard(None)
+    if not later:
+        return new
+    fused_ops = [n for n in graph.nodes if n not in before and n.op == "call_function"
+                 and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fuser"
+                 and n.target is not torch.ops.fuser.saved_copy.default]
+    if not any(isinstance(val(a), torch.Tensor) and val(a).requires_grad
+               for op in fused_ops for a in flat_args(op)):
+        return new
+    for op in fused_ops:
+        for a in dict.fromkeys(x for x in flat_args(op) if isinstance(x, fx.Node)):
+            if isinstance(val(a), torch.Tensor) and view.alias_key(a) in later:
+                with graph.inserting_before(op):
+                    c = annotate(graph.call_function(torch.ops.fuser.saved_copy.default, (a,)))
+                op.replace_input_with(a, c)
+                m.protected.append(f"copied '{a.name}' for the backward: it is written in place later")
+    if view.alias_key(m.root) in later:
+        with graph.inserting_after(new):
+            c = annotate(graph.call_function(torch.ops.fuser.saved_copy.default, (new,)))
+        m.protected.append("copied the output: the program writes it in place later, the backward saves it")
+        return c
+    return new
 
 
 def _replace(m: Match, new: fx.Node, graph: fx.Graph) -> None:
@@ -197,9 +317,19 @@ def annotate(node: fx.Node) -> fx.Node:
     values of its inputs, so later passes see shapes of inserted nodes."""
     from torch._guards import detect_fake_mode
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     args = fx.node.map_arg(node.args, val)
     kwargs = fx.node.map_arg(node.kwargs, val)
-    fake_mode = detect_fake_mode(tuple(_tensors_in((args, kwargs))))
+    tensors = _tensors_in((args, kwargs))
+    # The mode the operands' fake values belong to. Under torch.compile the active tracing
+    # context may carry another fake mode than the one Dynamo recorded the graph's values
+    # with (mixing them fails), so the operands' own mode comes first.
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    if len(modes) > 1:
+        log.debug("fuser: not annotating %s: its operands come from %d fake modes", node.name, len(modes))
+        return node
+    fake_mode = next(iter(modes.values())) if modes else detect_fake_mode(tuple(tensors))
     if node.op == "call_function":
         fn = node.target
         call = lambda: fn(*args, **kwargs)  # noqa: E731

@@ -58,6 +58,13 @@ class Match:
         alternatives: every candidate with its estimate (set by the planner).
         reason: why the plan was chosen.
         kernels: rendered kernels the plan uses (``RenderedKernel``: ``.name``, ``.source``, ``.path``).
+        inputs: the nodes outside the region whose values the replacement reads (operands,
+            mask tensors, symbolic scale factors); the pass checks that none of them is written
+            in place between its definition and the replacement.
+        insert_before: where the replacement goes (set by the pass; the root unless an
+            in-place write forces an earlier point). Patterns emit at :attr:`insertion_point`.
+        protected: notes on copies the pass made so that the backward's saved tensors survive
+            later in-place writes (shown by ``explain``).
     """
 
     pattern: str
@@ -71,6 +78,14 @@ class Match:
     alternatives: list = dataclasses.field(default_factory=list)
     reason: str = ""
     kernels: list = dataclasses.field(default_factory=list)
+    inputs: tuple = ()
+    insert_before: Optional[fx.Node] = None
+    protected: list = dataclasses.field(default_factory=list)
+
+    @property
+    def insertion_point(self) -> fx.Node:
+        """The node the replacement is inserted before."""
+        return self.insert_before if self.insert_before is not None else self.root
 
     @property
     def fused(self) -> bool:
@@ -128,7 +143,8 @@ class Pattern(abc.ABC):
 
     @abc.abstractmethod
     def emit(self, match: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
-        """Insert the replacement before ``match.root``; return the node to use in its place."""
+        """Insert the replacement before ``match.insertion_point``; return the node to use in
+        place of ``match.root``."""
 
     def kernels(self, match: Match, plan: Candidate) -> list:
         """The rendered kernels ``plan`` runs (rendered now, not launched)."""

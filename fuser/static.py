@@ -8,8 +8,9 @@ causal because its values are, not because of how it was written.
 
 :class:`StaticEvaluator` finds the backward slice of a node, decides whether it is static
 (leaves: constants, factory calls, sizes, symbolic-size placeholders, module buffers) and
-evaluates it with concrete sizes. Under dynamic shapes it can evaluate the same slice at
-other sizes (``probe_assignments``) so a classification is checked at more than one size.
+evaluates it at the example sizes. A value that depends on dynamic sizes is the same
+function of the sizes on every call but not the same tensor: evaluating it at a few sizes
+proves nothing, so such values are analysed symbolically instead (``fuser/indexmask.py``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,37 @@ def _target_name(n: fx.Node) -> str:
     return getattr(t, "__name__", str(t)).split(".")[-1]
 
 
-def _is_buffer_placeholder(n: fx.Node) -> bool:
-    # Dynamo names module buffers ``L_self_buffers_<name>_`` / ``..._modules_x_buffers_<name>_``.
-    name = str(n.target)
-    return "_buffers_" in name
+def buffer_name(n: fx.Node) -> Optional[str]:
+    """The dotted name of the registered module buffer a placeholder holds, proven by
+    Dynamo's source information (``L['self']._modules['attn']._buffers['causal']`` ->
+    ``"attn.causal"``); None for anything else — parameters, inputs, graphs without source
+    information. Never decided by the node's name."""
+    src = getattr(n.meta.get("grapharg"), "source", None) or n.meta.get("fuser_source")
+    if src is None:
+        return None
+    path: list[str] = []
+    buffer = None
+    node = src
+    while node is not None:
+        base = getattr(node, "base", None)
+        index = getattr(node, "index", None)
+        member = getattr(base, "member", None) if base is not None else None
+        if buffer is None and index is not None and member == "_buffers":
+            buffer = str(index)
+            node = getattr(base, "base", None)
+            continue
+        if buffer is not None:
+            if index is not None and member == "_modules":
+                path.append(str(index))
+                node = getattr(base, "base", None)
+                continue
+            if getattr(node, "member", None) is not None and not str(node.member).startswith("_"):
+                path.append(str(node.member))
+        node = base
+    if buffer is None:
+        return None
+    parts = [p for p in reversed(path)] + [buffer]
+    return ".".join(parts)
 
 
 def symint_value(x: Any, assignment: Optional[Mapping] = None) -> Any:
@@ -109,6 +137,11 @@ class StaticEvaluator:
         inputs: placeholder node -> its concrete example value (real tensors for buffers,
             ints/SymInts for sizes). Missing placeholders are treated as data.
         owner: the ``GraphModule`` holding ``get_attr`` constants, if any.
+
+    Constant leaves: ``get_attr`` tensors that are not parameters (constants of the graph
+    module), and placeholders that Dynamo's source information proves to be registered module
+    buffers (:func:`buffer_name`; assumed constant, and reported as such). Parameters and
+    inputs are data.
     """
 
     def __init__(self, view: GraphView, inputs: Mapping[fx.Node, Any], owner: Optional[torch.nn.Module] = None):
@@ -148,11 +181,12 @@ class StaticEvaluator:
                 v = val(n)
                 ex = self.inputs.get(n, v)
                 if isinstance(v, torch.Tensor) or isinstance(ex, torch.Tensor):
-                    if not _is_buffer_placeholder(n):
+                    name = buffer_name(n)
+                    if name is None or isinstance(ex, torch.nn.Parameter):
                         raise NotStatic(f"depends on the input tensor '{n.target}'")
                     if ex is None or not isinstance(ex, torch.Tensor) or _is_fake(ex):
-                        raise NotStatic(f"the value of buffer '{n.target}' is not known at compile time")
-                    buffers.append(str(n.target))
+                        raise NotStatic(f"the value of buffer '{name}' is not known at compile time")
+                    buffers.append(name)
                     continue
                 if isinstance(ex, (torch.SymInt, torch.SymFloat, torch.SymBool)) or isinstance(
                     v, (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -163,6 +197,11 @@ class StaticEvaluator:
                     continue
                 raise NotStatic(f"depends on the input '{n.target}'")
             if n.op == "get_attr":
+                obj = self._attr(n)
+                if isinstance(obj, torch.nn.Parameter):
+                    raise NotStatic(f"depends on the parameter '{n.target}'")
+                if isinstance(obj, torch.Tensor):
+                    buffers.append(str(n.target))
                 continue
             if n.op == "output":
                 raise NotStatic("output node")
@@ -207,10 +246,7 @@ class StaticEvaluator:
                 env[n] = symint_value(ex, assignment)
                 continue
             if n.op == "get_attr":
-                obj = self.owner
-                for part in str(n.target).split("."):
-                    obj = getattr(obj, part)
-                env[n] = obj
+                env[n] = self._attr(n)
                 continue
             name = _target_name(n)
             if (n.op == "call_method" and name in _SIZE_METHODS) or (
@@ -234,29 +270,23 @@ class StaticEvaluator:
                 raise NotStatic(f"cannot evaluate {n.op} node {n.name}")
         return env[node]
 
-    def probe_assignments(self, symbols: set) -> list[dict]:
-        """Assignments of the dynamic-size ``symbols`` at which to check a property: the
-        example sizes first, then small sizes that move every symbol by a *different* amount
-        (sizes that were equal in the example, e.g. Nq and Nk, differ in the probes, so that
-        e.g. top-left and bottom-right causal masks tell apart)."""
-        if not symbols:
-            return [{}]
-        shape_env = None
-        for n in self.view.graph.nodes:
-            for x in _symints_in(val(n)):
-                shape_env = x.node.shape_env
-                break
-            if shape_env is not None:
-                break
-        if shape_env is None:
-            return [{}]
-        values = _var_to_val(shape_env)
-        ordered = sorted((s for s in symbols if s in values), key=str)
-        hint = {s: int(values[s]) for s in ordered}
-        out = [hint]
-        for base, step in ((17, 6), (29, 11)):
-            out.append({s: base + step * i for i, s in enumerate(ordered)})
-        return out
+    def constant(self, n: fx.Node) -> Optional[torch.Tensor]:
+        """The value of a constant leaf (a registered buffer placeholder or a non-parameter
+        ``get_attr`` tensor), None for anything else."""
+        if n.op == "get_attr":
+            obj = self._attr(n)
+            return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter) else None
+        if n.op == "placeholder" and buffer_name(n) is not None:
+            ex = self.inputs.get(n)
+            if isinstance(ex, torch.Tensor) and not isinstance(ex, torch.nn.Parameter) and not _is_fake(ex):
+                return ex
+        return None
+
+    def _attr(self, n: fx.Node) -> Any:
+        obj = self.owner
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def max_numel(self, node: fx.Node, assignment: Optional[Mapping] = None) -> int:
         """The largest tensor the evaluation of ``node`` would create (elements), from the

@@ -34,6 +34,10 @@ def capture(fn: Callable, *args: Any, dynamic: Optional[bool] = None, **kwargs: 
     graphs: list = []
 
     def backend(gm, example_inputs, **_):
+        for n in gm.graph.nodes:  # Dynamo drops its source information after compiling
+            source = getattr(n.meta.get("grapharg"), "source", None)
+            if source is not None:
+                n.meta["fuser_source"] = source
         graphs.append((gm, list(example_inputs)))
         return gm.forward
 

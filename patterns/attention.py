@@ -21,7 +21,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
-from .scores import FLOATS, Decline, analyze_scores, describe_mask, describe_scale, softmax_rule, ungroup
+from .scores import FLOATS, Decline, _same_dims, analyze_scores, describe_mask, describe_scale, softmax_rule, ungroup, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
@@ -120,20 +120,26 @@ class AttentionPattern(Pattern):
             raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {sc.in_dtype}, {dtype(v)})")
         sq, sk, sv = shape(q), shape(k), shape(v)
         dv = sv[-2] if v_t else sv[-1]
-        if isinstance(dv, int) and not 1 <= dv <= 256:
+        if not within(dv, 1, 256):
             raise Decline(f"value head dim {dv} is outside 1..256")
-        if shape(sc.k)[:-2] != sv[:-2] and group == 1:
+        if group == 1 and not _same_dims(tuple(shape(sc.k)[:-2]), tuple(sv[:-2])):
             raise Decline("k and v batch dims differ (broadcasting batched matmul)")
 
-        # softmax(S.detach()) V: gradients reach v only (q and k are detached at emit)
-        grad_from = (v,) if sc.detached else (q, k, v)
-        need_lse = bool(ctx.grad_enabled and any(val(x).requires_grad for x in grad_from))
+        # softmax(S.detach()) V, or P computed under torch.no_grad(): gradients reach v only
+        # (q and k are detached at emit). Dynamo keeps no_grad blocks as grad-mode switches;
+        # the values it recorded tell whether P carries a gradient.
+        p_last = p_nodes[-1] if p_nodes else anchor
+        detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad
+                                   and (val(q).requires_grad or val(k).requires_grad))
+        grad_from = (v,) if detached else (q, k, v)
+        need_lse = bool(ctx.grad_enabled and val(pv).requires_grad and any(val(x).requires_grad for x in grad_from))
         region = frozenset(b.region) | frozenset(p_nodes) | {pv}
         bindings = dict(
             q=q, k=k, v=v, q_t=sc.q_t, k_t=sc.k_t, v_t=v_t, factors=sc.factors, causal=sc.causal,
+            causal_fill=sc.causal_fill, causal_fill_mode=sc.causal_fill_mode, mask_fill=sc.mask_fill,
             mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group, rank=rank,
             in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, out_dtype=dtype(pv), need_lse=need_lse,
-            device=sc.device, detach_qk=sc.detached,
+            device=sc.device, detach_qk=detached,
         )
         summary = {
             "q": q.name, "k": k.name, "v": v.name,
@@ -146,9 +152,14 @@ class AttentionPattern(Pattern):
             "softmax": "hand-written" if sm.op == "div" else "softmax",
             "training": need_lse,
         }
+        if sc.causal != "none" and sc.causal_fill != float("-inf"):
+            summary["causal_fill"] = f"{sc.causal_fill:g} ({sc.causal_fill_mode})"
+        if sc.mask_fill != float("-inf"):
+            summary["mask_fill"] = f"{sc.mask_fill:g}"
         if sc.buffers:
             summary["assumes_constant"] = sorted(set(sc.buffers))
-        return Match(self.name, pv, region, bindings, summary, location(anchor), ctx.graph_index)
+        inputs = tuple(sc.inputs) + (v,)
+        return Match(self.name, pv, region, bindings, summary, location(anchor), ctx.graph_index, inputs=inputs)
 
     # -- planning ------------------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:

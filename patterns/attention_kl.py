@@ -29,7 +29,8 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl and its backward)
-from .scores import Decline, Scores, analyze_scores, describe_mask, describe_scale, scores_rule, softmax_rule, static_class
+from .scores import (NEG_INF, Decline, Scores, _same_dims, analyze_scores, describe_mask, describe_scale, scores_rule,
+                     softmax_rule, static_class)
 
 # --------------------------------------------------------------------------------------------
 # Spelling (side 1 = target P1, side 2 = input log P2)
@@ -138,15 +139,16 @@ class AttentionKLPattern(Pattern):
             if c is not None and c.op in ("softmax", "log_softmax") and c.attrs["dim"] != rank - 1:
                 raise Decline(f"{c.op} over dim {c.attrs['dim']}, not over the keys (last dim)")
         (nq1, nk1, d1), (nq2, nk2, d2) = s1.dims(), s2.dims()
-        b1 = shape(s1.q)[:-2]
-        b2 = shape(s2.q)[:-2]
-        if b1 != b2 or nq1 != nq2 or nk1 != nk2:
+        b1 = tuple(shape(s1.q)[:-2])
+        b2 = tuple(shape(s2.q)[:-2])
+        if not _same_dims(b1 + (nq1, nk1), b2 + (nq2, nk2)):
             raise Decline(f"the two attentions have different shapes (q1 {shape(s1.q)}, q2 {shape(s2.q)}, Nk {nk1} vs {nk2})")
         if s1.in_dtype != s2.in_dtype:
             raise Decline(f"teacher and student dtypes differ ({s1.in_dtype}, {s2.in_dtype})")
         if s1.device != s2.device:
             raise Decline("teacher and student are on different devices")
-        if s1.causal != s2.causal or not _same_masks(s1, s2):
+        if s1.causal != s2.causal or not _same_masks(s1, s2) or s1.causal_fill_mode != s2.causal_fill_mode \
+                or (s1.causal_fill == NEG_INF) != (s2.causal_fill == NEG_INF):
             raise Decline(
                 f"the masks differ between the two sides (causal {s1.causal} vs {s2.causal}; "
                 f"{describe_mask(s1.mask_terms)} vs {describe_mask(s2.mask_terms)})"
@@ -158,14 +160,17 @@ class AttentionKLPattern(Pattern):
             if not _zeroing_matches(zkind, cond, s1, ctx):
                 raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
 
-        g1 = ctx.grad_enabled and not s1.detached and any(val(x).requires_grad for x in (s1.q, s1.k))
-        g2 = ctx.grad_enabled and not s2.detached and any(val(x).requires_grad for x in (s2.q, s2.k))
+        # A side under torch.no_grad() (or detached) gets no gradient: Dynamo keeps no_grad
+        # blocks as grad-mode switches, and the values it recorded tell which nodes carry one.
+        live = ctx.grad_enabled and bool(val(root).requires_grad)
+        g1 = live and not _detached(b, "1", s1) and any(val(x).requires_grad for x in (s1.q, s1.k))
+        g2 = live and not _detached(b, "2", s2) and any(val(x).requires_grad for x in (s2.q, s2.k))
         region = frozenset(b.region) | frozenset(passed) | {root}
         bindings = dict(
             s1=s1, s2=s2, rank=rank, reduction=kind, keepdim=keepdim, out_dtype=dtype(root),
             grad_teacher=bool(g1), grad_student=bool(g2), need_stats=bool(g1 or g2),
             causal=s1.causal, mask_terms=s1.mask_terms, mask_kind=s1.mask_kind, mask_shape=s1.mask_shape,
-            device=s1.device, in_dtype=s1.in_dtype,
+            causal_fill_mode=s1.causal_fill_mode, device=s1.device, in_dtype=s1.in_dtype,
         )
         spelling = {
             "kl_div": "kl_div(log_target=True)" if view.canon(term).attrs.get("log_target") else "kl_div(probs)",
@@ -185,10 +190,15 @@ class AttentionKLPattern(Pattern):
             "grads": "both sides" if g1 and g2 else "student only" if g2 else "teacher only" if g1 else "none",
             "dtype": str(s1.in_dtype).replace("torch.", ""),
         }
+        if s1.causal != "none" and s1.causal_fill != NEG_INF:
+            summary["causal_fill"] = f"{s1.causal_fill:g}/{s2.causal_fill:g} ({s1.causal_fill_mode})"
+        if s1.mask_fill != NEG_INF:
+            summary["mask_fill"] = f"{s1.mask_fill:g}/{s2.mask_fill:g}"
         buffers = sorted(set(s1.buffers + s2.buffers))
         if buffers:
             summary["assumes_constant"] = buffers
-        return Match(self.name, root, region, bindings, summary, location(term), ctx.graph_index)
+        return Match(self.name, root, region, bindings, summary, location(term), ctx.graph_index,
+                     inputs=tuple(s1.inputs) + tuple(s2.inputs))
 
     # -- planning and emission ----------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
@@ -221,15 +231,26 @@ def _same_masks(s1: Scores, s2: Scores) -> bool:
 
 def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext) -> bool:
     """A ``masked_fill(term, cond, 0)``/``where`` on the KL terms changes nothing when it zeroes
-    exactly terms the scores' mask already hides (those are 0 in the fused result)."""
+    exactly terms the scores' mask already hides with ``-inf`` (those are 0 in the fused
+    result; with a finite fill they carry mass in rows with no visible key)."""
     for t in s.mask_terms:
         if t["node"] is cond and t["kind"] == kind:
-            return True
+            return t["kind"] == "additive" or t["fill"] == NEG_INF
     try:
-        cls, _ = static_class(cond, kind, s.node, ctx)
+        mc = static_class(cond, kind, s.node, ctx)
     except NotStatic:
         return False
-    return cls == "none" or cls == s.causal
+    return mc.cls == "none" or (mc.cls == s.causal and s.causal_fill == NEG_INF)
+
+
+def _detached(b, tag: str, s: Scores) -> bool:
+    """No gradient flows from the KL back to side ``tag``'s scores: a ``detach``, or a softmax
+    / log-softmax of that side computed under ``torch.no_grad()``."""
+    if s.detached:
+        return True
+    needs = val(s.q).requires_grad or val(s.k).requires_grad
+    nodes = [b.get(f"softmax{tag}"), b.get(f"logp{tag}")]
+    return needs and any(n is not None and not val(n).requires_grad for n in nodes)
 
 
 PATTERN = AttentionKLPattern()

@@ -28,7 +28,7 @@ from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl)
-from .scores import Emitter
+from .scores import NEG_INF, Emitter
 
 BLOCK_M, BLOCK_N = 128, 64  # nominal tiles for tile counts in the cost model
 D1, D2, HKV1, HKV2 = sympy.symbols("D_1 D_2 H_kv1 H_kv2", positive=True, integer=True)
@@ -178,10 +178,11 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     e1 = Emitter(graph, rank, s1.compute_dtype)
     e2 = Emitter(graph, rank, s2.compute_dtype)
-    with graph.inserting_before(m.root):
-        q1 = e1.operand(s1.q, s1.q_t, s1.in_dtype, detach=not b["grad_teacher"])
+    _check_fills(b)
+    with graph.inserting_before(m.insertion_point):
+        q1 = e1.operand(s1.q, s1.q_t, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
         k1 = e1.operand(_k(s1), s1.k_t, s1.in_dtype, detach=not b["grad_teacher"])
-        q2 = e2.operand(s2.q, s2.q_t, s2.in_dtype, detach=not b["grad_student"])
+        q2 = e2.operand(s2.q, s2.q_t, s2.in_dtype, detach=not b["grad_student"], factors=s2.dynamic_factors)
         k2 = e2.operand(_k(s2), s2.k_t, s2.in_dtype, detach=not b["grad_student"])
         mask = e1.mask(b["mask_terms"], b["mask_shape"])
         op = e1.node(
@@ -204,3 +205,14 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         if b["out_dtype"] != torch.float32:
             out = e1.node("call_method", "to", (out, b["out_dtype"]))
     return out
+
+
+def _check_fills(b: dict) -> None:
+    """Finite fills need the fill-aware kernels (not wired yet): refuse rather than run -inf
+    semantics on them."""
+    fills = [b.get("causal_fill", NEG_INF), b.get("mask_fill", NEG_INF)]
+    for s in (b.get("s1"), b.get("s2")):
+        if s is not None:
+            fills += [s.causal_fill, s.mask_fill]
+    if any(f != NEG_INF for f in fills):
+        raise NotImplementedError("finite mask fills are not supported by this build's kernels")

@@ -35,7 +35,7 @@ from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
-from .scores import Emitter
+from .scores import NEG_INF, Emitter
 
 BLOCK_M, BLOCK_N = 128, 64  # the nominal tile used for tile counts in the cost model
 
@@ -211,8 +211,10 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     compute = b["compute_dtype"]
     e = Emitter(graph, rank, compute)
-    with graph.inserting_before(m.root):
-        q = e.operand(b["q"], b["q_t"], b["in_dtype"], detach=b["detach_qk"])
+    _check_fills(b)
+    with graph.inserting_before(m.insertion_point):
+        dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
+        q = e.operand(b["q"], b["q_t"], b["in_dtype"], detach=b["detach_qk"], factors=dyn)
         k = e.operand(b["k"], b["k_t"], b["in_dtype"], detach=b["detach_qk"])
         v = e.operand(b["v"], b["v_t"], b["in_dtype"])
         scale = e.scale(b["factors"])
@@ -235,3 +237,14 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         if b["out_dtype"] != compute:
             out = e.node("call_method", "to", (out, b["out_dtype"]))
     return out
+
+
+def _check_fills(b: dict) -> None:
+    """Finite fills need the fill-aware kernels (not wired yet): refuse rather than run -inf
+    semantics on them."""
+    fills = [b.get("causal_fill", NEG_INF), b.get("mask_fill", NEG_INF)]
+    for s in (b.get("s1"), b.get("s2")):
+        if s is not None:
+            fills += [s.causal_fill, s.mask_fill]
+    if any(f != NEG_INF for f in fills):
+        raise NotImplementedError("finite mask fills are not supported by this build's kernels")

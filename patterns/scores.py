@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fuser.graph import COp, GraphView, dtype, is_tensor, ndim, shape, val
+from fuser import indexmask
+from fuser.graph import COp, GraphView, dtype, is_tensor, ndim, shape, val, written_args
 from fuser.matcher import HOLE, Alt, Bindings, Chain, Op, Rule, Same, Var
 from fuser.pattern import MatchContext
 from fuser.static import NotStatic, symint_value
@@ -63,8 +64,8 @@ def softmax_rule(tag: str = "") -> Rule:
     )
 
 
-HIDDEN = -1e4  # a fill/bias at or below this hides the key (exp underflows to exactly 0)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+NEG_INF = float("-inf")
 
 
 class Decline(Exception):
@@ -76,113 +77,136 @@ class Decline(Exception):
 # --------------------------------------------------------------------------------------------
 
 def scalar(x: Any, ctx: MatchContext) -> Any:
-    """A scalar operand as a Python number or a SymFloat/SymInt-valued node; else Decline."""
+    """A scale operand: a Python float when its value is known at compile time (a number, or a
+    0-dim tensor built in the graph from constants alone), else the node that computes it at
+    run time (a symbolic size expression such as ``q.size(-2) ** -0.5``, or a 0-dim tensor
+    such as a temperature buffer or parameter). Run-time factors are applied to q in the graph,
+    so nothing is assumed about their value and a new length never recompiles. Raises
+    Decline for anything that is not a scalar."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
     if isinstance(x, fx.Node):
         v = val(x)
-        if isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
             return x
         if isinstance(v, torch.Tensor) and v.dim() == 0:
-            # torch.full([], c) / torch.tensor(c) built in the graph from sizes and constants
+            if not v.is_floating_point():
+                raise Decline(f"the scale '{x.name}' is a {v.dtype} tensor")
             try:
-                c = ctx.evaluator.evaluate(x)
-            except NotStatic as exc:
-                raise Decline(f"the scale '{x.name}' is a tensor computed from data ({exc})") from None
-            sl = ctx.evaluator.slice(x)
-            if sl.symbols:
-                raise Decline(f"the scale '{x.name}' is a tensor that depends on dynamic sizes")
-            return float(c)
+                sl = ctx.evaluator.slice(x)
+                if not sl.symbols and not sl.buffers:
+                    return float(ctx.evaluator.evaluate(x))
+            except NotStatic:
+                pass
+            return x
         raise Decline(f"the scale operand '{x.name}' is not a scalar")
     raise Decline(f"the scale operand {x!r} is not a number")
 
 
-def fill_hides(fill: Any, ctx: MatchContext) -> bool:
-    try:
-        f = scalar(fill, ctx)
-    except Decline:
-        return False
-    return isinstance(f, float) and f <= HIDDEN
+def fill_value(fill: Any, ctx: MatchContext) -> float:
+    """The value a ``masked_fill``/``where`` gives hidden scores: a number known at compile
+    time, or Decline."""
+    f = scalar(fill, ctx)
+    if not isinstance(f, float):
+        raise Decline(f"the fill value '{getattr(fill, 'name', fill)}' is only known at run time")
+    return f
 
 
-def visible(value: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
-    """Visible-key pattern of an evaluated mask term (None: it changes scores, not only hides)."""
-    if kind == "bool_keep":
-        return value.bool()
-    if kind == "bool_drop":
-        return ~value.bool()
-    v = value.float()
-    hidden = v <= HIDDEN
-    if not bool(((v == 0) | hidden).all()):
-        return None
-    return ~hidden
+def round_to(x: float, dt: Optional[torch.dtype]) -> float:
+    """``x`` as a tensor of dtype ``dt`` holds it (``finfo(float32).min`` in bfloat16 is ``-inf``)."""
+    if dt is None or not dt.is_floating_point:
+        return float(x)
+    return float(torch.tensor(x, dtype=torch.float64).to(dt))
 
 
-def classify(vis: torch.Tensor, nq: int, nk: int) -> set:
-    """The descriptions consistent with a visible-key pattern: {"none"} (all visible),
-    {"top_left"} / {"bottom_right"} (causal; both when Nq == Nk, where they coincide), or
-    {"general"}."""
+def classify_values(vis: torch.Tensor, nq: int, nk: int) -> str:
+    """``"none"`` (all visible), ``"top_left"``, ``"bottom_right"`` (top-left wins when Nq == Nk,
+    where they coincide) or ``"general"`` for a concrete visible-key pattern."""
     vis = vis.expand(*vis.shape[:-2], nq, nk) if vis.dim() >= 2 else vis.expand(nq, nk)
     flat = vis.reshape(-1, nq, nk)
     first = flat[0]
     if not bool((flat == first).all()):
-        return {"general"}
+        return "general"
     if bool(first.all()):
-        return {"none"}
+        return "none"
     i = torch.arange(nq, device=first.device)[:, None]
     j = torch.arange(nk, device=first.device)[None, :]
-    out = set()
     if bool((first == (j <= i)).all()):
-        out.add("top_left")
+        return "top_left"
     if bool((first == (j <= i + (nk - nq))).all()):
-        out.add("bottom_right")
-    return out or {"general"}
+        return "bottom_right"
+    return "general"
 
 
 # Static masks are evaluated at compile time; beyond this many elements (1 GiB of bool) a
-# mask of static shape is treated as data instead, and a dynamic one is classified at the
-# small probe sizes only.
+# mask of static shape is treated as data instead.
 MAX_STATIC_NUMEL = 1 << 30
 
 
-def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext) -> tuple[str, list[str]]:
-    """Classify a static mask term by its values: at the example sizes and, under dynamic
-    shapes, at probe sizes that move every size independently. Returns (class, buffers read).
-    Raises NotStatic when the term depends on data or cannot be evaluated."""
+@dataclasses.dataclass
+class MaskClass:
+    """A static mask term's structure.
+
+    Attributes:
+        cls: ``"none"`` (hides nothing), ``"top_left"`` or ``"bottom_right"`` (causal).
+        hidden: for an additive term, the value it adds at hidden entries (``-inf`` or finite;
+            visible entries add exactly 0); None for boolean terms (their fill is the step's).
+        buffers: module buffers the value was computed from (assumed constant).
+    """
+
+    cls: str
+    hidden: Optional[float]
+    buffers: list
+
+
+def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext) -> MaskClass:
+    """Classify a mask term computed from sizes and constants alone, for every size the graph
+    serves: at the example sizes when it depends on no dynamic size, else symbolically
+    (``fuser/indexmask.py``). Raises NotStatic when the term depends on data, cannot be
+    proven, or is general (then it is loaded as data, computed at run time)."""
     sl = ctx.evaluator.slice(node)
     sshape = shape(scores)
-    classes: Optional[set] = None  # labels consistent with every size evaluated so far
-    for i, assignment in enumerate(ctx.evaluator.probe_assignments(sl.symbols)):
-        if ctx.evaluator.max_numel(node, assignment) > MAX_STATIC_NUMEL:
-            if not sl.symbols:
-                raise NotStatic(f"too large to evaluate at compile time (> {MAX_STATIC_NUMEL} elements)")
-            continue
+    if sl.symbols:
         try:
-            value = torch.as_tensor(ctx.evaluator.evaluate(node, assignment or None))
-            nq = int(symint_value(sshape[-2], assignment or None))
-            nk = int(symint_value(sshape[-1], assignment or None))
-        except NotStatic:
-            raise
-        except Exception as exc:
-            if i == 0:  # the example sizes themselves must evaluate
-                raise NotStatic(f"evaluation failed: {exc!r}") from None
-            continue  # a probe size outside what the graph supports
-        if value.dim() < 2:
-            value = value.reshape((1,) * (2 - value.dim()) + tuple(value.shape))
-        if value.shape[-2] not in (1, nq) or value.shape[-1] not in (1, nk):
-            if i == 0:
-                raise NotStatic(f"mask of shape {tuple(value.shape)} for {nq}x{nk} scores")
-            continue
-        vis = visible(value, kind)
-        del value
-        found = {"bias"} if vis is None else classify(vis, nq, nk)
-        classes = found if classes is None else classes & found
-    if classes is None:
-        raise NotStatic("could not be evaluated at any size")
-    for label in ("none", "top_left", "bottom_right", "bias"):
-        if label in classes:  # top-left wins where every size seen had Nq == Nk
-            return label, sl.buffers
-    return "general", sl.buffers
+            mp = indexmask.mask_predicate(node, sl.nodes, kind, ctx.view, ctx.evaluator.constant)
+        except indexmask.NotIndexed as exc:
+            raise NotStatic(f"its structure under dynamic sizes is not proven ({exc})") from None
+        prover = indexmask.Prover(indexmask.shape_env_of(ctx.view))
+        cls = indexmask.classify(mp.visible, sshape[-2], sshape[-1], prover)
+        if cls not in ("none", "top_left", "bottom_right"):
+            raise NotStatic(f"a {cls} index mask")
+        return MaskClass(cls, mp.hidden_value, sl.buffers)
+    if ctx.evaluator.max_numel(node) > MAX_STATIC_NUMEL:
+        raise NotStatic(f"too large to evaluate at compile time (> {MAX_STATIC_NUMEL} elements)")
+    try:
+        value = torch.as_tensor(ctx.evaluator.evaluate(node))
+    except NotStatic:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise NotStatic(f"evaluation failed: {exc!r}") from None
+    nq, nk = int(symint_value(sshape[-2])), int(symint_value(sshape[-1]))
+    if value.dim() < 2:
+        value = value.reshape((1,) * (2 - value.dim()) + tuple(value.shape))
+    if value.shape[-2] not in (1, nq) or value.shape[-1] not in (1, nk):
+        raise NotStatic(f"mask of shape {tuple(value.shape)} for {nq}x{nk} scores")
+    hidden = None
+    if kind == "bool_keep":
+        vis = value.bool()
+    elif kind == "bool_drop":
+        vis = ~value.bool()
+    else:
+        v = value.double()
+        vis = v == 0
+        others = torch.unique(v[~vis]) if bool((~vis).any()) else v.new_empty(0)
+        if others.numel() > 1:
+            raise NotStatic("an additive mask with more than one nonzero value")
+        hidden = float(others[0]) if others.numel() else None
+    cls = classify_values(vis, nq, nk)
+    if cls == "general":
+        raise NotStatic("a general static mask")
+    return MaskClass(cls, hidden, sl.buffers)
 
 
 def permute_last2(c: Optional[COp]) -> bool:
@@ -194,10 +218,11 @@ def permute_last2(c: Optional[COp]) -> bool:
 
 
 def strip_scale(x: Any, view: GraphView, ctx: MatchContext, factors: list) -> Any:
-    """Look through ``x * c`` / ``x / c`` / ``c * x`` with scalar c, collecting c."""
+    """Look through ``x * c`` / ``x / c`` / ``c * x`` with scalar c, collecting c. An in-place
+    ``x.mul_(c)`` is not looked through: its value is the scaled tensor itself."""
     while isinstance(x, fx.Node):
         c = view.canon(x)
-        if c is None or c.op not in ("mul", "div"):
+        if c is None or c.op not in ("mul", "div") or written_args(x):
             return x
         a, b = c.args
         if c.op == "mul" and not is_tensor(b) and is_tensor(a):
@@ -256,14 +281,21 @@ class Scores:
         q, k: the operands as the kernels take them (``[..., N, D]``), before any GQA undoing.
         q_t, k_t: the operand must be transposed (last two dims) at emit time.
         k_ungrouped, group: ``k`` with a GQA repeat undone and the group size (``k``, 1 if none).
-        factors: the scale as ``[(value, power)]`` (value a float or a SymFloat node).
-        causal: ``"none"``, ``"top_left"`` or ``"bottom_right"`` (from static masks' values).
+        factors: the scale as ``[(value, power)]``: a float known at compile time, or a node
+            computed at run time (applied to q in the graph, see :meth:`Emitter.operand`).
+        causal: ``"none"``, ``"top_left"`` or ``"bottom_right"`` (proven from static masks).
+        causal_fill, causal_fill_mode: the score an entry above the diagonal gets
+            (``-inf``: hidden, tiles skipped), and whether it replaces the score
+            (``"replace"``: ``masked_fill``/``where``) or is added to it (``"add"``: an additive
+            mask whose hidden entries hold that value).
         mask_terms: tensor mask terms the kernel must load: dicts with ``kind``, ``node``,
-            ``neg``, ``shape``, ``scale``.
+            ``neg``, ``shape``, ``scale`` (the factors applied after it) and ``fill`` (the score a
+            hidden entry of a boolean term gets, ``-inf`` when hidden).
+        mask_fill: the fill of the single boolean data term (``-inf`` when there is none).
         buffers: module buffers the static masks were read from (assumed constant).
         in_dtype, compute_dtype: q/k dtype; dtype the scores are computed in.
         device: q's device.
-        detached: a ``detach`` sits between Q Kᵀ and the softmax (no gradient flows back).
+        detached: a ``detach`` (or a no-grad block) sits between Q Kᵀ and the softmax.
     """
 
     node: fx.Node
@@ -283,6 +315,9 @@ class Scores:
     compute_dtype: torch.dtype
     device: torch.device
     detached: bool
+    causal_fill: float = NEG_INF
+    causal_fill_mode: str = "replace"
+    mask_fill: float = NEG_INF
 
     @property
     def mask_kind(self) -> str:
@@ -296,16 +331,86 @@ class Scores:
             return None
         return tuple(torch.broadcast_shapes(*[t["shape"] for t in self.mask_terms]))
 
+    @property
+    def static_scale(self) -> float:
+        """The product of the scale factors known at compile time."""
+        return static_product(self.factors)
+
+    @property
+    def dynamic_factors(self) -> list:
+        """The scale factors computed at run time, ``[(node, power)]``."""
+        return [(v, p) for v, p in self.factors if not isinstance(v, float)]
+
+    @property
+    def inputs(self) -> list:
+        """The graph nodes the fused op reads for these scores."""
+        out = [self.q, self.k, self.k_ungrouped] + [v for v, _ in self.dynamic_factors]
+        for t in self.mask_terms:
+            out.append(t["node"])
+            out += [v for v, _ in t["scale"] if isinstance(v, fx.Node)]
+        return [x for x in out if isinstance(x, fx.Node)]
+
     def dims(self) -> tuple:
         """``(Nq, Nk, D)`` (ints or SymInts)."""
         sq, sk = shape(self.q), shape(self.k)
         return (sq[-1] if self.q_t else sq[-2], sk[-1] if self.k_t else sk[-2], sq[-2] if self.q_t else sq[-1])
 
 
+def static_product(factors: list) -> float:
+    """Π value**power over the factors known at compile time (floats)."""
+    total = 1.0
+    for v, p in factors:
+        if isinstance(v, float):
+            total = total * v if p == 1 else total / v
+    return total
+
+
+def within(x: Any, lo: int, hi: int) -> bool:
+    """``lo <= x <= hi`` for an int, or for a symbolic size: then the answer is guarded (a call
+    where it no longer holds recompiles), and a size with no example value is out of range."""
+    if isinstance(x, int):
+        return lo <= x <= hi
+    try:
+        return bool(x >= lo) and bool(x <= hi)
+    except Exception:  # noqa: BLE001 - e.g. an unbacked size: cannot decide, so decline
+        return False
+
+
+def _same_dims(a: tuple, b: tuple) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if len(a) != len(b):
+        return False
+    return all((x == y) if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y))
+               for x, y in zip(a, b))
+
+
+# Kernel order of mask terms: additive data ("A"), then the boolean data term ("R"), then the
+# causal structure ("C"); user programs may apply them in any order where that commutes.
+_KERNEL_RANK = {"A": 0, "R": 1, "C": 2}
+
+
+def _commutes(later: tuple, earlier: tuple) -> bool:
+    """Whether term ``later`` (applied by the kernel later, by the user earlier) and
+    ``earlier`` give the same scores in either order. Terms: (role, fill, mode)."""
+    (r1, f1, m1), (r2, f2, m2) = later, earlier
+    pair = {r1, r2}
+    if pair == {"C", "A"}:
+        c = later if r1 == "C" else earlier
+        return c[1] == NEG_INF or c[2] == "add"
+    if pair == {"C", "R"}:
+        return f1 == NEG_INF and f2 == NEG_INF
+    if pair == {"R", "A"}:
+        rr = later if r1 == "R" else earlier
+        return rr[1] == NEG_INF
+    return True
+
+
 def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     """Analyse the bindings of :func:`scores_rule` (``tag`` as given there): the scale, the
-    masks (classified by value), the operands and their layout. Raises :class:`Decline` with
-    the reason when the scores cannot be computed exactly by fuser's kernels."""
+    masks (classified by value, for every size the graph serves), the operands and their
+    layout. Raises :class:`Decline` with the reason when the scores cannot be computed exactly
+    by fuser's kernels."""
     view = ctx.view
     scores = b[f"S{tag}"]
     rank = ndim(scores)
@@ -313,10 +418,10 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         raise Decline("no shape information on the scores (run shape propagation first)")
     if rank < 2 or rank > 4:
         raise Decline(f"scores of rank {rank}; fuser handles 2-D to 4-D attention")
-    # Scale steps on the scores, innermost first; a bias term added after `start` of them
+    # Scale steps on the scores, innermost first; a mask term applied after `start` of them
     # is multiplied by the ones that follow it (the outer ones), so it records `start`.
-    score_scales: list = []  # (value, power): Python float or SymFloat node, power ±1
-    terms: list = []         # (kind, node, start, negated)
+    score_scales: list = []  # (value, power): float or run-time node, power ±1
+    terms: list = []         # dicts: kind, node, start, neg, fill, dtype
     detached = False
     qk = b[f"qk{tag}"]
     qk_c = view.canon(qk)
@@ -325,25 +430,21 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         if beta != 0 and is_tensor(b[f"bias0{tag}"]):
             if beta != 1:
                 raise Decline(f"baddbmm with beta={beta}: the bias would need rescaling")
-            terms.append(("additive", b[f"bias0{tag}"], 0, False))
+            terms.append(dict(kind="additive", node=b[f"bias0{tag}"], start=0, neg=False, fill=None))
     for label, c, cap in reversed(b[f"steps{tag}"]):  # innermost first
         if label == "scale":
-            f = scalar(cap["factor"], ctx)
-            if isinstance(f, float) and f <= 0:
-                raise Decline(f"the scores are multiplied by {f}; only a positive scale is fused")
-            score_scales.append((f, -1 if c.op == "div" else 1))
+            score_scales.append((scalar(cap["factor"], ctx), -1 if c.op == "div" else 1))
         elif label in ("add", "sub"):
             if not is_tensor(cap["bias"]):
                 continue  # a constant added to every score does not change the softmax
-            terms.append(("additive", cap["bias"], len(score_scales), label == "sub"))
+            terms.append(dict(kind="additive", node=cap["bias"], start=len(score_scales), neg=label == "sub", fill=None))
         elif label == "masked_fill":
-            if not fill_hides(cap["fill"], ctx):
-                raise Decline(f"masked_fill with value {cap['fill']!r} changes scores instead of hiding keys")
-            terms.append(("bool_drop", cap["cond"], len(score_scales), False))
+            f = round_to(fill_value(cap["fill"], ctx), dtype(c.node))
+            terms.append(dict(kind="bool_drop", node=cap["cond"], start=len(score_scales), neg=False, fill=f))
         elif label in ("where_keep", "where_drop"):
-            if not fill_hides(cap["fill"], ctx):
-                raise Decline(f"torch.where with value {cap['fill']!r} changes scores instead of hiding keys")
-            terms.append(("bool_keep" if label == "where_keep" else "bool_drop", cap["cond"], len(score_scales), False))
+            f = round_to(fill_value(cap["fill"], ctx), dtype(c.node))
+            terms.append(dict(kind="bool_keep" if label == "where_keep" else "bool_drop", node=cap["cond"],
+                              start=len(score_scales), neg=False, fill=f))
         elif label == "cast" and c.op == "cast" and c.attrs["dtype"] not in FLOATS:
             raise Decline(f"scores cast to {c.attrs['dtype']}")
         elif label == "detach":
@@ -366,6 +467,12 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     for name, x in (("q", q), ("k", k)):
         if not is_tensor(x):
             raise Decline(f"{name} is not a tensor")
+    s_scores, s_qk = shape(scores), shape(qk)
+    if not _same_dims(s_scores, s_qk):
+        raise Decline(
+            f"a mask broadcasts the scores to {tuple(s_scores)}, beyond Q Kᵀ's {tuple(s_qk)} (e.g. a larger "
+            "batch or more heads than q); the fused op computes Q Kᵀ's shape"
+        )
     if not (ndim(q) == ndim(k) == rank):
         raise Decline(f"q, k ranks {ndim(q)}, {ndim(k)} differ from the scores' rank {rank} (broadcast matmul)")
     k0, group = (ungroup(k, view) if rank == 4 and not k_t else (k, 1))
@@ -388,46 +495,90 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
     sq, sk = shape(q), shape(k)
     d = sq[-2] if q_t else sq[-1]
-    if isinstance(d, int) and not 1 <= d <= 256:
+    if not within(d, 1, 256):
         raise Decline(f"head dim {d} is outside 1..256")
-    if sq[:-2] != sk[:-2]:
+    if not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):
         raise Decline("q and k batch dims differ (broadcasting batched matmul)")
 
     # -- masks ----------------------------------------------------------------------
-    # Each mask term is static (evaluated here: dropped when it hides nothing, folded into
-    # `causal` when causal) or a tensor the kernel loads tile by tile. Several tensor terms
-    # are combined into one additive mask in the graph at emit time.
-    causal, buffers, mask_terms = "none", [], []
-    for kind, node, start, neg in terms:
+    # A static term (computed from sizes and constants) that hides nothing is dropped; a
+    # causal one becomes the kernels' causal structure with its fill; anything else is a
+    # tensor the kernel loads tile by tile (several are summed into one additive mask at
+    # emit time). A finite fill is a value, computed exactly; only -inf hides a key.
+    causal, causal_fill, causal_mode = "none", NEG_INF, "replace"
+    buffers: list = []
+    mask_terms: list = []
+    seq: list = []  # (role, fill, mode) in the user's order, for the commutation check
+    out_dtype = dtype(scores)
+    for t in terms:
+        later = score_scales[t["start"]:]
+        later_static = all(isinstance(v, float) for v, _ in later)
+        factor = static_product(later) if later_static else None
+        if t["kind"] != "additive":
+            if factor is None:
+                raise Decline("a masked_fill/where comes before a scale known only at run time; its fill "
+                              "would need that value")
+            if factor <= 0:
+                raise Decline(f"a masked_fill/where comes before a scale of {factor}; only positive scales "
+                              "keep hidden keys hidden")
+            t["fill_eff"] = round_to(t["fill"] * factor, out_dtype)
         try:
-            cls, bufs = static_class(node, kind, scores, ctx)
-            buffers += bufs
+            mc = static_class(t["node"], t["kind"], scores, ctx)
+            buffers += mc.buffers
+            cls = mc.cls
         except NotStatic:
-            cls = "data"
+            mc, cls = None, "data"
         if cls == "none":
             continue
         if cls in ("top_left", "bottom_right"):
-            if causal not in ("none", cls):
-                raise Decline("two causal masks with different alignments")
-            causal = cls
+            if t["kind"] == "additive":
+                if factor is None or factor <= 0 or t["neg"] or mc.hidden is None:
+                    cls = "data"
+                else:
+                    value, mode = round_to(mc.hidden * factor, out_dtype), "add"
+            else:
+                value, mode = t["fill_eff"], "replace"
+        if cls in ("top_left", "bottom_right"):
+            if value == NEG_INF:
+                mode = "replace"
+            if causal != "none":
+                if cls != causal:
+                    raise Decline("two causal masks with different alignments")
+                if value != NEG_INF or causal_fill != NEG_INF:
+                    raise Decline("two causal masks, one with a finite fill: the fused kernels apply one")
+                continue
+            causal, causal_fill, causal_mode = cls, value, mode
+            seq.append(("C", value, mode))
             continue
-        val_m = val(node)
+        val_m = val(t["node"])
         if val_m.requires_grad and ctx.grad_enabled:
             raise Decline("the additive bias requires grad; fuser's kernels do not compute dBias")
         if val_m.dim() > rank:
             raise Decline(f"mask of rank {val_m.dim()} for scores of rank {rank}")
-        if kind == "additive" and val_m.dtype not in FLOATS + (torch.float64,):
+        if t["kind"] == "additive" and val_m.dtype not in FLOATS + (torch.float64,):
             raise Decline(f"additive mask of dtype {val_m.dtype}")
-        if kind != "additive" and val_m.dtype != torch.bool:
+        if t["kind"] != "additive" and val_m.dtype != torch.bool:
             raise Decline(f"mask condition of dtype {val_m.dtype} (expected bool)")
+        fill = t.get("fill_eff", None)
         mask_terms.append(dict(
-            kind=kind, node=node, neg=neg, shape=tuple(val_m.shape),
-            scale=score_scales[start:] if kind == "additive" else [],
+            kind=t["kind"], node=t["node"], neg=t["neg"], shape=tuple(val_m.shape),
+            scale=later if t["kind"] == "additive" else [], fill=NEG_INF if fill is None else fill,
         ))
+        seq.append(("A", None, None) if t["kind"] == "additive" else ("R", fill, "replace"))
+    finite = [t for t in mask_terms if t["kind"] != "additive" and t["fill"] != NEG_INF]
+    if finite and len(mask_terms) > 1:
+        raise Decline(f"a masked_fill/where with the finite value {finite[0]['fill']:g} combined with other mask "
+                      "tensors; the fused kernels apply one such mask")
+    for i, first in enumerate(seq):
+        for second in seq[i + 1:]:
+            if _KERNEL_RANK[first[0]] > _KERNEL_RANK[second[0]] and not _commutes(first, second):
+                raise Decline("masks with finite fills applied in an order the fused kernels do not follow "
+                              "(they apply additive masks, then a masked_fill, then the causal mask)")
     return Scores(
         node=scores, qk=qk, rank=rank, q=q, k=k, q_t=q_t, k_t=k_t, k_ungrouped=k0, group=group,
         factors=factors, causal=causal, mask_terms=mask_terms, buffers=buffers, in_dtype=in_dtype,
-        compute_dtype=compute_dtype, device=dev, detached=detached,
+        compute_dtype=compute_dtype, device=dev, detached=detached, causal_fill=causal_fill,
+        causal_fill_mode=causal_mode, mask_fill=finite[0]["fill"] if finite else NEG_INF,
     )
 
 
@@ -452,16 +603,21 @@ class Emitter:
 
         return annotate(self.graph.create_node(kind, target, args, kwargs or {}))
 
-    def operand(self, x, transposed: bool, in_dtype: torch.dtype, detach: bool = False):
-        """``x`` as ``[B, H, N, D]``: detached, transposed back, given leading unit dims, cast."""
-        if detach:
-            x = self.node("call_method", "detach", (x,))
+    def operand(self, x, transposed: bool, in_dtype: torch.dtype, detach: bool = False, factors: list = ()):
+        """``x`` as ``[B, H, N, D]``: multiplied by the run-time scale ``factors`` (``[(node,
+        power)]``: symbolic sizes or 0-dim tensors, so that no value is baked into the kernel
+        and gradients reach a learned temperature), detached, transposed back, given leading
+        unit dims, cast."""
         if transposed:
             x = self.node("call_method", "transpose", (x, -2, -1))
         for _ in range(4 - self.rank):
             x = self.node("call_method", "unsqueeze", (x, 0))
         if in_dtype != self.compute_dtype:
             x = self.node("call_method", "to", (x, self.compute_dtype))
+        for v, p in factors:
+            x = self.node("call_function", operator.mul if p == 1 else operator.truediv, (x, v))
+        if detach:
+            x = self.node("call_method", "detach", (x,))
         return x
 
     def unrank(self, x, lead: int = 0):
@@ -470,18 +626,18 @@ class Emitter:
             x = self.node("call_method", "squeeze", (x, lead))
         return x
 
-    def scale(self, factors: list) -> object:
-        """Π value**power as a Python float, or as graph nodes when some factor is symbolic."""
-        total = 1.0
-        symbolic = []
+    def scale(self, factors: list) -> float:
+        """The kernel's scale: the product of the factors known at compile time (the run-time
+        ones are applied to q by :meth:`operand`)."""
+        return static_product(factors)
+
+    def factor(self, factors: list) -> object:
+        """Π value**power as a Python float, or as graph nodes when some factor is only known
+        at run time (for mask terms the graph scales itself)."""
+        out: object = static_product(factors)
         for v, p in factors:
-            if isinstance(v, float):
-                total = total * v if p == 1 else total / v
-            else:
-                symbolic.append((v, p))
-        out: object = total
-        for v, p in symbolic:
-            out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
+            if not isinstance(v, float):
+                out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
         return out
 
     def mask(self, terms: list, mask_shape: Optional[tuple]) -> object:
@@ -498,7 +654,7 @@ class Emitter:
             if t["neg"]:
                 x = self.node("call_function", operator.neg, (x,))
             if t["scale"]:
-                x = self.node("call_function", operator.mul, (x, self.scale(t["scale"])))
+                x = self.node("call_function", operator.mul, (x, self.factor(t["scale"])))
             parts.append(x)
         mask = parts[0]
         for x in parts[1:]:
@@ -518,15 +674,10 @@ def describe_mask(terms: list) -> str:
 
 
 def describe_scale(factors: list) -> str:
-    parts = []
-    total = 1.0
-    symbolic = False
+    """The scale as a number, times the names of the factors computed at run time."""
+    total = static_product(factors)
+    parts = [f"{total:.6g}"] if total != 1.0 or all(isinstance(v, float) for v, _ in factors) else []
     for v, p in factors:
-        if isinstance(v, float):
-            total *= v ** p
-        else:
-            symbolic = True
-            parts.append(f"{v.name}" if p == 1 else f"1/{v.name}")
-    if not symbolic:
-        return f"{total:.6g}"
-    return " * ".join(([f"{total:.6g}"] if total != 1.0 else []) + parts)
+        if not isinstance(v, float):
+            parts.append(v.name if p == 1 else f"1/{v.name}")
+    return " * ".join(parts)

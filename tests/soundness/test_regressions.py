@@ -1,0 +1,407 @@
+"""Never wrong: each cause found in issue 8 as a regression test, eager PyTorch as the oracle.
+
+Every test compiles a small program with ``backend="fuser"`` (kernels in Triton's interpreter),
+runs eager on float64 copies of the same inputs, and compares values and gradients. Where a
+rewrite is still exact, the test also checks that the region was fused (a fix must not get
+its correctness by giving up the fusion); where it cannot be, that the near-miss says why.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuser.report import collecting
+
+B, H, N, D = 1, 2, 16, 8
+
+
+def _inputs(*shapes, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).requires_grad_(grad) for s in shapes]
+
+
+def _copy(xs, dtype=None):
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            y = x.detach().clone()
+            if dtype is not None and y.is_floating_point():
+                y = y.to(dtype)
+            out.append(y.requires_grad_(x.requires_grad))
+        else:
+            out.append(x)
+    return out
+
+
+def run_both(fn, *args, dynamic=None, grads=True, compiled=None):
+    """(eager float64 result, fuser result, report): values, and gradients of a fixed random
+    projection of the output when any input requires grad."""
+    ref_args, fz_args = _copy(args, torch.float64), _copy(args)
+    torch._dynamo.reset()
+    compiled = compiled or torch.compile(fn, backend="fuser", dynamic=dynamic)
+    with collecting() as rep:
+        out = compiled(*fz_args)
+    ref = fn(*ref_args)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if grads and ref.requires_grad:
+        w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        (ref * w).sum().backward()
+        (out * w.to(out.dtype)).sum().backward()
+        for a, b in zip(ref_args, fz_args):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                assert (a.grad is None) == (b.grad is None), "a gradient is missing on one side"
+                if a.grad is not None:
+                    torch.testing.assert_close(b.grad.double(), a.grad, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-4)
+    return rep
+
+
+def fused(rep, pattern="attention"):
+    return [m for m in rep.fused if m.pattern == pattern]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. In-place writes inside the region
+# --------------------------------------------------------------------------------------------
+
+def test_k_written_in_place_between_scores_and_pv():
+    def f(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.35
+        k.mul_(2)
+        return torch.softmax(s, -1) @ v
+
+    rep = run_both(f, *_inputs((B, H, N, D), (B, H, N, D), (B, H, N, D)), grads=False)
+    assert fused(rep), "the write comes after every input is ready: fuse before it"
+
+
+def test_q_written_in_place_and_v_defined_after_the_write_is_declined():
+    def f(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.35
+        q.add_(1)
+        v = v + q.sum()  # v is only ready after the write
+        return torch.softmax(s, -1) @ v
+
+    rep = run_both(f, *_inputs((B, H, N, D), (B, H, N, D), (B, H, N, D)), grads=False)
+    assert not fused(rep)
+    assert any("written in place" in r.reason for r in rep.rejected), rep.rejected
+
+
+def test_mask_filled_in_place_between_scores_and_pv():
+    def f(q, k, v, m):
+        s = (q @ k.mT).masked_fill(m, float("-inf"))
+        m.fill_(False)
+        return torch.softmax(s, -1) @ v
+
+    m = torch.zeros(N, N, dtype=torch.bool)
+    m[:, N // 2:] = True
+    run_both(f, *_inputs((B, H, N, D), (B, H, N, D), (B, H, N, D)), m, grads=False)
+
+
+def test_in_place_scale_on_q_is_not_applied_twice():
+    def f(q, k, v):
+        q.mul_(0.5)
+        return torch.softmax(q @ k.mT, -1) @ v
+
+    run_both(f, *_inputs((B, H, N, D), (B, H, N, D), (B, H, N, D)), grads=False)
+
+
+def test_attention_kl_teacher_key_written_in_place():
+    def f(q1, k1, q2, k2):
+        s1 = q1 @ k1.mT * 0.3
+        k1.mul_(3)
+        return F.kl_div(F.log_softmax(q2 @ k2.mT * 0.3, -1), F.log_softmax(s1, -1), reduction="batchmean",
+                        log_target=True)
+
+    run_both(f, *_inputs(*[(B, H, N, D)] * 4), grads=False)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Masks built from indices under dynamic shapes
+# --------------------------------------------------------------------------------------------
+
+def _window(q, k, v):
+    n = q.shape[-2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (j <= i) & (j > i - 32)
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def _prefix_lm(q, k, v):
+    n = q.shape[-2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (j <= i) | (j < 48)
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [_window, _prefix_lm], ids=["sliding_window", "prefix_lm"])
+def test_index_masks_are_right_at_every_length(fn):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fuser", dynamic=True)
+    for n in (30, 50, 70):
+        run_both(fn, *_inputs(*[(B, H, n, D)] * 3, seed=n), compiled=compiled, grads=False)
+
+
+def test_causal_arange_mask_stays_causal_under_dynamic_shapes():
+    def f(q, k, v):
+        n = q.shape[-2]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return torch.softmax((q @ k.mT).masked_fill(j > i, float("-inf")), -1) @ v
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="fuser", dynamic=True)
+    for n in (20, 33):
+        rep = run_both(f, *_inputs(*[(B, H, n, D)] * 3, seed=n), compiled=compiled, grads=False)
+    torch._dynamo.reset()
+    rep = run_both(f, *_inputs(*[(B, H, 20, D)] * 3), dynamic=True, grads=False)
+    assert fused(rep) and fused(rep)[0].summary["causal"] == "top_left"
+
+
+# --------------------------------------------------------------------------------------------
+# 3, 4. Constants: buffers identified by Dynamo's source; scale tensors are not baked in
+# --------------------------------------------------------------------------------------------
+
+class _RelBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rel_buffers = torch.nn.Parameter(torch.zeros(N, N))  # learned, zero-initialised
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.mT * 0.35 + self.rel_buffers, -1) @ v
+
+
+def test_parameter_named_like_a_buffer_is_a_parameter():
+    m = _RelBias()
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    torch._dynamo.reset()
+    out = torch.compile(m, backend="fuser")(q, k, v)
+    out.sum().backward()
+    g = m.rel_buffers.grad.clone()
+    m.rel_buffers.grad = None
+    m(q, k, v).sum().backward()
+    assert g.norm() > 0
+    torch.testing.assert_close(g, m.rel_buffers.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_argument_named_like_a_buffer_is_data():
+    def f(q, k, v, cache_buffers_mask):
+        return torch.softmax((q @ k.mT).masked_fill(cache_buffers_mask, float("-inf")), -1) @ v
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="fuser")
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    for seed in (1, 2):
+        m = torch.rand(N, N, generator=torch.Generator().manual_seed(seed)) > 0.5
+        m[:, 0] = False
+        run_both(f, q, k, v, m, compiled=compiled, grads=False)
+
+
+class _Temp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("temp", torch.tensor(2.0))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.mT / self.temp, -1) @ v
+
+
+def test_scale_buffer_changed_after_compile_is_seen():
+    m = _Temp()
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="fuser")
+    with collecting() as rep:
+        compiled(q, k, v)
+    assert fused(rep) and "assumes_constant" not in fused(rep)[0].summary
+    m.temp.fill_(0.5)
+    torch.testing.assert_close(compiled(q, k, v), m(q, k, v), atol=1e-5, rtol=1e-4)
+
+
+def test_learned_temperature_gets_its_gradient():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.mT * self.temp, -1) @ v
+
+    m = M()
+    q, k, v = _inputs(*[(B, H, N, D)] * 3, grad=True)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        torch.compile(m, backend="fuser")(q, k, v).square().sum().backward()
+    g = m.temp.grad.clone()
+    m.temp.grad = None
+    m(q, k, v).square().sum().backward()
+    torch.testing.assert_close(g, m.temp.grad, atol=1e-5, rtol=1e-4)
+    assert fused(rep)
+
+
+# --------------------------------------------------------------------------------------------
+# 5, 6. Finite fills are values
+# --------------------------------------------------------------------------------------------
+
+def test_finite_fill_that_does_not_hide_is_a_value():
+    def f(q, k, v):
+        m = torch.zeros(N, N, dtype=torch.bool)
+        m[:, : N // 2] = True
+        return torch.softmax((q @ k.mT * 1000).masked_fill(m, -1e4), -1) @ v
+
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    run_both(f, -q.abs().detach(), k.abs().detach(), v, grads=False)
+
+
+def test_attention_kl_finite_fill_that_does_not_hide():
+    def f(q1, k1, q2, k2):
+        m = torch.zeros(N, N, dtype=torch.bool)
+        m[:, : N // 2] = True
+        s1 = (q1 @ k1.mT * 1000).masked_fill(m, -1e4)
+        s2 = (q2 @ k2.mT * 1000).masked_fill(m, -1e4)
+        return F.kl_div(F.log_softmax(s2, -1), F.log_softmax(s1, -1), reduction="sum", log_target=True)
+
+    q1, k1, q2, k2 = _inputs(*[(B, H, N, D)] * 4)
+    run_both(f, -q1.abs(), k1.abs(), -q2.abs(), k2.abs(), grads=False)
+
+
+def test_additive_finite_causal_with_more_queries_than_keys():
+    """transformers style: rows with no visible key get eager's uniform average."""
+    def f(q, k, v):
+        nq, nk = q.shape[-2], k.shape[-2]
+        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        m = torch.zeros(nq, nk).masked_fill(j > i + nk - nq, torch.finfo(torch.float32).min)
+        return torch.softmax(q @ k.mT * 0.35 + m, -1) @ v
+
+    # float64 eager does not round s + finfo(float32).min to a constant: compare in float32
+    q, k, v = _inputs((B, H, 40, D), (B, H, 24, D), (B, H, 24, D), grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="fuser")(*_copy([q, k, v]))
+    torch.testing.assert_close(out, f(q, k, v), atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Grad-mode switches inside the region
+# --------------------------------------------------------------------------------------------
+
+def test_no_grad_block_inside_attention():
+    def f(q, k, v):
+        s = q @ k.mT * 0.35
+        with torch.no_grad():
+            p = torch.softmax(s, -1)
+        return p @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert fused(rep)
+
+
+def test_no_grad_teacher_log_softmax_in_attention_kl():
+    def f(q1, k1, q2, k2):
+        s1 = q1 @ k1.mT * 0.3
+        with torch.no_grad():
+            lp1 = F.log_softmax(s1, -1)
+        return F.kl_div(F.log_softmax(q2 @ k2.mT * 0.3, -1), lp1, reduction="batchmean", log_target=True)
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 4, grad=True))
+    assert fused(rep, "attention_kl") and fused(rep, "attention_kl")[0].summary["grads"] == "student only"
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Masks that broadcast beyond q's batch or heads
+# --------------------------------------------------------------------------------------------
+
+def test_static_mask_expanded_to_a_larger_batch():
+    def f(q, k, v):
+        m = torch.ones(N, N, dtype=torch.bool).tril().expand(2, 1, N, N)
+        return torch.softmax((q @ k.mT * 0.35).masked_fill(~m, float("-inf")), -1) @ v
+
+    rep = run_both(f, *_inputs(*[(1, H, N, D)] * 3, grad=True))
+    assert any("broadcasts" in r.reason for r in rep.rejected), rep.rejected
+
+
+def test_data_mask_and_bias_with_more_batch_or_heads():
+    def f(q, k, v, m, bias):
+        return torch.softmax((q @ k.mT + bias).masked_fill(m, float("-inf")), -1) @ v
+
+    m = torch.rand(2, 1, N, N, generator=torch.Generator().manual_seed(3)) > 0.7
+    m[..., 0] = False
+    bias = torch.randn(2, 3, N, N)
+    run_both(f, *_inputs(*[(1, 1, N, D)] * 3, grad=True), m, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# 9. In-place writes after the region on tensors the backward saves
+# --------------------------------------------------------------------------------------------
+
+def _attn(q, k, v):
+    return torch.softmax(q @ k.mT * 0.35, -1) @ v
+
+
+@pytest.mark.parametrize("write", ["mul_", "masked_fill_", "setitem"])
+def test_output_written_in_place_after_attention(write):
+    def f(q, k, v):
+        o = _attn(q, k, v)
+        if write == "mul_":
+            o.mul_(2)
+        elif write == "masked_fill_":
+            o.masked_fill_(torch.arange(N)[:, None] > 12, 0.0)
+        else:
+            o[..., :2, :] = 0
+        return o
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert fused(rep) and fused(rep)[0].protected
+
+
+def test_q_written_after_attention_when_only_v_needs_grad():
+    def f(q, k, v):
+        o = _attn(q, k, v)
+        q.add_(1)
+        return o
+
+    q, k = _inputs((B, H, N, D), (B, H, N, D))
+    (v,) = _inputs((B, H, N, D), grad=True, seed=5)
+    rep = run_both(f, q, k, v)
+    assert fused(rep)
+
+
+# --------------------------------------------------------------------------------------------
+# 10. Symbolic sizes
+# --------------------------------------------------------------------------------------------
+
+def test_head_dim_above_256_under_dynamic_shapes_is_declined():
+    run_both(_attn, *_inputs(*[(1, 1, 8, 257)] * 3), dynamic=True, grads=False)
+
+
+def _count_compiles(fn, backend, inputs_per_call, dynamic):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=cnt, dynamic=dynamic)
+    for args in inputs_per_call:
+        compiled(*args)
+    return cnt.frame_count
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_length_dependent_scale_does_not_recompile(dynamic):
+    def f(q, k, v):
+        return torch.softmax(q @ k.mT * q.size(-2) ** -0.5, -1) @ v
+
+    calls = [_inputs(*[(B, H, n, D)] * 3) for n in (16, 24, 40)]
+    assert _count_compiles(f, "fuser", calls, dynamic) == _count_compiles(f, "inductor", calls, dynamic)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="fuser", dynamic=dynamic)
+    for args in calls:
+        run_both(f, *args, compiled=compiled, grads=False)
+
+
+def test_varying_head_dim_does_not_recompile_more_than_inductor():
+    def f(q, k, v):
+        return torch.softmax(q @ k.mT / math.sqrt(q.size(-1)), -1) @ v
+
+    calls = [_inputs(*[(B, H, N, d)] * 3) for d in (8, 16, 32)]
+    assert _count_compiles(f, "fuser", calls, True) == _count_compiles(f, "inductor", calls, True)
