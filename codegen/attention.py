@@ -12,8 +12,10 @@ default) hides them: exactly the kernels without fills, with tile skipping for c
 fill is a runtime float argument (one compiled kernel per kind, not per value); a finite
 ``causal_fill`` visits every key tile. A replaced score is a constant: no gradient flows to q, k
 there. A fill below about ``-2.35e38`` (e.g. ``finfo(float32).min``) is held as ``-2.35e38``
-(the most negative score float32 holds in base 2). A finite score that overflows to ``-inf`` in
-float32 (e.g. ``finfo.min`` added to a ``finfo.min`` mask entry) is hidden, as in float32 eager.
+(the most negative score float32 holds in base 2). With ``"add"``, a finite sum below what
+float32 holds (``finfo.min`` added to a ``finfo.min`` mask entry) saturates at ``-FLT_MAX``
+(base 2) instead of overflowing to ``-inf``: still finite and below every single fill, as in
+float64 (float32 eager would hide that entry).
 
 Two-part statistics: where a row's maximum can be a huge finite value (an additive mask, a
 finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking;
@@ -30,8 +32,9 @@ B·Hq), deterministic — or ``bwd_mode="atomic_dq"`` — one ``attention_bwd_dk
 ``atomic_add``s dQ into a float32 accumulator.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, LSE
-stored or not, bwd mode, interpreter or GPU); sizes are runtime arguments (sequence lengths are
-``do_not_specialize``, so one compiled kernel serves every length). Block sizes and warps come
+stored or not, fills -inf or finite (and the causal fill mode), bwd mode, interpreter or GPU);
+sizes and fill values are runtime arguments (sequence lengths are ``do_not_specialize``, floats
+are never specialised, so one compiled kernel serves every length and fill value). Block sizes and warps come
 from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
