@@ -1,8 +1,29 @@
 """Attention kernels (FlashAttention-2 in Triton, base 2): launchers, allocation, config table.
 
 Forward (``templates/attention_fwd.py.jinja``): one kernel, grid ``(cdiv(Nq, BLOCK_M), B*Hq)``,
-writes ``out`` and, when asked, ``LSE₂ = m₂ + log₂ l`` per row (scores pre-scaled by
-``scale·log₂e``; ``+inf`` for a row with no visible key).
+writes ``out`` and, when asked, the softmax statistics per row (scores pre-scaled by
+``scale·log₂e``): ``LSE₂ = m₂ + log₂ l`` (``+inf`` for a row with no visible key), or, in the
+two-part variants (see below), ``m₂`` and ``log₂ l`` separately.
+
+Hidden entries ("fills"): a boolean mask's hidden entries score ``mask_fill`` and entries above
+the causal diagonal score ``causal_fill`` (``causal_fill_mode="replace"``) or ``s +
+causal_fill`` (``"add"``), in natural-log units (the scores the softmax sees). ``-inf`` (the
+default) hides them: exactly the kernels without fills, with tile skipping for causal. A finite
+fill is a runtime float argument (one compiled kernel per kind, not per value); a finite
+``causal_fill`` visits every key tile. A replaced score is a constant: no gradient flows to q, k
+there. A fill below about ``-2.35e38`` (e.g. ``finfo(float32).min``) is held as ``-2.35e38``
+(the most negative score float32 holds in base 2). With ``"add"``, a finite sum below what
+float32 holds (``finfo.min`` added to a ``finfo.min`` mask entry) saturates at ``-FLT_MAX``
+(base 2) instead of overflowing to ``-inf``: still finite and below every single fill, as in
+float64 (float32 eager would hide that entry).
+
+Two-part statistics: where a row's maximum can be a huge finite value (an additive mask, a
+finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking;
+:func:`two_part_stats`), ``m₂ + log₂ l`` cannot hold ``log₂ l`` beside ``|m₂| ~ 3e38``. Those
+variants store ``stats`` ``[B, Hq, 2, Nq]`` float32: ``stats[:, :, 0]`` the row max ``m₂``,
+``stats[:, :, 1]`` ``log₂ l`` (``+inf`` and ``0`` for a row whose scores are all ``-inf``), and
+the backward computes ``P = exp2((s' − m₂) − log₂ l)``: exact on a fully filled row (``1/Nk``).
+The other variants keep the single ``LSE₂`` ``[B, Hq, Nq]``.
 
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
@@ -11,8 +32,9 @@ B·Hq), deterministic — or ``bwd_mode="atomic_dq"`` — one ``attention_bwd_dk
 ``atomic_add``s dQ into a float32 accumulator.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, LSE
-stored or not, bwd mode, interpreter or GPU); sizes are runtime arguments (sequence lengths are
-``do_not_specialize``, so one compiled kernel serves every length). Block sizes and warps come
+stored or not, fills -inf or finite (and the causal fill mode), bwd mode, interpreter or GPU);
+sizes and fill values are runtime arguments (sequence lengths are ``do_not_specialize``, floats
+are never specialised, so one compiled kernel serves every length and fill value). Block sizes and warps come
 from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
@@ -20,12 +42,10 @@ copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), D 
 16..256 (any size; padded to a power of two inside the kernels), fp32 / fp16 / bf16.
 
 Limits:
-- A row whose visible scores all carry a huge finite bias (``finfo.min``, or ``-1e9`` in fp32)
-  is, in the forward, an average over the entries that round to its maximum (a uniform average
-  for ``finfo.min``, as in eager and the reference); but its LSE cannot hold ``log2 l`` beside
-  a magnitude that large, so the backward's P is off by the factor l on that row.
-  Such rows (fully padded queries) get zero upstream gradient in practice, and then the
-  gradients are exact. ``-inf`` / bool masks have no such issue (those rows are empty: out 0).
+- Rows whose scores are all ``-inf`` (hidden) give ``out = 0`` and zero gradients (eager gives NaN).
+- Scores are formed in float32: a finite fill added to a score (``"add"``, an additive mask)
+  swallows the score where float32 cannot hold both (``s + finfo.min == finfo.min``, as in
+  float32 eager; float64 keeps ``s`` beside fills up to about ``2^53·|s|``).
 - ``B * Hq`` (and ``B * Hkv``) must stay below 65536 (the second grid axis).
 """
 
@@ -45,6 +65,7 @@ __all__ = [
     "backward",
     "alloc_out",
     "alloc_lse",
+    "two_part_stats",
     "alloc_grads",
     "kernels_for",
     "fwd_kernel",
@@ -54,6 +75,8 @@ __all__ = [
 
 # the kernel families' shared vocabulary, re-exported for callers of this family
 CAUSAL_MODES, MASK_KINDS, BWD_MODES, causal_offset = launch.CAUSAL_MODES, launch.MASK_KINDS, launch.BWD_MODES, launch.causal_offset
+FILL_MODES = launch.FILL_MODES
+NEG_INF = float("-inf")
 
 LOG2E = 1.4426950408889634
 
@@ -72,38 +95,69 @@ BWD_TEMPLATE = "attention_bwd.py.jinja"
 
 
 
-def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: bool) -> tuple[str, str]:
-    head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
+def _fill_kinds(causal, mask_kind: str, mask_fill: float, causal_fill: float, causal_fill_mode: str) -> tuple[str, str]:
+    """(mask fill kind, causal fill kind), each ``"hide"`` (-inf or not applicable), ``"replace"``
+    or ``"add"``; raises ``ValueError`` for a NaN or ``+inf`` fill or an unknown mode."""
+    launch.check_fill("mask_fill", mask_fill)
+    launch.check_fill("causal_fill", causal_fill, causal_fill_mode)
+    return (launch.mask_fill_kind(mask_kind, mask_fill),
+            launch.causal_fill_kind(causal, causal_fill, causal_fill_mode))
+
+
+def two_part_stats(*, causal, mask_kind: str, mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
+                   causal_fill_mode: str = "replace") -> bool:
+    """Whether this variant stores two-part softmax statistics (``[B, Hq, 2, Nq]``: row max and
+    log2 l) instead of one LSE ``[B, Hq, Nq]``: where a row's max can be a huge finite value (an
+    additive mask, a finite ``mask_fill`` with a boolean mask, a finite ``causal_fill``)."""
+    mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
+    return mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
+
+
+def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: bool,
+            mask_fill_k: str = "hide", causal_fill_k: str = "hide") -> tuple[str, str]:
+    # fills: _causalfill / _causaladd (finite causal_fill), _maskkeepfill / _maskdropfill (finite mask_fill)
+    causal_part = {"hide": "_causal", "replace": "_causalfill", "add": "_causaladd"}[causal_fill_k] if causal else ""
+    head = causal_part + launch.MASK_SUFFIX[mask_kind] + ("fill" if mask_fill_k != "hide" else "")
     if mask_kind != "none" and mask_row_broadcast:
         head += "_rowbcast"
     return head, ("_interp" if interpret else "")
 
 
-def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool) -> RenderedKernel:
-    """Render the forward kernel module of one static variant (``causal``: a mode or a bool)."""
+def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool,
+               mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
+               causal_fill_mode: str = "replace") -> RenderedKernel:
+    """Render the forward kernel module of one static variant (``causal``: a mode or a bool).
+
+    The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments)."""
     launch.check_variant(causal, mask_kind)
+    mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    head, tail = _suffix(causal, mask_kind, row, interpret)
+    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k)
     name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         need_lse=bool(need_lse), interpret=bool(interpret),
+        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
     )
 
 
-def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, interpret: bool) -> RenderedKernel:
+def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, interpret: bool,
+               mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
+               causal_fill_mode: str = "replace") -> RenderedKernel:
     """Render the backward kernel module (preprocess, dK/dV and, for two_kernel, dQ kernels)."""
     launch.check_variant(causal, mask_kind, bwd_mode)
+    mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    head, tail = _suffix(causal, mask_kind, row, interpret)
+    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k)
     name = "attention_bwd" + head + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + tail
     return render(
         BWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         atomic_dq=bwd_mode == "atomic_dq", interpret=bool(interpret),
+        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
     )
 
 
@@ -116,22 +170,26 @@ def kernels_for(
     interpret: bool,
     need_lse: bool,
     training: bool,
+    mask_fill: float = NEG_INF,
+    causal_fill: float = NEG_INF,
+    causal_fill_mode: str = "replace",
 ) -> list[RenderedKernel]:
     """The kernel modules a call of this static variant uses, rendered but not launched.
 
-    ``training`` adds the backward module (and forces the LSE the backward needs).
+    ``training`` adds the backward module (and forces the statistics the backward needs).
     """
+    fills = dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
     kernels = [
         fwd_kernel(
             causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
-            need_lse=need_lse or training, interpret=interpret,
+            need_lse=need_lse or training, interpret=interpret, **fills,
         )
     ]
     if training:
         kernels.append(
             bwd_kernel(
                 causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
-                bwd_mode=bwd_mode, interpret=interpret,
+                bwd_mode=bwd_mode, interpret=interpret, **fills,
             )
         )
     return kernels
@@ -277,10 +335,25 @@ def alloc_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return launch.empty((b, n, h, v.shape[-1]), q.dtype, q.device).permute(0, 2, 1, 3)
 
 
-def alloc_lse(q: torch.Tensor) -> torch.Tensor:
-    """``lse`` ``[B, Hq, Nq]`` float32, contiguous (base-2 log-sum-exp)."""
+def alloc_lse(q: torch.Tensor, two_part: bool = False) -> torch.Tensor:
+    """The softmax statistics, float32, contiguous: ``lse`` ``[B, Hq, Nq]`` (base-2 log-sum-exp),
+    or with ``two_part`` ``[B, Hq, 2, Nq]`` (row max ``m₂``, then ``log₂ l``; see
+    :func:`two_part_stats`)."""
+    return launch.empty(_stats_shape(q, two_part), torch.float32, q.device)
+
+
+def _stats_shape(q: torch.Tensor, two_part: bool) -> tuple:
     b, h, n, _ = q.shape
-    return launch.empty((b, h, n), torch.float32, q.device)
+    return (b, h, 2, n) if two_part else (b, h, n)
+
+
+def _fill_empty_rows(lse: torch.Tensor, two_part: bool) -> None:
+    """The statistics of rows with no key at all: ``LSE = +inf`` or ``m₂ = +inf, log₂ l = 0``."""
+    if two_part:
+        lse[:, :, 0].fill_(math.inf)
+        lse[:, :, 1].fill_(0.0)
+    else:
+        lse.fill_(math.inf)
 
 
 def alloc_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_grad: Sequence[bool] = (True, True, True)):
@@ -319,19 +392,47 @@ def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
 
 
 
+# A finite fill stands for every finite value in the module caches below (values are runtime).
+_FINITE = 0.0
+
+
+def _fill_key(kind: str) -> float:
+    return NEG_INF if kind == "hide" else _FINITE
+
+
 @functools.lru_cache(maxsize=None)
-def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool):
+def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool,
+                mask_fill_k: str = "hide", causal_fill_k: str = "hide"):
     """The imported forward module of one static variant (rendered once per process; keeps
     rendering and imports off the per-call path)."""
-    kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret)
+    kernel = fwd_kernel(
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret,
+        mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
+        causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
+    )
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, interpret: bool):
+def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, interpret: bool,
+                mask_fill_k: str = "hide", causal_fill_k: str = "hide"):
     """The imported backward module of one static variant (see :func:`_fwd_module`)."""
-    kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode, interpret=interpret)
+    kernel = bwd_kernel(
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode, interpret=interpret,
+        mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
+        causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
+    )
     return kernel, launch.kernel_module(kernel, interpret)
+
+
+def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fill: float) -> dict:
+    """The runtime fill arguments of a variant's launcher, in base 2 (none for -inf fills)."""
+    args = {}
+    if mask_fill_k != "hide":
+        args["mask_fill"] = launch.fill_base2(mask_fill)
+    if causal_fill_k != "hide":
+        args["causal_fill"] = launch.fill_base2(causal_fill)
+    return args
 
 
 
@@ -348,15 +449,22 @@ def forward(
     config: Optional[dict] = None,
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
+    mask_fill: float = NEG_INF,
+    causal_fill: float = NEG_INF,
+    causal_fill_mode: str = "replace",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask semantics
+    """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill semantics
     (those of :func:`fuser.patterns.attention.reference`).
 
-    Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer), ``lse``
-    ``[B, Hq, Nq]`` float32 base-2 log-sum-exp (``+inf`` for rows with no visible key), or
-    ``None`` when ``need_lse`` is false. Rows with no visible key give ``out = 0``.
+    Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer); ``lse`` the
+    softmax statistics from :func:`alloc_lse` (or the given buffer) — ``[B, Hq, Nq]`` float32
+    base-2 log-sum-exp (``+inf`` for rows with no visible key), or in the two-part variants
+    (:func:`two_part_stats`) ``[B, Hq, 2, Nq]`` (row max, log2 l) — or ``None`` when
+    ``need_lse`` is false. Rows whose scores are all ``-inf`` give ``out = 0``.
     """
     _check_inputs(q, k, v, causal, mask, mask_kind)
+    mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
+    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if out is None:
@@ -364,20 +472,24 @@ def forward(
     if not need_lse:
         lse = None
     elif lse is None:
-        lse = alloc_lse(q)
+        lse = alloc_lse(q, two_part)
+    elif tuple(lse.shape) != _stats_shape(q, two_part):
+        raise ValueError(f"lse must have shape {_stats_shape(q, two_part)} here, got {tuple(lse.shape)}")
     if out.numel() == 0:  # Nq == 0 or B*H == 0: nothing to compute
         if lse is not None:
-            lse.fill_(math.inf)
+            _fill_empty_rows(lse, two_part)
         return out, lse
     if n_k == 0:  # no keys: every row is empty
         out.zero_()
         if lse is not None:
-            lse.fill_(math.inf)
+            _fill_empty_rows(lse, two_part)
         return out, lse
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
-    kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret)
+    kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
+                                 mask_fill_k, causal_fill_k)
+    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -393,6 +505,7 @@ def forward(
                 causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
+                **fills,
             )
 
     key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
@@ -418,18 +531,30 @@ def backward(
     dq: Optional[torch.Tensor] = None,
     dk: Optional[torch.Tensor] = None,
     dv: Optional[torch.Tensor] = None,
+    mask_fill: float = NEG_INF,
+    causal_fill: float = NEG_INF,
+    causal_fill_mode: str = "replace",
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients ``(dq, dk, dv)`` of :func:`forward` for upstream ``dout``; ``None`` for each
-    one ``needs_grad`` turns off. ``out`` and ``lse`` are the forward's (lse base 2).
+    one ``needs_grad`` turns off. ``out`` and ``lse`` are the forward's (its statistics, base 2:
+    one LSE or two-part, as :func:`two_part_stats` says for these arguments).
 
     ``bwd_mode``: ``"two_kernel"`` (deterministic: a dK/dV kernel and a dQ kernel) or
     ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast).
     """
     _check_inputs(q, k, v, causal, mask, mask_kind)
     launch.check_variant(causal, mask_kind, bwd_mode)
+    mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
+    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
     need_dq, need_dk, need_dv = (bool(x) for x in needs_grad)
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
+    want = _stats_shape(q, two_part)
+    if tuple(lse.shape) != want:
+        raise ValueError(
+            f"lse must be the forward's {'two-part statistics' if two_part else 'LSE'} of shape {want}, "
+            f"got {tuple(lse.shape)}"
+        )
     a_dq, a_dk, a_dv = alloc_grads(
         q, k, v, (need_dq and dq is None, need_dk and dk is None, need_dv and dv is None)
     )
@@ -451,7 +576,9 @@ def backward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "bwd")
-    kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret)
+    kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret,
+                                 mask_fill_k, causal_fill_k)
+    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:
@@ -478,6 +605,7 @@ def backward(
                 causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
+                **fills,
             )
 
     key = (kernel.path, "bwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision,

@@ -264,6 +264,62 @@ def check_variant(causal, mask_kind: str, bwd_mode: str | None = None) -> None:
         raise ValueError(f"bwd_mode must be one of {BWD_MODES}, got {bwd_mode!r}")
 
 
+# Hidden-entry values ("fills"). A boolean mask's hidden entries and the entries above a causal
+# diagonal score ``-inf`` by default: hidden, contributing exactly 0, and the kernels may skip
+# tiles that are entirely hidden. A finite fill instead gives those entries a real score (what
+# eager PyTorch computes for ``masked_fill(m, -1e4)`` or an additive ``finfo.min`` causal mask),
+# passed to the kernels as a runtime float (one compiled kernel serves every value). The causal
+# structure either replaces the score (``"replace"``: no gradient flows to q.k there) or adds to
+# it (``"add"``: an additive static mask). Render-time, a fill is one of :data:`FILL_KINDS`:
+# ``"hide"`` (-inf), ``"replace"`` or ``"add"`` (finite, runtime value).
+FILL_MODES = ("replace", "add")
+FILL_KINDS = ("hide",) + FILL_MODES
+# |x| * log2(e) must stay below the largest float32 (3.4028e38) to be held in base 2
+_BASE2_LIMIT = 2.35e38
+LOG2E = 1.4426950408889634
+
+
+def check_fill(name: str, value: float, mode: str | None = None) -> float:
+    """Raise ``ValueError`` for a fill that is NaN or ``+inf`` (or an unknown fill mode);
+    return the value as a float."""
+    value = float(value)
+    if value != value or value == float("inf"):
+        raise ValueError(f"{name} must be finite or -inf, got {value!r}")
+    if mode is not None and mode not in FILL_MODES:
+        raise ValueError(f"{name}_mode must be one of {FILL_MODES}, got {mode!r}")
+    return value
+
+
+def fill_kind(active: bool, value: float, mode: str = "replace") -> str:
+    """The render-time kind of one fill: ``"hide"`` where it does not apply (``active`` false:
+    no causal structure, or no boolean mask) or where the value is ``-inf``; else ``mode``."""
+    if not active or float(value) == float("-inf"):
+        return "hide"
+    return mode
+
+
+def mask_fill_kind(mask_kind: str, mask_fill: float) -> str:
+    """``"replace"`` for a boolean mask kind with a finite ``mask_fill``, else ``"hide"``
+    (a boolean mask's fill always replaces the score; other mask kinds ignore it)."""
+    return fill_kind(mask_kind in ("bool_keep", "bool_drop"), mask_fill, "replace")
+
+
+def causal_fill_kind(causal, causal_fill: float, causal_fill_mode: str) -> str:
+    """``"hide"`` without causal masking or for ``causal_fill = -inf`` (tiles above the diagonal
+    may be skipped), else ``causal_fill_mode`` (``"replace"`` or ``"add"``)."""
+    return fill_kind(is_causal(causal), causal_fill, causal_fill_mode)
+
+
+def fill_base2(value: float) -> float:
+    """A score in natural-log units moved to base 2 (times log2 e) for kernels that pre-scale
+    their scores by ``scale * log2(e)``: clamped to +-2.35e38 first so that it stays a finite
+    float32 (``finfo(float32).min`` stays finite, about -3.39e38); ``-inf`` stays ``-inf``."""
+    value = float(value)
+    if value == float("-inf"):
+        return value
+    return max(-_BASE2_LIMIT, min(_BASE2_LIMIT, value)) * LOG2E
+
+
 def check_mask(mask: Optional[torch.Tensor], mask_kind: str) -> None:
     """Raise ``ValueError`` unless ``mask`` matches ``mask_kind``: none for ``"none"``, else
     present; floating point for ``"additive"``, ``torch.bool`` for the boolean kinds."""
@@ -339,13 +395,13 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
 @contextlib.contextmanager
 def launching(interpret: bool) -> Iterator[None]:
     """Context for one launch: nothing on the GPU; for interpreted kernels
-    :func:`interpreter_mode`, with NumPy's "invalid value" warnings silenced (kernels compute
-    NaN such as ``-inf - -inf`` in ``tl.where`` branches that are never selected: free on the
-    GPU, but NumPy reports it)."""
+    :func:`interpreter_mode`, with NumPy's "invalid value" and "overflow" warnings silenced
+    (kernels compute NaN such as ``-inf - -inf``, or overflow such as ``finfo.min + finfo.min``,
+    in ``tl.where`` branches that are never selected: free on the GPU, but NumPy reports it)."""
     if not interpret:
         yield
         return
     import numpy as np
 
-    with interpreter_mode(), np.errstate(invalid="ignore"):
+    with interpreter_mode(), np.errstate(invalid="ignore", over="ignore"):
         yield

@@ -5,16 +5,22 @@ and Inductor treat them as opaque kernels with known output shapes and strides; 
 registers its autograd formula, which calls the backward op. Neither op mutates or aliases
 its inputs. The kernels themselves are in ``codegen/attention.py``.
 
-``torch.ops.fuser.attention(q, k, v, mask, scale, causal, mask_kind, need_lse, plan) -> (out, lse)``
+``torch.ops.fuser.attention(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode) -> (out, lse)``
     q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides; GQA when
     ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
     ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
     "bool_drop", "additive"}``; ``need_lse`` False for inference (``lse`` is then an empty
     tensor); ``plan`` a ``"key=value;..."`` string (``backward=two_kernel|atomic_dq|autotune``,
-    ``autotune=0|1``). Returns ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype (memory laid out
-    ``[B, Nq, Hq, Dv]``) and the base-2 ``lse`` ``[B, Hq, Nq]`` float32.
+    ``autotune=0|1``); ``mask_fill`` the score of a boolean mask's hidden entries (ignored by
+    other mask kinds); ``causal_fill`` with ``causal_fill_mode`` ``"replace"|"add"`` the score of
+    (or what is added to) the entries above the causal diagonal (ignored without causal); ``-inf``
+    fills hide the entries (the kernels without fills). Returns ``out`` ``[B, Hq, Nq, Dv]`` in q's
+    dtype (memory laid out ``[B, Nq, Hq, Dv]``) and the softmax statistics float32, contiguous:
+    the base-2 ``lse`` ``[B, Hq, Nq]``, or where a row's max can be a huge finite value (an
+    additive mask, a finite fill that applies: ``codegen.attention.two_part_stats``) the two-part
+    statistics ``[B, Hq, 2, Nq]`` (row max m2, then log2 l).
 
-``torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs) -> (dq, dk, dv)``
+``torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode) -> (dq, dk, dv)``
     gradients for the inputs flagged in ``needs`` (empty tensors for the others).
 """
 
@@ -42,6 +48,13 @@ def _none_tensor(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
+def _fill_tag(causal: str, mask_kind: str, fills: dict) -> str:
+    """The fill kinds of a variant for tuning keys ("" without finite fills: keys as before)."""
+    mask_k = launch.mask_fill_kind(mask_kind, fills["mask_fill"])
+    causal_k = launch.causal_fill_kind(causal, fills["causal_fill"], fills["causal_fill_mode"])
+    return "" if mask_k == causal_k == "hide" else f"|fill:{mask_k}/{causal_k}"
+
+
 def _tune_key(kind: str, q, k, v, mask, causal: str, mask_kind: str, extra: str = "") -> str:
     # Sequence lengths are bucketed to powers of two: one tuning per bucket, not per length.
     b, hq, nq, d = q.shape
@@ -52,8 +65,13 @@ def _tune_key(kind: str, q, k, v, mask, causal: str, mask_kind: str, extra: str 
     )
 
 
-def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) -> dict:
+def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"), causal_fill_mode: str = "replace") -> dict:
+    return dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+
+
+def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optional[dict] = None) -> dict:
     """The fastest forward config for this problem, timed on first use (see launch.autotune)."""
+    fills = fills or _fills()
     cands = kernels.candidate_configs(
         head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd"
     )
@@ -61,15 +79,19 @@ def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) -> dict:
         return cands[0]
 
     def run(cfg):
-        kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg)
+        kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg,
+                        **fills)
 
-    return launch.autotune(_tune_key("fwd", q, k, v, mask, causal, mask_kind), cands, run)
+    key = _tune_key("fwd", q, k, v, mask, causal, mask_kind, _fill_tag(causal, mask_kind, fills))
+    return launch.autotune(key, cands, run)
 
 
-def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, needs, mode) -> tuple[str, dict]:
+def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, needs, mode,
+                   fills: Optional[dict] = None) -> tuple[str, dict]:
     """The fastest (backward mode, config); ``mode="autotune"`` also times both modes (only
     ``two_kernel`` under ``torch.use_deterministic_algorithms(True)``: atomic dQ is not
     deterministic)."""
+    fills = fills or _fills()
     cands = kernels.candidate_configs(
         head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="bwd"
     )
@@ -85,9 +107,9 @@ def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, need
             c = dict(cfg)
             m = c.pop("bwd_mode")
             kernels.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
-                             bwd_mode=m, needs_grad=needs, config=c)
+                             bwd_mode=m, needs_grad=needs, config=c, **fills)
 
-        extra = f"|needs{''.join(str(int(x)) for x in needs)}|{'+'.join(modes)}"
+        extra = f"|needs{''.join(str(int(x)) for x in needs)}|{'+'.join(modes)}{_fill_tag(causal, mask_kind, fills)}"
         best = launch.autotune(_tune_key("bwd", q, k, v, mask, causal, mask_kind, extra), pairs, run)
     best = dict(best)
     return best.pop("bwd_mode"), best
@@ -104,20 +126,28 @@ def attention(
     mask_kind: str,
     need_lse: bool,
     plan: str,
+    mask_fill: float,
+    causal_fill: float,
+    causal_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p = parse_plan(plan)
+    fills = _fills(mask_fill, causal_fill, causal_fill_mode)
     out, lse = kernels.forward(
         q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=need_lse,
-        config=tuned_forward_config(q, k, v, mask, scale, causal, mask_kind) if p.get("autotune") == "1" else None,
+        config=tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills) if p.get("autotune") == "1" else None,
+        **fills,
     )
     return out, (lse if lse is not None else _none_tensor(q))
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan):
+def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode):
     out = kernels.alloc_out(q, v)
-    lse = kernels.alloc_lse(q) if need_lse else _none_tensor(q)
-    return out, lse
+    if not need_lse:
+        return out, _none_tensor(q)
+    two_part = kernels.two_part_stats(causal=causal, mask_kind=mask_kind, mask_fill=mask_fill,
+                                      causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+    return out, kernels.alloc_lse(q, two_part)
 
 
 @torch.library.custom_op("fuser::attention_backward", mutates_args=())
@@ -134,6 +164,9 @@ def attention_backward(
     mask_kind: str,
     plan: str,
     needs: list[bool],
+    mask_fill: float,
+    causal_fill: float,
+    causal_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if lse.numel() == 0 and q.numel() != 0:
         raise RuntimeError(
@@ -141,13 +174,14 @@ def attention_backward(
             "inference); this is a fuser bug, please report it"
         )
     p = parse_plan(plan)
+    fills = _fills(mask_fill, causal_fill, causal_fill_mode)
     mode = p.get("backward", "two_kernel")
     config = None
     if mode == "autotune" or p.get("autotune") == "1":
-        mode, config = tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, tuple(needs), mode)
+        mode, config = tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, tuple(needs), mode, fills)
     dq, dk, dv = kernels.backward(
         dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
-        bwd_mode=mode, needs_grad=tuple(needs), config=config,
+        bwd_mode=mode, needs_grad=tuple(needs), config=config, **fills,
     )
     return (
         dq if dq is not None else _none_tensor(q),
@@ -157,7 +191,8 @@ def attention_backward(
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs):
+def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs,
+                             mask_fill, causal_fill, causal_fill_mode):
     dq, dk, dv = kernels.alloc_grads(q, k, v, tuple(needs))
     return (
         dq if dq is not None else _none_tensor(q),
@@ -166,26 +201,30 @@ def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_
     )
 
 
+_N_INPUTS = 12  # q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mask_kind, need_lse, plan = inputs
+    q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
-    ctx.params = (scale, causal, mask_kind, plan)
+    ctx.params = (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask = ctx.saved_tensors
-    scale, causal, mask_kind, plan = ctx.params
+    scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode = ctx.params
     needs = [bool(x) for x in ctx.needs_input_grad[:3]]
     if not any(needs):
-        return (None,) * 9
-    dq, dk, dv = torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs)
+        return (None,) * _N_INPUTS
+    dq, dk, dv = torch.ops.fuser.attention_backward(
+        dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode
+    )
     return (
         dq if needs[0] else None,
         dk if needs[1] else None,
         dv if needs[2] else None,
-        None, None, None, None, None, None,
-    )
+    ) + (None,) * (_N_INPUTS - 3)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

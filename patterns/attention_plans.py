@@ -223,7 +223,8 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         if impl == "fuser":
             op = e.node(
                 "call_function", torch.ops.fuser.attention.default,
-                (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params)),
+                (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params),
+                 float("-inf"), float("-inf"), "replace"),
             )
             out = e.node("call_function", operator.getitem, (op, 0))
         elif impl == "sdpa":

@@ -21,8 +21,11 @@ def reference(
     causal: str = "none",
     mask: Optional[torch.Tensor] = None,
     mask_kind: str = "none",
+    mask_fill: float = -math.inf,
+    causal_fill: float = -math.inf,
+    causal_fill_mode: str = "replace",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in float64.
+    """Attention in float64, written directly on the materialised scores.
 
     Args:
         q: ``[B, Hq, Nq, D]``.
@@ -34,17 +37,34 @@ def reference(
             ``"bottom_right"`` (iff j <= i + Nk - Nq).
         mask: broadcastable to ``[B, Hq, Nq, Nk]``; meaning set by ``mask_kind``.
         mask_kind: ``"none"``; ``"bool_keep"`` (True = visible, as SDPA's boolean mask and
-            ``torch.where(m, s, -inf)``); ``"bool_drop"`` (True = hidden, as
-            ``masked_fill(m, -inf)``); ``"additive"`` (added to the scaled scores).
+            ``torch.where(m, s, fill)``); ``"bool_drop"`` (True = hidden, as
+            ``masked_fill(m, fill)``); ``"additive"`` (added to the scaled scores).
+        mask_fill: the score of a boolean mask's hidden entry (it replaces the score: no
+            gradient flows to q, k there); ``-inf`` hides it. Ignored by other mask kinds.
+        causal_fill: the score of an entry above the causal diagonal (``causal_fill_mode=
+            "replace"``) or what is added to it (``"add"``, an additive causal mask whose
+            gradient flows to the score as for any additive mask); ``-inf`` hides it.
+            Ignored without causal masking.
+        causal_fill_mode: ``"replace"`` or ``"add"``.
+
+    Scores: ``s = scale · q kᵀ`` (``+ mask`` for ``"additive"``), then the boolean mask's fill,
+    then the causal fill, all in float64; the softmax runs over every key of the row.
 
     Returns:
         ``(out, lse)``: ``out`` ``[B, Hq, Nq, Dv]`` float64; ``lse`` ``[B, Hq, Nq]`` float64,
-        the natural-log sum of exponentials of each row's visible scaled scores. A row with no
-        visible key gives ``out = 0`` and ``lse = -inf`` (never NaN).
+        the natural-log sum of the exponentials of each row's scores. A row whose scores are all
+        ``-inf`` gives ``out = 0`` and ``lse = -inf`` (never NaN; eager softmax gives NaN); a row
+        of finite fills gets their softmax (a uniform average for one constant fill).
 
     Raises:
-        ValueError: ``Hq`` is not a multiple of ``Hkv``, or an unknown ``mask_kind``.
+        ValueError: ``Hq`` is not a multiple of ``Hkv``, an unknown ``mask_kind`` or
+            ``causal_fill_mode``, or a NaN or ``+inf`` fill.
     """
+    for name, value in (("mask_fill", mask_fill), ("causal_fill", causal_fill)):
+        if math.isnan(value) or value == math.inf:
+            raise ValueError(f"{name} must be finite or -inf, got {value!r}")
+    if causal_fill_mode not in ("replace", "add"):
+        raise ValueError(f"causal_fill_mode must be 'replace' or 'add', got {causal_fill_mode!r}")
     q, k, v = q.double(), k.double(), v.double()
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
@@ -54,22 +74,20 @@ def reference(
         v = v.repeat_interleave(hq // hkv, dim=1)
     n_q, n_k = q.shape[-2], k.shape[-2]
     s = (q @ k.transpose(-2, -1)) * scale
-    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if mask_kind == "additive":
+        s = s + mask.double()
+    elif mask_kind in ("bool_keep", "bool_drop"):
+        hidden = ~mask.bool() if mask_kind == "bool_keep" else mask.bool()
+        s = torch.where(hidden, torch.full_like(s, mask_fill), s)
+    elif mask_kind != "none":
+        raise ValueError(f"unknown mask_kind {mask_kind!r}; expected one of {MASK_KINDS}")
     if causal != "none":
         off = causal_offset(causal, n_q, n_k)
         i = torch.arange(n_q, device=q.device)[:, None]
         j = torch.arange(n_k, device=q.device)[None, :]
-        visible = j <= i + off
-    visible = visible.expand(s.shape)
-    if mask_kind == "additive":
-        s = s + mask.double()
-    elif mask_kind == "bool_keep":
-        visible = visible & mask.bool()
-    elif mask_kind == "bool_drop":
-        visible = visible & ~mask.bool()
-    elif mask_kind != "none":
-        raise ValueError(f"unknown mask_kind {mask_kind!r}; expected one of {MASK_KINDS}")
-    s = s.masked_fill(~visible, -math.inf)
+        above = j > i + off
+        filled = torch.full_like(s, causal_fill) if causal_fill_mode == "replace" else s + causal_fill
+        s = torch.where(above, filled, s)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)

@@ -37,13 +37,14 @@ def _qkv(seed, b, hq, hkv, n_q, n_k, d, dv, dtype=torch.float32, device=CPU):
 def _check(
     q, k, v, *, causal="none", mask=None, mask_kind="none", scale=None, need_lse=True,
     grad=True, modes=BWD_MODES, needs_grad=(True, True, True), config=None, bwd_config=None,
-    dout=None, tol=None, seed=0,
+    dout=None, tol=None, seed=0, mask_fill=-math.inf, causal_fill=-math.inf, causal_fill_mode="replace",
 ):
     """Forward (and backward in each mode) against the reference; returns (out, lse, grads by mode)."""
     dtype = q.dtype
     tol = TOL[dtype] if tol is None else tol
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kw = dict(scale=scale, causal=causal, mask=mask, mask_kind=mask_kind)
+    kw = dict(scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, mask_fill=mask_fill,
+              causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
     with launch.poison_outputs():
         out, lse = attention.forward(q, k, v, need_lse=need_lse or grad, config=config, **kw)
     ref_out, ref_lse = reference(q, k, v, **kw)
@@ -57,20 +58,10 @@ def _check(
     if not (need_lse or grad):
         assert lse is None
     else:
-        assert lse.shape == ref_lse.shape and lse.dtype == torch.float32 and lse.is_contiguous()
-        assert not lse.isnan().any()
+        _check_stats(lse, ref_lse, k.shape[2], dtype, attention.two_part_stats(
+            causal=causal, mask_kind=mask_kind, mask_fill=mask_fill, causal_fill=causal_fill,
+            causal_fill_mode=causal_fill_mode))
         empty = torch.isneginf(ref_lse)
-        assert torch.isposinf(lse[empty]).all(), "rows with no visible key must store LSE = +inf"
-        assert torch.isfinite(lse[~empty]).all()
-        # a row whose every visible score carries a finfo.min bias has LSE = finfo.min + O(1),
-        # which base 2 cannot hold in fp32: the kernel saturates it at -FLT_MAX (out and grads
-        # stay exact, the backward recomputes the same saturated scores)
-        saturated = ~empty & (ref_lse < -1e38)
-        assert (lse[saturated] < -1e38).all()
-        normal = ~empty & ~saturated
-        if normal.any():
-            lse_err = (lse[normal].double() / LOG2E - ref_lse[normal]).abs().max().item()
-            assert lse_err < (1e-4 if dtype == torch.float32 else 2e-3), f"lse error {lse_err:.3g}"
         assert (out[empty.unsqueeze(-1).expand_as(out)] == 0).all(), "empty rows must give out = 0"
 
     grads = {}
@@ -96,6 +87,36 @@ def _check(
                 e = _rel(g, rg)
                 assert e < tol, f"d{name} ({mode}): relative error {e:.3g} >= {tol}"
     return out, lse, grads
+
+
+def _check_stats(lse, ref_lse, n_k, dtype, two_part):
+    """The forward's softmax statistics against the reference's natural-log LSE: one base-2 LSE
+    ``[B, H, Nq]`` (``+inf`` on rows with no visible key), or two-part ``[B, H, 2, Nq]`` (row max
+    m2, log2 l; ``+inf``, ``0`` on rows whose scores are all -inf)."""
+    assert lse.dtype == torch.float32 and lse.is_contiguous() and not lse.isnan().any()
+    empty = torch.isneginf(ref_lse)
+    abs_tol = 1e-4 if dtype == torch.float32 else 2e-3
+    if not two_part:
+        assert lse.shape == ref_lse.shape
+        assert torch.isposinf(lse[empty]).all(), "rows with no visible key must store LSE = +inf"
+        assert torch.isfinite(lse[~empty]).all()
+        got = lse.double() / LOG2E
+    else:
+        assert lse.shape == (*ref_lse.shape[:2], 2, ref_lse.shape[2])
+        row_max, log2_l = lse[:, :, 0], lse[:, :, 1]
+        assert torch.isposinf(row_max[empty]).all() and (log2_l[empty] == 0).all(), "all -inf rows: m2 = +inf, log2 l = 0"
+        assert torch.isfinite(row_max[~empty]).all() and torch.isfinite(log2_l[~empty]).all()
+        assert (log2_l[~empty] >= 0).all() and (log2_l[~empty] <= math.log2(n_k) + 1e-3).all()
+        got = (row_max.double() + log2_l.double()) / LOG2E
+    # A row whose max is a huge finite value (finfo.min fills): base 2 holds at most about
+    # -2.35e38 in natural units (fills below are held there), so only its sign and size are checked.
+    huge = ~empty & (ref_lse.abs() > 1e30)
+    assert (got[huge] < -1e38).all()
+    normal = ~empty & ~huge
+    if normal.any():
+        # relative to the row's magnitude: scores around -1e4 carry float32 rounding of ~1e-3
+        err = ((got[normal] - ref_lse[normal]).abs() / (1 + 1e-2 * ref_lse[normal].abs())).max().item()
+        assert err < abs_tol, f"lse error {err:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,14 +231,11 @@ def test_additive_mask_with_neg_inf_and_finfo_min():
     bias[0, 0, 3] = -math.inf  # a row with no visible key: out 0
     bias[0, 0, 5] = torch.finfo(torch.float32).min  # finite everywhere: a uniform average
     bias[1, 0, :, 20:] = -math.inf  # key padding spelled additively
-    # Row 5 of batch 0 has LSE = finfo.min + O(1): fp32 cannot hold log2(l) beside it, so the
-    # backward's P = exp2(s - LSE) is off there by the factor l (a documented limitation shared
-    # by fused kernels that store one LSE). Such rows (e.g. fully padded queries) get no upstream
-    # gradient in practice; give them none here, and then every gradient is exact.
-    dout = torch.randn(b, h, n_q, 32, generator=gen)
-    dout[0, :, 5] = 0
-    out, lse, grads = _check(q, k, v, mask=bias, mask_kind="additive", dout=dout)
+    # Row 5 of batch 0 has its max at finfo.min + O(1): the two-part statistics keep log2 l
+    # beside it, so the backward's P is exact there too (1/Nk: the gradients of eager).
+    out, lse, grads = _check(q, k, v, mask=bias, mask_kind="additive")
     assert (out[0, :, 3] == 0).all()
+    assert lse.shape == (b, h, 2, n_q) and (lse[0, :, 1, 5] - math.log2(n_k)).abs().max() < 1e-5
 
 
 def test_additive_key_padding_low_precision_mask():
@@ -229,6 +247,203 @@ def test_additive_key_padding_low_precision_mask():
     bias[1, ..., :5] = -math.inf
     bias[1, ..., 10:12] = 1.5
     _check(q, k, v, mask=bias, mask_kind="additive", causal="bottom_right")
+
+
+# --- hidden-entry values (fills) ---------------------------------------------------------------
+
+F32_MIN = torch.finfo(torch.float32).min
+
+
+def _near_scores(seed, b, h, n_q, n_k, d, dv, center, spread=0.003):
+    """q, k, v with q.k close to ``center`` (spread ~``spread``): at scale 1000 the scores lie
+    around ``1000 * center``, a few units apart (the adversarial scale of the spec)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.ones(d) / math.sqrt(d)
+    q = 2.0 * u + spread * torch.randn(b, h, n_q, d, generator=gen)
+    k = (center / 2.0) * u + spread * torch.randn(b, h, n_k, d, generator=gen)
+    v = torch.randn(b, h, n_k, dv, generator=gen)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["bool_drop", "bool_keep"])
+def test_mask_fill_wins_over_lower_scores(kind):
+    # scores around -2e4, mask_fill = -1e4: the filled (hidden) entries carry the whole softmax,
+    # so each row is the uniform average of v over its hidden keys (what eager computes for
+    # masked_fill(m, -1e4)); treating them as hidden would give the average over the visible keys.
+    b, h, n_q, n_k = 1, 2, 37, 45
+    q, k, v = _near_scores(41, b, h, n_q, n_k, 32, 24, center=-20.0)
+    gen = torch.Generator().manual_seed(42)
+    drop = torch.rand(b, 1, n_q, n_k, generator=gen) < 0.3
+    drop[..., 0] = True  # every row has a hidden key
+    mask = drop if kind == "bool_drop" else ~drop
+    out, lse, grads = _check(q, k, v, mask=mask, mask_kind=kind, scale=1000.0, mask_fill=-1e4)
+    want = (drop.double() @ v.double()) / drop.sum(-1, keepdim=True)
+    assert _rel(out, want) < 1e-5
+    skip, _ = reference(q, k, v, scale=1000.0, mask=mask, mask_kind=kind)  # the -inf semantics
+    assert _rel(skip, want) > 0.5, "the test must tell a finite fill from hiding"
+    for mode, (dq, dk, dv) in grads.items():
+        # the filled entries are constants and the visible ones get P = 0: no gradient to q, k
+        assert dq.abs().max() < 1e-6 and dk.abs().max() < 1e-6, mode
+
+
+def test_mask_fill_mixes_with_visible_scores():
+    # scores about -1e4 +- a few, mask_fill = -1e4: filled and visible entries share each row
+    b, h, n_q, n_k = 2, 2, 33, 40
+    q, k, v = _near_scores(43, b, h, n_q, n_k, 16, 16, center=-10.0)
+    gen = torch.Generator().manual_seed(44)
+    keep = torch.rand(b, 1, 1, n_k, generator=gen) > 0.4  # key padding, row-broadcast
+    fill = -1e4
+    out, _, _ = _check(q, k, v, mask=keep, mask_kind="bool_keep", scale=1000.0, mask_fill=fill,
+                       causal="bottom_right", tol=5e-3)
+    ref, _ = reference(q, k, v, scale=1000.0, mask=keep, mask_kind="bool_keep", mask_fill=fill, causal="bottom_right")
+    p = torch.softmax((q.double() @ k.double().mT * 1000.0).masked_fill(~keep, fill), -1)
+    row_weight = p.masked_fill(keep, 0).sum(-1)  # the weight the fill carries per row
+    assert row_weight.max() > 0.2, "the fill must carry weight in some rows"
+
+
+@pytest.mark.parametrize("fill", [-3.0, F32_MIN], ids=["fill-3", "finfo_min"])
+def test_fully_filled_rows(fill):
+    # rows and a whole batch whose every key is hidden by a mask with a finite fill: eager gives
+    # the uniform average of v (all scores equal the fill) and its gradients
+    b, h, n_q, n_k = 2, 2, 29, 37
+    q, k, v = _qkv(45, b, h, 1, n_q, n_k, 32, 32)
+    gen = torch.Generator().manual_seed(46)
+    keep = torch.rand(b, h, n_q, n_k, generator=gen) > 0.3
+    keep[0, :, 4] = False
+    keep[1] = False
+    out, lse, grads = _check(q, k, v, mask=keep, mask_kind="bool_keep", mask_fill=fill)
+    mean_v = v.double().mean(2, keepdim=True)
+    assert _rel(out[1], mean_v[1].expand(h, n_q, -1)) < 1e-5
+    assert (lse[1, :, 1] - math.log2(n_k)).abs().max() < 1e-5  # log2 l of a uniform row
+    for mode, (dq, dk, dv) in grads.items():
+        # constant scores everywhere in batch 1: no gradient to q, k; dv = dO averaged
+        assert dq[1].abs().max() < 1e-6 and dk[1].abs().max() < 1e-6, mode
+
+
+def test_neg_inf_fills_are_todays_kernels():
+    # -inf fills (the defaults) render the very same kernels and give the same bits
+    q, k, v = _qkv(47, 1, 2, 2, 37, 29, 32, 32)
+    keep = torch.rand(1, 1, 37, 29, generator=torch.Generator().manual_seed(48)) > 0.3
+    keep[0, 0, 5] = False
+    kw = dict(scale=0.3, causal="bottom_right", mask=keep, mask_kind="bool_keep")
+    a = attention.fwd_kernel(causal="bottom_right", mask_kind="bool_keep", mask_row_broadcast=False, need_lse=True,
+                             interpret=True)
+    b = attention.fwd_kernel(causal="bottom_right", mask_kind="bool_keep", mask_row_broadcast=False, need_lse=True,
+                             interpret=True, mask_fill=-math.inf, causal_fill=-math.inf, causal_fill_mode="add")
+    assert a is b
+    out0, lse0 = attention.forward(q, k, v, **kw)
+    out1, lse1 = attention.forward(q, k, v, mask_fill=-math.inf, causal_fill=-math.inf, causal_fill_mode="add", **kw)
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1) and lse0.shape == (1, 2, 37)
+    # rows with no visible key: 0, never NaN, as before
+    _check(q, k, v, mask_fill=-math.inf, causal_fill=-math.inf, **kw)
+
+
+CAUSAL_FILL_CASES = [
+    # id, Hq, Hkv, Nq, Nk, causal, fill, mode
+    ("replace_q>k_bottom_right", 2, 2, 45, 29, "bottom_right", -2.0, "replace"),
+    ("replace_q<k_top_left_gqa", 4, 2, 29, 50, "top_left", -1.0, "replace"),
+    ("add_q>k_bottom_right_finfo_min", 2, 1, 45, 29, "bottom_right", F32_MIN, "add"),
+    ("add_q<k_top_left", 2, 2, 29, 45, "top_left", -1.5, "add"),
+    ("add_q>k_top_left_gqa", 4, 2, 50, 37, "top_left", -0.5, "add"),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_FILL_CASES, ids=[c[0] for c in CAUSAL_FILL_CASES])
+def test_causal_fill(case):
+    _, hq, hkv, n_q, n_k, causal, fill, mode = case
+    q, k, v = _qkv(CAUSAL_FILL_CASES.index(case) + 50, 2, hq, hkv, n_q, n_k, 32, 24)
+    out, lse, _ = _check(q, k, v, causal=causal, causal_fill=fill, causal_fill_mode=mode, scale=0.5)
+    assert lse.shape == (2, hq, 2, n_q)
+    if n_q > n_k and causal == "bottom_right":
+        # the first Nq - Nk rows have no visible key: every score is the (added) fill
+        rows = out[:, :, : n_q - n_k].double()
+        if mode == "replace" or fill == F32_MIN:  # constant scores (finfo.min swallows s): uniform
+            want = v.double().mean(2, keepdim=True).repeat_interleave(hq // hkv, 1)
+            assert _rel(rows, want.expand_as(rows)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["replace", "add"])
+def test_causal_and_mask_fills_combined(mode):
+    # boolean mask with a finite fill, then the causal fill on top (order: mask, then causal)
+    b, h, n_q, n_k = 2, 2, 40, 33
+    q, k, v = _qkv(56, b, h, 1, n_q, n_k, 16, 32)
+    gen = torch.Generator().manual_seed(57)
+    drop = torch.rand(b, 1, 1, n_k, generator=gen) < 0.3  # row-broadcast padding
+    drop[1] = True  # every key of batch 1 hidden
+    _check(q, k, v, mask=drop, mask_kind="bool_drop", mask_fill=-0.5, causal="bottom_right",
+           causal_fill=F32_MIN if mode == "add" else -4.0, causal_fill_mode=mode)
+
+
+def test_causal_fill_with_additive_mask():
+    # transformers: a padding mask of finfo.min summed with an additive finfo.min causal mask
+    b, h, n_q, n_k = 2, 2, 37, 29
+    q, k, v = _qkv(58, b, h, h, n_q, n_k, 32, 32)
+    pad = torch.zeros(b, 1, 1, n_k)
+    pad[0, ..., 20:] = F32_MIN
+    pad[1] = F32_MIN  # batch 1 fully padded
+    out, lse, _ = _check(q, k, v, mask=pad, mask_kind="additive", causal="bottom_right",
+                         causal_fill=F32_MIN, causal_fill_mode="add")
+    assert not out.isnan().any()
+
+
+def test_fills_fp16_and_needs_grad_subsets():
+    q, k, v = _qkv(59, 1, 4, 2, 45, 37, 32, 32, dtype=torch.float16)
+    keep = torch.rand(1, 4, 45, 37, generator=torch.Generator().manual_seed(60)) > 0.3
+    keep[0, 1, 7] = False
+    kw = dict(mask=keep, mask_kind="bool_keep", mask_fill=-1.0, causal="top_left", causal_fill=-2.0)
+    _check(q, k, v, **kw)
+    for needs in ((True, False, False), (False, True, False), (False, False, True)):
+        _check(q, k, v, needs_grad=needs, modes=("atomic_dq",), **kw)
+
+
+def test_reference_matches_eager_spellings():
+    # the reference's fill semantics are what users write in eager PyTorch (float64 here)
+    g = torch.Generator().manual_seed(61)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64) for n in (23, 31, 31))
+    s = q @ k.mT * 0.4
+    drop = torch.rand(2, 1, 23, 31, generator=g) < 0.4
+    drop[0, 0, 3] = True
+    for fill in (-1e4, -2.0, F32_MIN):
+        eager = torch.softmax(s.masked_fill(drop, fill), -1) @ v
+        ref, _ = reference(q, k, v, scale=0.4, mask=drop, mask_kind="bool_drop", mask_fill=fill)
+        assert _rel(ref, eager) < 1e-12
+        eager = torch.softmax(torch.where(~drop, s, fill), -1) @ v
+        ref, _ = reference(q, k, v, scale=0.4, mask=~drop, mask_kind="bool_keep", mask_fill=fill)
+        assert _rel(ref, eager) < 1e-12
+    # transformers-style additive causal mask (bottom-right, Nq > Nk: rows with no visible key)
+    qq = torch.randn(2, 2, 40, 16, generator=g, dtype=torch.float64)
+    s = qq @ k.mT * 0.4
+    i, j = torch.arange(40)[:, None], torch.arange(31)[None, :]
+    allowed = j <= i + (31 - 40)
+    for fill in (F32_MIN, -3.0):
+        eager = torch.softmax(s + torch.where(allowed, 0.0, fill), -1) @ v
+        ref, _ = reference(qq, k, v, scale=0.4, causal="bottom_right", causal_fill=fill, causal_fill_mode="add")
+        assert _rel(ref, eager) < 1e-12
+        eager = torch.softmax(s.masked_fill(~allowed, fill), -1) @ v
+        ref, _ = reference(qq, k, v, scale=0.4, causal="bottom_right", causal_fill=fill)
+        assert _rel(ref, eager) < 1e-12
+    # gradients: torch.where(m, s, fill) gives no gradient to s where the fill replaces it
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*leaves, scale=0.4, mask=drop, mask_kind="bool_drop", mask_fill=-2.0)
+    got = torch.autograd.grad(ref.sum(), leaves)
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager = torch.softmax((leaves2[0] @ leaves2[1].mT * 0.4).masked_fill(drop, -2.0), -1) @ leaves2[2]
+    want = torch.autograd.grad(eager.sum(), leaves2)
+    assert all(_rel(a, b) < 1e-12 for a, b in zip(got, want))
+
+
+def test_rejects_bad_fills():
+    q, k, v = _qkv(62, 1, 2, 2, 8, 8, 16, 16)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    for kw in (dict(mask=keep, mask_kind="bool_keep", mask_fill=math.nan),
+               dict(mask=keep, mask_kind="bool_keep", mask_fill=math.inf),
+               dict(causal="top_left", causal_fill=math.inf),
+               dict(causal="top_left", causal_fill=-1.0, causal_fill_mode="multiply")):
+        with pytest.raises(ValueError):
+            attention.forward(q, k, v, scale=1.0, **kw)
+    out, lse = attention.forward(q, k, v, scale=1.0, causal="top_left")
+    with pytest.raises(ValueError):  # a single LSE given to a two-part variant's backward
+        attention.backward(torch.randn_like(out), q, k, v, out, lse, scale=1.0, causal="top_left", causal_fill=-1.0)
 
 
 # --- layouts, options ------------------------------------------------------------------------
@@ -372,6 +587,47 @@ def test_kernels_for_renders_every_variant():
     assert "CAUSAL_OFFSET" in k_gpu.source and "BLOCK_M" in k_gpu.source
 
 
+FILL_VARIANTS = [
+    # mask_fill, causal_fill, causal_fill_mode
+    (-1e4, -math.inf, "replace"), (-math.inf, -1e9, "replace"), (-math.inf, -1.0, "add"), (-2.0, -3.0, "add"),
+]
+
+
+def test_kernels_for_renders_fill_variants():
+    names = set()
+    for causal in attention.CAUSAL_MODES:
+        for mask_kind in attention.MASK_KINDS:
+            for mask_fill, causal_fill, mode in FILL_VARIANTS:
+                for bwd_mode in attention.BWD_MODES:
+                    fills = dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=mode)
+                    ks = attention.kernels_for(causal=causal, mask_kind=mask_kind, mask_row_broadcast=False,
+                                               bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True, **fills)
+                    # a fill that does not apply (no boolean mask, no causal) or is -inf changes nothing
+                    mask_fill_on = mask_kind in ("bool_keep", "bool_drop") and mask_fill != -math.inf
+                    causal_fill_on = causal != "none" and causal_fill != -math.inf
+                    plain = attention.kernels_for(causal=causal, mask_kind=mask_kind, mask_row_broadcast=False,
+                                                  bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True)
+                    assert (ks == plain) == (not mask_fill_on and not causal_fill_on)
+                    two_part = attention.two_part_stats(causal=causal, mask_kind=mask_kind, **fills)
+                    assert two_part == (mask_kind == "additive" or mask_fill_on or causal_fill_on)
+                    for kern in ks:
+                        if kern.name not in names:
+                            names.add(kern.name)
+                            compile(kern.source, kern.path, "exec")
+                        src = kern.source
+                        # the fill values are runtime arguments, never baked into the source
+                        assert "1e4" not in src and "10000" not in src and "1e9" not in src
+                        assert ("mask_fill" in src) == mask_fill_on
+                        assert ("causal_fill" in src) == causal_fill_on
+                        assert ("Stats" in src) == two_part and ("LSE" in src.split("import triton.language as tl")[1]) == (not two_part)
+                        if causal_fill_on:  # every key tile is visited: no skipping above the diagonal
+                            assert "launched first" not in src
+                            assert ("hi = N_K" in src) if kern is ks[0] else ("    lo = 0\n" in src)
+                        assert ("DEFER_SCALE" in src) == (kern is ks[0] and not two_part)
+    assert {"attention_fwd_causalfill", "attention_fwd_causaladd_maskkeepfill", "attention_bwd_maskdropfill_atomicdq",
+            "attention_fwd_maskkeepfill"} <= names
+
+
 def test_config_table():
     check_table(attention._FWD_TABLE, attention._BWD_TABLE)
     for key, cands in attention._FWD_CAUSAL_TABLE.items():
@@ -471,6 +727,70 @@ def test_gpu_matches_reference(case):
             assert not g.isnan().any(), f"d{name} NaN ({mode})"
             e = _rel(g, r)
             assert ok(e, base), f"d{name} ({mode}): error {e:.3g} vs sdpa {base:.3g}"
+
+
+GPU_FILL_CASES = [
+    # id, dtype, Nq, Nk, causal, mask spec, mask_fill, causal_fill, mode
+    ("bf16_keypad_fill", torch.bfloat16, 1024, 1024, "none", "keypad", -1e4, -math.inf, "replace"),
+    ("bf16_causal_add_finfo_min_q>k", torch.bfloat16, 1100, 777, "bottom_right", None, -math.inf,
+     torch.finfo(torch.float32).min, "add"),
+    ("fp16_causal_replace_keypad_fill", torch.float16, 777, 1024, "top_left", "keypad", -2.0, -3.0, "replace"),
+    ("bf16_additive_finfo_min_rows", torch.bfloat16, 1024, 900, "none", "padbias", -math.inf, -math.inf, "replace"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_FILL_CASES, ids=[c[0] for c in GPU_FILL_CASES])
+def test_gpu_fills(case):
+    # compiled fill / two-part variants in 16-bit against the float64 reference (fully filled
+    # rows included: keypad hides the last 300 keys of batch 0 and every key of batch 1)
+    _, dtype, n_q, n_k, causal, mask_spec, mask_fill, causal_fill, mode = case
+    dev = torch.device("cuda")
+    b, hq, hkv, d = 2, 8, 2, 128
+    q, k, v = _qkv(111, b, hq, hkv, n_q, n_k, d, d, dtype=dtype, device=dev)
+    mask, mask_kind = None, "none"
+    if mask_spec == "keypad":
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        mask, mask_kind = keep.to(dev), "bool_keep"
+    elif mask_spec == "padbias":
+        bias = torch.zeros(b, 1, 1, n_k)
+        bias[0, ..., n_k - 300:] = torch.finfo(torch.float32).min
+        bias[1] = torch.finfo(torch.float32).min
+        mask, mask_kind = bias.to(dev), "additive"
+    kw = dict(scale=d ** -0.5, causal=causal, mask=mask, mask_kind=mask_kind, mask_fill=mask_fill,
+              causal_fill=causal_fill, causal_fill_mode=mode)
+    gen = torch.Generator().manual_seed(112)
+    dout = _rand(gen, b, hq, n_q, d, dtype=dtype, device=dev)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*leaves, **kw)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, **kw)
+    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
+    for mode_ in BWD_MODES:
+        with launch.poison_outputs():
+            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
+            e = _rel(g, r)
+            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_one_compile_for_every_fill_value():
+    dev = torch.device("cuda")
+    kern = attention.fwd_kernel(causal=True, mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                interpret=False, causal_fill=-1.0, causal_fill_mode="add")
+    fn = launch.kernel_module(kern, False).attention_fwd_kernel
+    compiled_keys(fn)
+    counts = []
+    for fill in (-1.0, -2.5, torch.finfo(torch.float32).min, -1e4):
+        q, k, v = _qkv(113, 1, 2, 2, 300, 257, 64, 64, dtype=torch.bfloat16, device=dev)
+        attention.forward(q, k, v, scale=0.125, causal="bottom_right", causal_fill=fill, causal_fill_mode="add")
+        counts.append(len(compiled_keys(fn)))
+    assert counts[1:] == counts[:1] * 3, f"compiled variants after each fill: {counts}"
 
 
 @pytest.mark.gpu

@@ -1,7 +1,10 @@
 """Property test: the attention kernels equal the float64 reference on random shapes and
-variants (ragged sizes, GQA, Dv != D, causal alignments, masks), forward and backward."""
+variants (ragged sizes, GQA, Dv != D, causal alignments, masks, hidden-entry fills), forward
+and backward."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from _kernel_checks import random_mask, rel_err as _rel
@@ -23,8 +26,14 @@ def problems(draw):
         causal=draw(st.sampled_from(["none", "top_left", "bottom_right"])),
         mask_kind=draw(st.sampled_from(["none", "bool_keep", "bool_drop", "additive"])),
         row_mask=draw(st.booleans()), bwd_mode=draw(st.sampled_from(["two_kernel", "atomic_dq"])),
+        # -inf (hidden) most often; a fill comparable to the scores; finfo(float32).min
+        mask_fill=draw(st.sampled_from(FILLS)), causal_fill=draw(st.sampled_from(FILLS)),
+        causal_fill_mode=draw(st.sampled_from(["replace", "add"])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+FILLS = [-math.inf, -math.inf, -1.5, 0.5, torch.finfo(torch.float32).min]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -35,7 +44,8 @@ def test_kernels_equal_reference(p):
     k = torch.randn(p["b"], p["hkv"], p["nk"], p["d"], generator=g)
     v = torch.randn(p["b"], p["hkv"], p["nk"], p["dv"], generator=g)
     mask = random_mask(p["mask_kind"], (p["b"], 1, 1, p["nk"]), (1, p["hq"], p["nq"], p["nk"]), p["row_mask"], g)
-    kw = dict(scale=0.3, causal=p["causal"], mask=mask, mask_kind=p["mask_kind"])
+    kw = dict(scale=0.3, causal=p["causal"], mask=mask, mask_kind=p["mask_kind"], mask_fill=p["mask_fill"],
+              causal_fill=p["causal_fill"], causal_fill_mode=p["causal_fill_mode"])
     with launch.poison_outputs():
         out, lse = kernels.forward(q, k, v, **kw)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))

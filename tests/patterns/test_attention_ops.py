@@ -10,6 +10,9 @@ import fuser  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.patterns import attention_ops  # noqa: F401
 
 PLAN = "backward=two_kernel;autotune=0"
+NEG_INF = float("-inf")
+HIDE = (NEG_INF, NEG_INF, "replace")  # mask_fill, causal_fill, causal_fill_mode: today's kernels
+F32_MIN = torch.finfo(torch.float32).min
 
 
 def _qkv(strided: bool, hq=4, hkv=2, n=24, d=16, requires_grad=True):
@@ -27,34 +30,66 @@ def _qkv(strided: bool, hq=4, hkv=2, n=24, d=16, requires_grad=True):
     return [t.detach().requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("causal,mask_kind", [("none", "none"), ("top_left", "none"), ("none", "additive"), ("bottom_right", "bool_keep")])
-def test_opcheck_forward(strided, causal, mask_kind):
-    q, k, v = _qkv(strided)
-    mask = None
+def _mask(mask_kind):
+    g = torch.Generator().manual_seed(2)
     if mask_kind == "additive":
-        mask = torch.randn(2, 1, 1, 24)
-    elif mask_kind == "bool_keep":
-        mask = torch.rand(2, 1, 1, 24) > 0.2
-    torch.library.opcheck(torch.ops.fuser.attention.default, (q, k, v, mask, 0.25, causal, mask_kind, True, PLAN))
+        return torch.randn(2, 1, 1, 24, generator=g)
+    if mask_kind in ("bool_keep", "bool_drop"):
+        return torch.rand(2, 1, 1, 24, generator=g) > 0.2
+    return None
+
+
+# (causal, mask_kind, (mask_fill, causal_fill, causal_fill_mode)): today's variants, then the
+# fill variants (two-part statistics [B, H, 2, Nq])
+VARIANTS = [
+    ("none", "none", HIDE), ("top_left", "none", HIDE), ("none", "additive", HIDE), ("bottom_right", "bool_keep", HIDE),
+    ("none", "bool_drop", (-1e4, NEG_INF, "replace")),
+    ("top_left", "none", (NEG_INF, F32_MIN, "add")),
+    ("bottom_right", "bool_keep", (-2.0, -3.0, "replace")),
+]
+VARIANT_IDS = ["none", "causal", "additive", "bool_keep", "maskfill", "causaladd", "maskfill_causalfill"]
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-def test_opcheck_backward(strided):
+@pytest.mark.parametrize("causal,mask_kind,fills", VARIANTS, ids=VARIANT_IDS)
+def test_opcheck_forward(strided, causal, mask_kind, fills):
+    q, k, v = _qkv(strided)
+    args = (q, k, v, _mask(mask_kind), 0.25, causal, mask_kind, True, PLAN, *fills)
+    torch.library.opcheck(torch.ops.fuser.attention.default, args)
+    out, lse = torch.ops.fuser.attention(*args)
+    two_part = mask_kind == "additive" or fills != HIDE
+    assert lse.shape == ((2, 4, 2, 24) if two_part else (2, 4, 24)) and lse.is_contiguous()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("causal,mask_kind,fills", [VARIANTS[1], VARIANTS[2], VARIANTS[6]],
+                         ids=["causal", "additive", "maskfill_causalfill"])
+def test_opcheck_backward(strided, causal, mask_kind, fills):
     q, k, v = _qkv(strided, requires_grad=False)
-    out, lse = torch.ops.fuser.attention(q, k, v, None, 0.25, "top_left", "none", True, PLAN)
+    mask = _mask(mask_kind)
+    out, lse = torch.ops.fuser.attention(q, k, v, mask, 0.25, causal, mask_kind, True, PLAN, *fills)
     dout = torch.randn_like(out)
     if strided:
         dout = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).transpose(1, 2)
     torch.library.opcheck(
         torch.ops.fuser.attention_backward.default,
-        (dout, q, k, v, out, lse, None, 0.25, "top_left", "none", PLAN, [True, True, True]),
+        (dout, q, k, v, out, lse, mask, 0.25, causal, mask_kind, PLAN, [True, True, True], *fills),
     )
+
+
+@pytest.mark.parametrize("fills", [HIDE, (-2.0, -3.0, "add")], ids=["hide", "fills"])
+def test_autograd_through_the_op(fills):
+    # gradients flow to q, k, v only (None for the mask and every non-tensor argument)
+    q, k, v = _qkv(False)
+    mask = _mask("bool_keep")
+    out, _ = torch.ops.fuser.attention(q, k, v, mask, 0.25, "bottom_right", "bool_keep", True, PLAN, *fills)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
 
 
 def test_inference_forward_returns_empty_lse():
     q, k, v = _qkv(False, requires_grad=False)
-    out, lse = torch.ops.fuser.attention(q, k, v, None, 0.25, "none", "none", False, PLAN)
+    out, lse = torch.ops.fuser.attention(q, k, v, None, 0.25, "none", "none", False, PLAN, *HIDE)
     assert lse.numel() == 0 and out.shape == (2, 4, 24, 16)
     # output laid out [B, N, H, D] in memory, so out.transpose(1, 2) is contiguous
     assert out.transpose(1, 2).is_contiguous()
