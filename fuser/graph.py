@@ -240,12 +240,12 @@ def written_args(n: fx.Node) -> list[fx.Node]:
             for i, a in enumerate(t._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     out.append(n.args[i] if i < len(n.args) else n.kwargs.get(a.name))
-        else:
+        elif getattr(t, "__module__", None) not in ("_operator", "operator"):  # operator.and_ is not in place
             name = getattr(t, "__name__", "")
             if name.endswith("_") and not name.startswith("_") and n.args:
                 out.append(n.args[0])
-            if n.kwargs.get("inplace") is True and n.args:
-                out.append(n.args[0])
+        if n.kwargs.get("inplace") is True and n.args and not isinstance(t, torch._ops.OpOverload):
+            out.append(n.args[0])
         o = n.kwargs.get("out")
         out.extend(o if isinstance(o, (list, tuple)) else [o])
     return [x for x in out if isinstance(x, fx.Node)]

@@ -38,7 +38,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .graph import GraphView, val
+from .graph import GraphView, val, written_args
 
 __all__ = ["NotIndexed", "Atom", "MaskPredicate", "Prover", "mask_predicate", "classify", "concrete_predicate", "shape_env_of", "evaluate"]
 
@@ -477,10 +477,12 @@ class _Interpreter:
         self.prover = prover
         self.env: dict[fx.Node, Any] = {}
 
-    def run(self, nodes: list[fx.Node]) -> Any:
+    def run(self, nodes: list[fx.Node], target: fx.Node) -> Any:
         for n in nodes:
+            if written_args(n):
+                raise NotIndexed(f"'{n.name}' writes in place")
             self.env[n] = self.node(n)
-        return self.env[nodes[-1]]
+        return self.env[target]
 
     def arg(self, x: Any) -> Any:
         if isinstance(x, fx.Node):
@@ -920,7 +922,7 @@ def mask_predicate(node: fx.Node, nodes: list[fx.Node], kind: str, view: GraphVi
             mask depends on batch or head indices, or an additive mask's visible entries are
             not exactly 0.
     """
-    av = _Interpreter(view, concrete, Prover(shape_env_of(view))).run(nodes)
+    av = _Interpreter(view, concrete, Prover(shape_env_of(view))).run(nodes, node)
     if kind == "additive":
         if not isinstance(av, Num):
             raise NotIndexed("an additive mask that is not two-valued")

@@ -203,14 +203,31 @@ def _inputs(m: Match, view: GraphView) -> list[fx.Node]:
 def _place(m: Match, view: GraphView) -> Optional[str]:
     """Choose where the replacement goes (``m.insert_before``) so that it reads every input
     as the user's program did: no in-place write to an input's memory may fall between the
-    input's definition and the replacement. Tries just before the root, then just after the
-    last input (in the root's grad mode). Returns None, or the reason to decline."""
-    inputs = [x for x in _inputs(m, view) if view.alias_key(x) is not None]
+    program's read of it (by the region, or by the nodes that feed the region) and the
+    replacement. Tries just before the root, then just after the last input (in the root's
+    grad mode). Returns None, or the reason to decline."""
     order = view.order
+    inputs = _inputs(m, view)
+    # nodes that feed the region: where the program reads an input on the region's behalf
+    feeders: set = set()
+    stack = [a for n in m.region for a in flat_args(n) if isinstance(a, fx.Node)]
+    lowest = min(order[x] for x in inputs) if inputs else 0
+    while stack:
+        n = stack.pop()
+        if n in feeders or n in m.region or order[n] < lowest:
+            continue
+        feeders.add(n)
+        stack.extend(a for a in flat_args(n) if isinstance(a, fx.Node))
+
+    def read_at(x: fx.Node) -> int:
+        uses = [order[u] for u in x.users if u in m.region or u in feeders]
+        return min(uses) if uses else order[x]
+
+    reads = [(x, read_at(x)) for x in inputs if view.alias_key(x) is not None]
 
     def conflict(pos: int):
-        for x in inputs:
-            hits = view.writes_between(view.alias_key(x), order[x], pos, exclude=m.region)
+        for x, at in reads:
+            hits = view.writes_between(view.alias_key(x), at, pos, exclude=m.region)
             if hits:
                 return x, hits[0]
         return None
@@ -219,7 +236,7 @@ def _place(m: Match, view: GraphView) -> Optional[str]:
     c = conflict(root_pos)
     if c is None:
         return None
-    last = max((order[x] for x in _inputs(m, view)), default=-1)
+    last = max((order[x] for x in inputs), default=-1)
     early = view.nodes[last + 1] if last + 1 < len(view.nodes) else None
     if early is not None and order[early] < root_pos and view.grad_enabled[early] == view.grad_enabled[m.root] \
             and conflict(order[early]) is None:

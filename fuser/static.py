@@ -151,23 +151,26 @@ class StaticEvaluator:
         self._slices: dict[fx.Node, StaticSlice | NotStatic] = {}
 
     # ----------------------------------------------------------------------------------
-    def slice(self, node: fx.Node) -> StaticSlice:
-        """The static slice of ``node``; raises :class:`NotStatic` (with the reason) if any of
-        its leaves is data."""
-        hit = self._slices.get(node)
+    def slice(self, node: fx.Node, at: Optional[fx.Node] = None) -> StaticSlice:
+        """The static slice of ``node`` as the node ``at`` reads it (default: as ``node`` is
+        produced): in-place writes to the slice's tensors that come before ``at`` are part of
+        it (``m = zeros(...); m[:, :8] = True``). Raises :class:`NotStatic` (with the reason)
+        if any of its leaves is data, or a tensor of the slice is written through an alias."""
+        key = (node, at)
+        hit = self._slices.get(key)
         if isinstance(hit, NotStatic):
             raise hit
         if hit is not None:
             return hit
         try:
-            result = self._collect(node)
+            result = self._collect(node, at if at is not None else node)
         except NotStatic as exc:
-            self._slices[node] = exc
+            self._slices[key] = exc
             raise
-        self._slices[node] = result
+        self._slices[key] = result
         return result
 
-    def _collect(self, node: fx.Node) -> StaticSlice:
+    def _collect(self, node: fx.Node, at: fx.Node) -> StaticSlice:
         seen: dict[fx.Node, None] = {}
         buffers: list[str] = []
         symbols: set = set()
@@ -221,18 +224,28 @@ class StaticEvaluator:
             for a in flat_args(n):
                 if isinstance(a, fx.Node):
                     stack.append(self.view.operand(a, n))
-            # in-place updates of a node in the slice that precede our node are part of it
+            # in-place updates of a node in the slice that precede the reader are part of it
             for m in self.view.mutations.get(n, ()):
-                if self.view.order[m] < self.view.order[node]:
+                if self.view.order[m] < self.view.order[at]:
                     stack.append(m)
         ordered = sorted(seen, key=lambda x: self.view.order[x])
+        # a write through another view of a slice tensor (``m[:, :8].fill_(1)``) before the
+        # reader changes the value too: not evaluated, the value is then data
+        included = set(ordered)
+        for n in ordered:
+            key = self.view.alias_key(n) if isinstance(val(n), torch.Tensor) else None
+            if key is None:
+                continue
+            for w in self.view.writes_between(key, self.view.order[n], self.view.order[at]):
+                if w not in included:
+                    raise NotStatic(f"'{n.name}' is written in place through another view by '{w.name}'")
         return StaticSlice(ordered, buffers, symbols)
 
     # ----------------------------------------------------------------------------------
-    def evaluate(self, node: fx.Node, assignment: Optional[Mapping] = None) -> Any:
-        """Concrete value of static ``node`` at the example sizes, or under ``assignment``
-        (sympy symbol -> int) for dynamic sizes. Raises :class:`NotStatic`."""
-        sl = self.slice(node)
+    def evaluate(self, node: fx.Node, assignment: Optional[Mapping] = None, at: Optional[fx.Node] = None) -> Any:
+        """Concrete value of static ``node`` as ``at`` reads it (see :meth:`slice`), at the
+        example sizes or under ``assignment`` (sympy symbol -> int). Raises :class:`NotStatic`."""
+        sl = self.slice(node, at)
         env: dict[fx.Node, Any] = {}
 
         def load(a: Any) -> Any:
@@ -288,11 +301,11 @@ class StaticEvaluator:
             obj = getattr(obj, part)
         return obj
 
-    def max_numel(self, node: fx.Node, assignment: Optional[Mapping] = None) -> int:
+    def max_numel(self, node: fx.Node, assignment: Optional[Mapping] = None, at: Optional[fx.Node] = None) -> int:
         """The largest tensor the evaluation of ``node`` would create (elements), from the
         shapes Dynamo recorded, under ``assignment`` for dynamic sizes."""
         most = 0
-        for n in self.slice(node).nodes:
+        for n in self.slice(node, at).nodes:
             v = val(n)
             if isinstance(v, torch.Tensor):
                 most = max(most, int(symint_value(v.numel(), assignment or None)))

@@ -181,7 +181,8 @@ class AttentionPattern(Pattern):
             for k in kernels.kernels_for(
                 causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row_bcast),
                 bwd_mode=bwd_mode, interpret=b["device"].type == "cpu",
-                need_lse=b["need_lse"], training=b["need_lse"],
+                need_lse=b["need_lse"], training=b["need_lse"], mask_fill=b["mask_fill"],
+                causal_fill=b["causal_fill"], causal_fill_mode=b["causal_fill_mode"],
             ):
                 if k not in out:
                     out.append(k)

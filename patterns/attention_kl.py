@@ -104,11 +104,11 @@ class AttentionKLPattern(Pattern):
                 x = r
                 continue
             if rc.op == "masked_fill" and rc.args[0] is x and _is_zero(rc.args[2]):
-                zeroing.append(("bool_drop", rc.args[1]))
+                zeroing.append(("bool_drop", rc.args[1], r))
             elif rc.op == "where" and rc.args[2] is x and _is_zero(rc.args[1]):
-                zeroing.append(("bool_drop", rc.args[0]))
+                zeroing.append(("bool_drop", rc.args[0], r))
             elif rc.op == "where" and rc.args[1] is x and _is_zero(rc.args[2]):
-                zeroing.append(("bool_keep", rc.args[0]))
+                zeroing.append(("bool_keep", rc.args[0], r))
             elif rc.op == "sum" and rc.args[0] is x:
                 dims = rc.attrs["dim"]
                 if dims == (rank - 1,):
@@ -156,8 +156,8 @@ class AttentionKLPattern(Pattern):
         for t in s1.mask_terms:
             if t["kind"] == "additive" and t["scale"]:
                 raise Decline("an additive mask added before the scale (it would differ per side)")
-        for zkind, cond in zeroing:
-            if not _zeroing_matches(zkind, cond, s1, ctx):
+        for zkind, cond, reader in zeroing:
+            if not _zeroing_matches(zkind, cond, s1, ctx, at=reader):
                 raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
 
         # A side under torch.no_grad() (or detached) gets no gradient: Dynamo keeps no_grad
@@ -229,7 +229,7 @@ def _same_masks(s1: Scores, s2: Scores) -> bool:
     return True
 
 
-def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext) -> bool:
+def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext, at=None) -> bool:
     """A ``masked_fill(term, cond, 0)``/``where`` on the KL terms changes nothing when it zeroes
     exactly terms the scores' mask already hides with ``-inf`` (those are 0 in the fused
     result; with a finite fill they carry mass in rows with no visible key)."""
@@ -237,7 +237,7 @@ def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext) -> bool:
         if t["node"] is cond and t["kind"] == kind:
             return t["kind"] == "additive" or t["fill"] == NEG_INF
     try:
-        mc = static_class(cond, kind, s.node, ctx)
+        mc = static_class(cond, kind, s.node, ctx, at=at)
     except NotStatic:
         return False
     return mc.cls == "none" or (mc.cls == s.causal and s.causal_fill == NEG_INF)

@@ -62,7 +62,7 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
     b = m.bindings
     elt = b["in_dtype"].itemsize
     causal = b["causal"]
-    if causal == "none":
+    if causal == "none" or b["causal_fill"] != NEG_INF:  # a finite fill visits every key
         pairs = cm.NQ * cm.NK
     else:
         off = 0 if causal == "top_left" else cm.NK - cm.NQ
@@ -186,6 +186,8 @@ def _sdpa_exact(m: Match) -> bool:
     b = m.bindings
     if b["mask_terms"] or b["in_dtype"] not in (torch.float16, torch.bfloat16):
         return False
+    if b["causal"] != "none" and b["causal_fill"] != NEG_INF:
+        return False  # SDPA's is_causal hides the keys; a finite fill is a value
     subs = _shape_subs(m)
     d, dv = subs[cm.D], subs[cm.DV]
     if d != dv or d % 8 or d > 256:
@@ -211,7 +213,6 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     compute = b["compute_dtype"]
     e = Emitter(graph, rank, compute)
-    _check_fills(b)
     with graph.inserting_before(m.insertion_point):
         dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
         q = e.operand(b["q"], b["q_t"], b["in_dtype"], detach=b["detach_qk"], factors=dyn)
@@ -224,7 +225,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
             op = e.node(
                 "call_function", torch.ops.fuser.attention.default,
                 (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params),
-                 float("-inf"), float("-inf"), "replace"),
+                 b["mask_fill"], b["causal_fill"], b["causal_fill_mode"]),
             )
             out = e.node("call_function", operator.getitem, (op, 0))
         elif impl == "sdpa":
@@ -239,13 +240,3 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
             out = e.node("call_method", "to", (out, b["out_dtype"]))
     return out
 
-
-def _check_fills(b: dict) -> None:
-    """Finite fills need the fill-aware kernels (not wired yet): refuse rather than run -inf
-    semantics on them."""
-    fills = [b.get("causal_fill", NEG_INF), b.get("mask_fill", NEG_INF)]
-    for s in (b.get("s1"), b.get("s2")):
-        if s is not None:
-            fills += [s.causal_fill, s.mask_fill]
-    if any(f != NEG_INF for f in fills):
-        raise NotImplementedError("finite mask fills are not supported by this build's kernels")

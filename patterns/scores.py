@@ -76,7 +76,7 @@ class Decline(Exception):
 # Analysis helpers
 # --------------------------------------------------------------------------------------------
 
-def scalar(x: Any, ctx: MatchContext) -> Any:
+def scalar(x: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> Any:
     """A scale operand: a Python float when its value is known at compile time (a number, or a
     0-dim tensor built in the graph from constants alone), else the node that computes it at
     run time (a symbolic size expression such as ``q.size(-2) ** -0.5``, or a 0-dim tensor
@@ -95,9 +95,9 @@ def scalar(x: Any, ctx: MatchContext) -> Any:
             if not v.is_floating_point():
                 raise Decline(f"the scale '{x.name}' is a {v.dtype} tensor")
             try:
-                sl = ctx.evaluator.slice(x)
+                sl = ctx.evaluator.slice(x, at)
                 if not sl.symbols and not sl.buffers:
-                    return float(ctx.evaluator.evaluate(x))
+                    return float(ctx.evaluator.evaluate(x, at=at))
             except NotStatic:
                 pass
             return x
@@ -105,10 +105,10 @@ def scalar(x: Any, ctx: MatchContext) -> Any:
     raise Decline(f"the scale operand {x!r} is not a number")
 
 
-def fill_value(fill: Any, ctx: MatchContext) -> float:
+def fill_value(fill: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> float:
     """The value a ``masked_fill``/``where`` gives hidden scores: a number known at compile
     time, or Decline."""
-    f = scalar(fill, ctx)
+    f = scalar(fill, ctx, at)
     if not isinstance(f, float):
         raise Decline(f"the fill value '{getattr(fill, 'name', fill)}' is only known at run time")
     return f
@@ -161,12 +161,13 @@ class MaskClass:
     buffers: list
 
 
-def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext) -> MaskClass:
+def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext, at: Optional[fx.Node] = None) -> MaskClass:
     """Classify a mask term computed from sizes and constants alone, for every size the graph
     serves: at the example sizes when it depends on no dynamic size, else symbolically
-    (``fuser/indexmask.py``). Raises NotStatic when the term depends on data, cannot be
-    proven, or is general (then it is loaded as data, computed at run time)."""
-    sl = ctx.evaluator.slice(node)
+    (``fuser/indexmask.py``), as the node ``at`` reads it. Raises NotStatic when the term
+    depends on data, cannot be proven, or is general (then it is loaded as data, computed at
+    run time)."""
+    sl = ctx.evaluator.slice(node, at)
     sshape = shape(scores)
     if sl.symbols:
         try:
@@ -178,10 +179,10 @@ def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext) -
         if cls not in ("none", "top_left", "bottom_right"):
             raise NotStatic(f"a {cls} index mask")
         return MaskClass(cls, mp.hidden_value, sl.buffers)
-    if ctx.evaluator.max_numel(node) > MAX_STATIC_NUMEL:
+    if ctx.evaluator.max_numel(node, at=at) > MAX_STATIC_NUMEL:
         raise NotStatic(f"too large to evaluate at compile time (> {MAX_STATIC_NUMEL} elements)")
     try:
-        value = torch.as_tensor(ctx.evaluator.evaluate(node))
+        value = torch.as_tensor(ctx.evaluator.evaluate(node, at=at))
     except NotStatic:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -226,13 +227,13 @@ def strip_scale(x: Any, view: GraphView, ctx: MatchContext, factors: list) -> An
             return x
         a, b = c.args
         if c.op == "mul" and not is_tensor(b) and is_tensor(a):
-            factors.append((scalar(b, ctx), 1))
+            factors.append((scalar(b, ctx, x), 1))
             x = a
         elif c.op == "mul" and not is_tensor(a) and is_tensor(b):
-            factors.append((scalar(a, ctx), 1))
+            factors.append((scalar(a, ctx, x), 1))
             x = b
         elif c.op == "div" and not is_tensor(b) and is_tensor(a):
-            factors.append((scalar(b, ctx), -1))
+            factors.append((scalar(b, ctx, x), -1))
             x = a
         else:
             return x
@@ -430,28 +431,29 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         if beta != 0 and is_tensor(b[f"bias0{tag}"]):
             if beta != 1:
                 raise Decline(f"baddbmm with beta={beta}: the bias would need rescaling")
-            terms.append(dict(kind="additive", node=b[f"bias0{tag}"], start=0, neg=False, fill=None))
+            terms.append(dict(kind="additive", node=b[f"bias0{tag}"], start=0, neg=False, fill=None, at=qk))
     for label, c, cap in reversed(b[f"steps{tag}"]):  # innermost first
         if label == "scale":
-            score_scales.append((scalar(cap["factor"], ctx), -1 if c.op == "div" else 1))
+            score_scales.append((scalar(cap["factor"], ctx, c.node), -1 if c.op == "div" else 1))
         elif label in ("add", "sub"):
             if not is_tensor(cap["bias"]):
                 continue  # a constant added to every score does not change the softmax
-            terms.append(dict(kind="additive", node=cap["bias"], start=len(score_scales), neg=label == "sub", fill=None))
+            terms.append(dict(kind="additive", node=cap["bias"], start=len(score_scales), neg=label == "sub", fill=None,
+                              at=c.node))
         elif label == "masked_fill":
-            f = round_to(fill_value(cap["fill"], ctx), dtype(c.node))
-            terms.append(dict(kind="bool_drop", node=cap["cond"], start=len(score_scales), neg=False, fill=f))
+            f = round_to(fill_value(cap["fill"], ctx, c.node), dtype(c.node))
+            terms.append(dict(kind="bool_drop", node=cap["cond"], start=len(score_scales), neg=False, fill=f, at=c.node))
         elif label in ("where_keep", "where_drop"):
-            f = round_to(fill_value(cap["fill"], ctx), dtype(c.node))
+            f = round_to(fill_value(cap["fill"], ctx, c.node), dtype(c.node))
             terms.append(dict(kind="bool_keep" if label == "where_keep" else "bool_drop", node=cap["cond"],
-                              start=len(score_scales), neg=False, fill=f))
+                              start=len(score_scales), neg=False, fill=f, at=c.node))
         elif label == "cast" and c.op == "cast" and c.attrs["dtype"] not in FLOATS:
             raise Decline(f"scores cast to {c.attrs['dtype']}")
         elif label == "detach":
             detached = True
     factors = list(score_scales)
     if qk_c.op == "baddbmm" and qk_c.attrs["alpha"] != 1:
-        factors.append((scalar(qk_c.attrs["alpha"], ctx), 1))
+        factors.append((scalar(qk_c.attrs["alpha"], ctx, qk), 1))
 
     # -- operands ---------------------------------------------------------------------
     q = strip_scale(b[f"q{tag}"], view, ctx, factors)
@@ -523,7 +525,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
                               "keep hidden keys hidden")
             t["fill_eff"] = round_to(t["fill"] * factor, out_dtype)
         try:
-            mc = static_class(t["node"], t["kind"], scores, ctx)
+            mc = static_class(t["node"], t["kind"], scores, ctx, at=t["at"])
             buffers += mc.buffers
             cls = mc.cls
         except NotStatic:

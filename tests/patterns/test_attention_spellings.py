@@ -123,7 +123,12 @@ POSITIVE = [
      dict(causal="top_left", scale="0.3")),
     ("causal_bottom_right", _bottom_right, dict(causal="bottom_right")),
     ("causal_top_left_nq_lt_nk", _top_left_short_q, dict(causal="top_left")),
-    ("causal_tril_buffer_where", TrilBuffer(), dict(causal="top_left", assumes_constant=["L_self_buffers_bias_"])),
+    ("causal_tril_buffer_where", TrilBuffer(), dict(causal="top_left", assumes_constant=["bias"],
+                                                      causal_fill=f"{torch.finfo(torch.float32).min:g} (replace)")),
+    # a finite fill is a value: the scores become exactly 0 above the diagonal (issue 8)
+    ("causal_fill_zero", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), 0.0), -1) @ v,
+     dict(causal="top_left", causal_fill="0 (replace)")),
+    ("negative_scale", lambda q, k, v: torch.softmax(q @ k.mT * -1.0, -1) @ v, dict(scale="-1")),
     ("all_true_mask_dropped", lambda q, k, v: (q @ k.mT).masked_fill(torch.zeros(N, N, dtype=torch.bool), float("-inf")).softmax(-1) @ v,
      dict(causal="none", mask="none")),
     ("gqa_repeat_kv", lambda q, k, v: torch.softmax(q @ _rep_kv(k[:, :2], 2).transpose(2, 3), -1) @ _rep_kv(v[:, :2], 2),
@@ -194,9 +199,10 @@ NEGATIVE = [
     ("softmax_other_axis", lambda q, k, v: torch.softmax(q @ k.mT, dim=-2) @ v, "softmax over dim 2"),
     ("dropout_training", lambda q, k, v: F.dropout(torch.softmax(q @ k.mT, -1), p=0.1, training=True) @ v, "dropout"),
     ("scores_used_elsewhere", lambda q, k, v: (lambda s: (torch.softmax(s, -1) @ v, s.sum()))(q @ k.mT), "also used by"),
-    ("masked_fill_zero", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), 0.0), -1) @ v,
-     "changes scores"),
-    ("negative_scale", lambda q, k, v: torch.softmax(q @ k.mT * -1.0, -1) @ v, "positive scale"),
+    ("fill_before_negative_scale", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")) * -1.0, -1) @ v,
+     "positive scale"),
+    ("fill_from_data", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), v.mean()), -1) @ v,
+     "only known at run time"),
     ("mixed_dtypes", lambda q, k, v: torch.softmax(q.double() @ k.double().mT, -1).float() @ v, "dtype"),
 ]
 
