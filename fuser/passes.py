@@ -183,10 +183,60 @@ def apply(
         log.info("fuser: fused %s at %s with plan %s (%s)", m.pattern, m.location, plan.name, reason)
         for k in m.kernels:
             log.info("fuser:   kernel %s: %s", k.name, k.path)
-    if result.matches:
+    guarded = _guard_softmax_axis(gm.graph, view)
+    for r in result.rejected:
+        if r.node in guarded:
+            r.reason += (" (rewritten as a softmax over the last dim of the transposed scores, so that "
+                         "Inductor's attention rewrite, which ignores the axis, does not take it)")
+    if result.matches or guarded:
         gm.graph.lint()
         gm.recompile()
     return result
+
+
+def _guard_softmax_axis(graph: fx.Graph, view: GraphView) -> set:
+    """Rewrite ``softmax(x, d)`` over a dim other than the last, when it feeds a matmul, as
+    ``softmax(x.transpose(d, -1), -1).transpose(d, -1)`` — the same values. Inductor's own
+    attention rewrite (``fuse_attention``, torch 2.11 and 2.13) matches matmul -> softmax ->
+    matmul without checking the softmax's axis and computes it over the last one (an open
+    PyTorch bug: wrong results); the transposes keep that rewrite away. Returns the names of
+    rewritten nodes."""
+    done = set()
+    for n in list(graph.nodes):
+        if n not in view.order:
+            continue
+        c = view.canon(n)
+        if c is None or c.op not in ("softmax", "log_softmax") or n.op not in ("call_function", "call_method"):
+            continue
+        rank = len(val(n).shape) if isinstance(val(n), torch.Tensor) else None
+        if rank is None or rank < 2 or c.attrs["dim"] in (rank - 1, -1):
+            continue
+        if not any(view.op(u) == "matmul" for u in _through_casts(n, view)):
+            continue
+        d = c.attrs["dim"]
+        fn = torch.softmax if c.op == "softmax" else torch.log_softmax
+        kwargs = {"dtype": c.attrs["dtype"]} if c.attrs.get("dtype") is not None else {}
+        with graph.inserting_before(n):
+            t = annotate(graph.call_method("transpose", (c.args[0], d, -1)))
+            sm = annotate(graph.call_function(fn, (t, -1), kwargs))
+            back = annotate(graph.call_method("transpose", (sm, d, -1)))
+        back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+        n.replace_all_uses_with(back)
+        graph.erase_node(n)
+        done.add(n.name)
+    return done
+
+
+def _through_casts(n: fx.Node, view: GraphView) -> list:
+    """The readers of ``n``, looking through casts, contiguous and dropout."""
+    out, stack = [], list(n.users)
+    while stack:
+        u = stack.pop()
+        if view.op(u) in ("cast", "identity", "dropout"):
+            stack.extend(u.users)
+        else:
+            out.append(u)
+    return out
 
 
 def _inputs(m: Match, view: GraphView) -> list[fx.Node]:

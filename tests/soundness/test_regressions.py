@@ -440,3 +440,19 @@ def test_varying_head_dim_does_not_recompile_more_than_inductor():
 
     calls = [_inputs(*[(B, H, N, d)] * 3) for d in (8, 16, 32)]
     assert _count_compiles(f, "fuser", calls, True) == _count_compiles(f, "inductor", calls, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 7: a softmax over another axis is declined, and kept away from Inductor's own rewrite
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [-2, 1, 0])
+def test_softmax_over_another_axis_is_right(dim):
+    """Inductor's attention rewrite takes matmul -> softmax(dim=-2) -> matmul for attention
+    and computes the softmax over the last dim (error 0.6-10 under backend="inductor")."""
+    def f(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.35, dim=dim) @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert not fused(rep)
+    assert any("not over the keys" in r.reason and "Inductor" in r.reason for r in rep.rejected), rep.rejected
