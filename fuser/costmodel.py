@@ -73,6 +73,12 @@ EFFICIENCY = {
     "sdpa.flash.fwd": (0.56, 0.78, 0.74),
     "sdpa.flash.bwd": (0.52, 0.62, 0.45),
     "eager.matmul": (0.70, 0.70, 0.70),
+    # NOT MEASURED (estimates): SDPA with a mask tensor runs the memory-efficient kernel, not
+    # FlashAttention. Taken below fuser's own kernels because issue 7 measured an HF Llama
+    # training step with padding masks 1.31x faster through fuser than through SDPA; replace
+    # with benchmarks/attention.py measurements of SDPA with attn_mask on the H100.
+    "sdpa.efficient.fwd": (0.30, 0.35, 0.20),
+    "sdpa.efficient.bwd": (0.22, 0.26, 0.12),
     # attention-KL (benchmarks/tune_attention_kl.py, H100, N=8192, B=1, H=16, bf16, the tuned
     # tables; 2026-11-21): forward 297 / 369 / 376 TFLOP/s at D=64 / 128 / 256 (causal
     # 264 / 321 / 307); backward counted as the cost terms do (two_kernel frozen 12·D per pair:

@@ -151,6 +151,7 @@ _MAX = _fns("torch.max") | _aten("max")
 _SUM = _fns("torch.sum") | _aten("sum")
 _MEAN = _fns("torch.mean") | _aten("mean")
 _KL_DIV = _fns("F.kl_div", "torch.kl_div") | _aten("kl_div")
+_SDPA = _fns("F.scaled_dot_product_attention") | _aten("scaled_dot_product_attention")
 _MASKED_FILL = _fns("torch.masked_fill") | _aten("masked_fill")
 _WHERE = _fns("torch.where") | _aten("where")
 _DROPOUT = _fns("F.dropout", "torch.dropout") | _aten("dropout")
@@ -498,6 +499,12 @@ class GraphView:
                 return None  # legacy arguments: not worth the semantics table
             reduction = _arg(n, 4, "reduction", "mean")
             return mk("kl_div", (x0, _arg(n, 1, "target")), reduction=reduction, log_target=bool(_arg(n, 5, "log_target", False)))
+        if fn and t in _SDPA:
+            # F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+            # is_causal=False, scale=None, enable_gqa=False)
+            return mk("sdpa", (x0, _arg(n, 1, "key"), _arg(n, 2, "value"), _arg(n, 3, "attn_mask")),
+                      dropout_p=_arg(n, 4, "dropout_p", 0.0), is_causal=_arg(n, 5, "is_causal", False),
+                      scale=_arg(n, 6, "scale"), enable_gqa=_arg(n, 7, "enable_gqa", False))
         if (fn and t in _MASKED_FILL) or (meth and t in ("masked_fill", "masked_fill_")):
             return mk("masked_fill", (x0, _arg(n, 1, "mask"), _arg(n, 2, "value")))
         if fn and t in _WHERE and len(n.args) + len(n.kwargs) >= 3:

@@ -160,9 +160,9 @@ def apply(
         cands = pattern.candidates(m, ctx)
         plan, reason = planner.choose(m, cands, options)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
-        if plan.params.get("impl") == "inductor":
+        if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
             result.matches.append(m)
-            log.info("fuser: %s at %s left to Inductor: %s", m.pattern, m.location, reason)
+            log.info("fuser: %s at %s left as written (%s): %s", m.pattern, m.location, plan.name, reason)
             continue
         before = set(gm.graph.nodes)
         try:

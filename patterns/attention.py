@@ -22,6 +22,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 from .scores import FLOATS, Decline, _same_dims, analyze_scores, describe_mask, describe_scale, softmax_rule, ungroup, within
+from .scores import analyze_sdpa
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
@@ -40,12 +41,17 @@ class AttentionPattern(Pattern):
     def anchors(self, view: GraphView):
         for n in view.graph.nodes:
             op = view.op(n)
-            if op == "softmax" or op == "div":
+            if op in ("softmax", "div", "sdpa"):
                 yield n
 
     # -- match ---------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
         view = ctx.view
+        if view.op(anchor) == "sdpa":
+            try:
+                return self._analyze_sdpa(anchor, ctx)
+            except Decline as exc:
+                return Rejection(self.name, str(exc), location(anchor), anchor.name)
         first_decline: Optional[Rejection] = None
         for b in match(SOFTMAX, anchor, view):
             consumer = self._consumer(anchor, view)
@@ -105,14 +111,34 @@ class AttentionPattern(Pattern):
                 raise Decline(f"P is cast to {c.attrs['dtype']}")
 
         pv_c = view.canon(pv)
-        v = pv_c.args[1]
-        v_t = bool(pv_c.attrs.get("tb"))
+        # softmax(S.detach()) V, or P computed under torch.no_grad(): gradients reach v only
+        # (q and k are detached at emit). Dynamo keeps no_grad blocks as grad-mode switches;
+        # the values it recorded tell whether P carries a gradient.
+        p_last = p_nodes[-1] if p_nodes else anchor
+        detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad
+                                   and (val(sc.q).requires_grad or val(sc.k).requires_grad))
+        region = frozenset(b.region) | frozenset(p_nodes) | {pv}
+        return self._finish(sc, pv_c.args[1], bool(pv_c.attrs.get("tb")), pv, region, detached, ctx,
+                            "hand-written" if sm.op == "div" else "softmax", anchor)
+
+    def _analyze_sdpa(self, node: fx.Node, ctx: MatchContext) -> Match:
+        sc = analyze_sdpa(node, ctx)
+        return self._finish(sc, ctx.view.canon(node).args[2], False, node, frozenset({node}), sc.detached, ctx,
+                            "scaled_dot_product_attention", node)
+
+    def _finish(self, sc, v, v_t: bool, pv: fx.Node, region: frozenset, detached: bool, ctx: MatchContext,
+                softmax: str, anchor: fx.Node) -> Match:
+        """The match for scores ``sc`` feeding ``P V`` at ``pv`` (``v`` transposed if ``v_t``)."""
+        view = ctx.view
+        rank = sc.rank
         if not is_tensor(v):
             raise Decline("v is not a tensor")
         if ndim(v) != rank:
             raise Decline(f"v has rank {ndim(v)}, the scores {rank} (broadcast matmul)")
         q, k, group = sc.q, sc.k, 1
-        if rank == 4 and not v_t and sc.group > 1:
+        if sc.k_ungrouped is sc.k and sc.group > 1:  # SDPA's enable_gqa: k and v come un-repeated
+            group = sc.group
+        elif rank == 4 and not v_t and sc.group > 1:
             v0, gv = ungroup(v, view)
             if gv == sc.group:  # k and v repeated alike: read the un-repeated heads
                 k, v, group = sc.k_ungrouped, v0, gv
@@ -124,22 +150,14 @@ class AttentionPattern(Pattern):
             raise Decline(f"value head dim {dv} is outside 1..256")
         if group == 1 and not _same_dims(tuple(shape(sc.k)[:-2]), tuple(sv[:-2])):
             raise Decline("k and v batch dims differ (broadcasting batched matmul)")
-
-        # softmax(S.detach()) V, or P computed under torch.no_grad(): gradients reach v only
-        # (q and k are detached at emit). Dynamo keeps no_grad blocks as grad-mode switches;
-        # the values it recorded tell whether P carries a gradient.
-        p_last = p_nodes[-1] if p_nodes else anchor
-        detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad
-                                   and (val(q).requires_grad or val(k).requires_grad))
         grad_from = (v,) if detached else (q, k, v)
         need_lse = bool(ctx.grad_enabled and val(pv).requires_grad and any(val(x).requires_grad for x in grad_from))
-        region = frozenset(b.region) | frozenset(p_nodes) | {pv}
         bindings = dict(
             q=q, k=k, v=v, q_t=sc.q_t, k_t=sc.k_t, v_t=v_t, factors=sc.factors, causal=sc.causal,
             causal_fill=sc.causal_fill, causal_fill_mode=sc.causal_fill_mode, mask_fill=sc.mask_fill,
             mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group, rank=rank,
             in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, out_dtype=dtype(pv), need_lse=need_lse,
-            device=sc.device, detach_qk=detached,
+            device=sc.device, detach_qk=detached, sdpa=softmax == "scaled_dot_product_attention",
         )
         summary = {
             "q": q.name, "k": k.name, "v": v.name,
@@ -149,7 +167,7 @@ class AttentionPattern(Pattern):
             "gqa_group": group,
             "dtype": str(sc.in_dtype).replace("torch.", ""),
             "shape": f"q{tuple(sq)} k{tuple(sk)} v{tuple(sv)}",
-            "softmax": "hand-written" if sm.op == "div" else "softmax",
+            "softmax": softmax,
             "training": need_lse,
         }
         if sc.causal != "none" and sc.causal_fill != float("-inf"):

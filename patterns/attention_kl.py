@@ -237,7 +237,7 @@ def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext, at=None) -> 
         if t["node"] is cond and t["kind"] == kind:
             return t["kind"] == "additive" or t["fill"] == NEG_INF
     try:
-        mc = static_class(cond, kind, s.node, ctx, at=at)
+        mc = static_class(cond, kind, tuple(shape(s.node)[-2:]), ctx, at=at)
     except NotStatic:
         return False
     return mc.cls == "none" or (mc.cls == s.causal and s.causal_fill == NEG_INF)

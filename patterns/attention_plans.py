@@ -17,6 +17,9 @@ Candidates:
     Nq = Nk), D = Dv, fp16/bf16.
 ``inductor``
     leave the region to Inductor: scores and P materialised in HBM.
+``sdpa (as written)``
+    for a matched ``F.scaled_dot_product_attention`` call: keep the program's own call
+    (FlashAttention without a mask tensor, the memory-efficient kernel with one).
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
 
 def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: str) -> float:
     d = max(subs[cm.D], subs[cm.DV])
-    eff_f = cm.efficiency("sdpa.flash.fwd" if impl == "sdpa" else "fuser.attention.fwd", d)
-    eff_b = cm.efficiency("sdpa.flash.bwd" if impl == "sdpa" else "fuser.attention.bwd", d)
+    key = {"sdpa": "sdpa.flash", "sdpa_efficient": "sdpa.efficient"}.get(impl, "fuser.attention")
+    eff_f = cm.efficiency(f"{key}.fwd", d)
+    eff_b = cm.efficiency(f"{key}.bwd", d)
     if impl == "inductor":
         return cm.estimate_ms(terms, subs, model, kind, cm.efficiency("eager.matmul", d))
     fwd = {k: terms[k] for k in ("flops", "bytes", "exps", "tiles", "launches") if k in terms}
@@ -154,7 +158,16 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         terms = cost_terms(m, "fuser", "autotune")
         out.append(Candidate("fuser[backward=autotune]", {"impl": "fuser", "autotune": "1", "backward": "autotune"},
                              terms, best * 0.999, "backward mode and tiles timed on the device on first use"))
-    if not interp:
+    if not interp and b.get("sdpa"):
+        # the user's own scaled_dot_product_attention call, left as written
+        flash = _sdpa_exact(m)
+        terms = cost_terms(m, "sdpa", "two_kernel" if training else None)
+        impl = "sdpa" if flash else "sdpa_efficient"
+        out.append(Candidate("sdpa (as written)", {"impl": "sdpa", "keep": True}, terms,
+                             _estimate(terms, subs, model, kind, impl),
+                             "the program's own scaled_dot_product_attention ("
+                             + ("FlashAttention" if flash else "memory-efficient kernel: a mask tensor") + ")"))
+    elif not interp:
         if _sdpa_exact(m):
             terms = cost_terms(m, "sdpa", "two_kernel" if training else None)
             out.append(Candidate("sdpa", {"impl": "sdpa"}, terms, _estimate(terms, subs, model, kind, "sdpa"),

@@ -10,6 +10,7 @@ general), GQA head repeats undone, operand layouts. Every decline carries its re
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Optional
 
@@ -105,6 +106,20 @@ def scalar(x: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> Any:
     raise Decline(f"the scale operand {x!r} is not a number")
 
 
+@dataclasses.dataclass(frozen=True)
+class SizeFactor:
+    """A run-time scale factor ``node.size(dim) ** power`` that has no node in the graph yet
+    (SDPA's default scale ``1/sqrt(E)`` under dynamic shapes); emitted by :class:`Emitter`."""
+
+    node: fx.Node
+    dim: int
+    power: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.name}.size({self.dim})**{self.power:g}"
+
+
 def fill_value(fill: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> float:
     """The value a ``masked_fill``/``where`` gives hidden scores: a number known at compile
     time, or Decline."""
@@ -161,14 +176,14 @@ class MaskClass:
     buffers: list
 
 
-def static_class(node: fx.Node, kind: str, scores: fx.Node, ctx: MatchContext, at: Optional[fx.Node] = None) -> MaskClass:
+def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: Optional[fx.Node] = None) -> MaskClass:
     """Classify a mask term computed from sizes and constants alone, for every size the graph
     serves: at the example sizes when it depends on no dynamic size, else symbolically
     (``fuser/indexmask.py``), as the node ``at`` reads it. Raises NotStatic when the term
     depends on data, cannot be proven, or is general (then it is loaded as data, computed at
     run time)."""
     sl = ctx.evaluator.slice(node, at)
-    sshape = shape(scores)
+    sshape = tuple(sizes)
     if sl.symbols:
         try:
             mp = indexmask.mask_predicate(node, sl.nodes, kind, ctx.view, ctx.evaluator.constant)
@@ -345,7 +360,8 @@ class Scores:
     @property
     def inputs(self) -> list:
         """The graph nodes the fused op reads for these scores."""
-        out = [self.q, self.k, self.k_ungrouped] + [v for v, _ in self.dynamic_factors]
+        out = [self.q, self.k, self.k_ungrouped]
+        out += [v.node if isinstance(v, SizeFactor) else v for v, _ in self.dynamic_factors]
         for t in self.mask_terms:
             out.append(t["node"])
             out += [v for v, _ in t["scale"] if isinstance(v, fx.Node)]
@@ -502,7 +518,35 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     if not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):
         raise Decline("q and k batch dims differ (broadcasting batched matmul)")
 
-    # -- masks ----------------------------------------------------------------------
+    masks = analyze_masks(terms, score_scales, tuple(shape(scores)[-2:]), rank, dtype(scores), ctx)
+    return Scores(
+        node=scores, qk=qk, rank=rank, q=q, k=k, q_t=q_t, k_t=k_t, k_ungrouped=k0, group=group,
+        factors=factors, in_dtype=in_dtype, compute_dtype=compute_dtype, device=dev, detached=detached, **masks,
+    )
+
+
+def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, score_dtype: torch.dtype,
+                  ctx: MatchContext) -> dict:
+    """The mask terms of one score chain as the kernels take them.
+
+    Args:
+        terms: in the user's order (applied first first): dicts with ``kind`` (``"additive"``,
+            ``"bool_keep"``, ``"bool_drop"``), ``node``, ``start`` (how many of
+            ``score_scales`` were applied before it), ``neg`` (subtracted), ``fill`` (for
+            boolean terms: the value hidden scores get, rounded to the scores' dtype) and ``at``
+            (the node that reads the mask).
+        score_scales: the scale factors applied to the scores, innermost first.
+        sizes: ``(Nq, Nk)`` of the scores.
+        rank: the scores' rank.
+        score_dtype: the dtype of the scores the softmax reads.
+
+    Returns:
+        ``Scores`` fields: ``causal``, ``causal_fill``, ``causal_fill_mode``, ``mask_terms``,
+        ``mask_fill``, ``buffers``.
+
+    Raises:
+        Decline: a combination the kernels cannot compute exactly.
+    """
     # A static term (computed from sizes and constants) that hides nothing is dropped; a
     # causal one becomes the kernels' causal structure with its fill; anything else is a
     # tensor the kernel loads tile by tile (several are summed into one additive mask at
@@ -511,7 +555,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     buffers: list = []
     mask_terms: list = []
     seq: list = []  # (role, fill, mode) in the user's order, for the commutation check
-    out_dtype = dtype(scores)
+    out_dtype = score_dtype
     for t in terms:
         later = score_scales[t["start"]:]
         later_static = all(isinstance(v, float) for v, _ in later)
@@ -525,7 +569,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
                               "keep hidden keys hidden")
             t["fill_eff"] = round_to(t["fill"] * factor, out_dtype)
         try:
-            mc = static_class(t["node"], t["kind"], scores, ctx, at=t["at"])
+            mc = static_class(t["node"], t["kind"], sizes, ctx, at=t["at"])
             buffers += mc.buffers
             cls = mc.cls
         except NotStatic:
@@ -576,11 +620,88 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
             if _KERNEL_RANK[first[0]] > _KERNEL_RANK[second[0]] and not _commutes(first, second):
                 raise Decline("masks with finite fills applied in an order the fused kernels do not follow "
                               "(they apply additive masks, then a masked_fill, then the causal mask)")
+    return dict(causal=causal, causal_fill=causal_fill, causal_fill_mode=causal_mode, mask_terms=mask_terms,
+                mask_fill=finite[0]["fill"] if finite else NEG_INF, buffers=buffers)
+
+
+def analyze_sdpa(node: fx.Node, ctx: MatchContext) -> Scores:
+    """The scores of an ``F.scaled_dot_product_attention`` call, as :func:`analyze_scores`
+    gives them for a written-out softmax: ``softmax(scale · Q Kᵀ + attn_mask)`` with SDPA's
+    conventions (a boolean ``attn_mask`` is True where the key is visible, ``is_causal`` is
+    top-left, ``scale=None`` means ``1/sqrt(E)``, ``enable_gqa`` repeats k and v heads).
+    Raises :class:`Decline` with the reason when the call cannot be computed exactly."""
+    view = ctx.view
+    c = view.canon(node)
+    q, k, v, attn_mask = c.args
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not is_tensor(x):
+            raise Decline(f"{name} is not a tensor")
+    p = c.attrs["dropout_p"]
+    if not (isinstance(p, (int, float)) and p == 0):
+        raise Decline(f"scaled_dot_product_attention with dropout_p={p!r}; only 0 is fused")
+    rank = ndim(q)
+    if rank is None or not 2 <= rank <= 4 or ndim(k) != rank or ndim(v) != rank:
+        raise Decline(f"scaled_dot_product_attention on ranks {ndim(q)}, {ndim(k)}, {ndim(v)}; fuser handles 2-D to 4-D")
+    sq, sk = shape(q), shape(k)
+    scale = c.attrs["scale"]
+    if scale is None:
+        e = sq[-1]
+        factors = [(1.0 / math.sqrt(e), 1)] if isinstance(e, int) else [(SizeFactor(q, -1, -0.5), 1)]
+    else:
+        factors = [(scalar(scale, ctx, node), 1)]
+    group, k0 = 1, k
+    if c.attrs["enable_gqa"] is True and rank == 4:
+        hq, hk = sq[1], sk[1]
+        try:
+            multiple = bool(hq % hk == 0)  # guarded when the head counts are symbolic
+        except Exception:  # noqa: BLE001 - unbacked sizes
+            multiple = False
+        if not multiple:
+            raise Decline("enable_gqa with query heads that are not a multiple of the key heads")
+        group = int(symint_value(hq)) // int(symint_value(hk))
+    elif c.attrs["enable_gqa"] not in (False, None):
+        raise Decline(f"enable_gqa={c.attrs['enable_gqa']!r}")
+    elif rank == 4:
+        k0, group = ungroup(k, view)
+    if dtype(q) != dtype(k):
+        raise Decline(f"q and k dtypes differ ({dtype(q)}, {dtype(k)})")
+    in_dtype = dtype(q)
+    if in_dtype not in FLOATS:
+        raise Decline(f"dtype {in_dtype} is not supported (float16, bfloat16, float32)")
+    dev = val(q).device
+    if dev.type == "cpu" and ctx.options.interpret == "off":
+        raise Decline("tensors are on the CPU and the Triton interpreter is off (fuser.interpret=False)")
+    if dev.type not in ("cpu", "cuda"):
+        raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
+    if not within(sq[-1], 1, 256):
+        raise Decline(f"head dim {sq[-1]} is outside 1..256")
+    if group == 1 and k0 is k and not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):
+        raise Decline("q and k batch dims differ (broadcasting)")
+    terms = []
+    if c.attrs["is_causal"] is True:
+        if attn_mask is not None:
+            raise Decline("scaled_dot_product_attention with both attn_mask and is_causal")
+        causal = dict(causal="top_left", causal_fill=NEG_INF, causal_fill_mode="replace", mask_terms=[],
+                      mask_fill=NEG_INF, buffers=[])
+    elif c.attrs["is_causal"] not in (False, None):
+        raise Decline(f"is_causal={c.attrs['is_causal']!r}")
+    else:
+        causal = None
+        if is_tensor(attn_mask):
+            kind = "bool_keep" if dtype(attn_mask) == torch.bool else "additive"
+            terms.append(dict(kind=kind, node=attn_mask, start=len(factors), neg=False,
+                              fill=NEG_INF if kind != "additive" else None, at=node))
+            out_shape = torch.broadcast_shapes(tuple(shape(attn_mask)), tuple(sq[:-1]) + (sk[-2],))
+            if not _same_dims(tuple(out_shape[:-2]), tuple(sq[:-2])):
+                raise Decline(f"attn_mask {tuple(shape(attn_mask))} broadcasts beyond q's batch and heads")
+        elif attn_mask is not None:
+            raise Decline("attn_mask is not a tensor")
+    masks = causal or analyze_masks(terms, factors, (sq[-2], sk[-2]), rank, in_dtype, ctx)
+    detached = bool(ctx.grad_enabled and not val(node).requires_grad
+                    and (val(q).requires_grad or val(k).requires_grad))
     return Scores(
-        node=scores, qk=qk, rank=rank, q=q, k=k, q_t=q_t, k_t=k_t, k_ungrouped=k0, group=group,
-        factors=factors, causal=causal, mask_terms=mask_terms, buffers=buffers, in_dtype=in_dtype,
-        compute_dtype=compute_dtype, device=dev, detached=detached, causal_fill=causal_fill,
-        causal_fill_mode=causal_mode, mask_fill=finite[0]["fill"] if finite else NEG_INF,
+        node=node, qk=node, rank=rank, q=q, k=k, q_t=False, k_t=False, k_ungrouped=k0, group=group,
+        factors=factors, in_dtype=in_dtype, compute_dtype=in_dtype, device=dev, detached=detached, **masks,
     )
 
 
@@ -617,7 +738,7 @@ class Emitter:
         if in_dtype != self.compute_dtype:
             x = self.node("call_method", "to", (x, self.compute_dtype))
         for v, p in factors:
-            x = self.node("call_function", operator.mul if p == 1 else operator.truediv, (x, v))
+            x = self.node("call_function", operator.mul if p == 1 else operator.truediv, (x, self.value(v)))
         if detach:
             x = self.node("call_method", "detach", (x,))
         return x
@@ -639,8 +760,15 @@ class Emitter:
         out: object = static_product(factors)
         for v, p in factors:
             if not isinstance(v, float):
-                out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, v))
+                out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, self.value(v)))
         return out
+
+    def value(self, v: Any) -> Any:
+        """A run-time factor as a graph value (a :class:`SizeFactor` is emitted here)."""
+        if isinstance(v, SizeFactor):
+            size = self.node("call_method", "size", (v.node, v.dim))
+            return self.node("call_function", operator.pow, (size, v.power))
+        return v
 
     def mask(self, terms: list, mask_shape: Optional[tuple]) -> object:
         """The mask operand: the single mask term as it is (scaled/negated when the scores were

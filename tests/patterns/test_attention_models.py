@@ -1,5 +1,6 @@
-"""Hugging Face transformers models built from tiny configs with random weights and eager
-attention (no download): every layer's attention is fused, logits and gradients match eager."""
+"""Hugging Face transformers models built from tiny configs with random weights (no download),
+with eager and with SDPA attention: every layer's attention is fused, logits and gradients
+match eager."""
 
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-def _llama():
+def _llama(attn="eager"):
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn,
     )
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _gpt2():
+def _gpt2(attn="eager"):
     cfg = transformers.GPT2Config(
-        vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager",
+        vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation=attn,
         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(cfg)
@@ -32,11 +33,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("build,gqa", [(_llama, 2), (_gpt2, 1)], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "attention_mask"])
-def test_hf_model_fused_and_matches_eager(build, gqa, with_mask):
+def test_hf_model_fused_and_matches_eager(build, gqa, with_mask, attn):
+    """Both attention implementations: the written-out softmax (eager) and transformers'
+    default, F.scaled_dot_product_attention (sdpa)."""
     torch.manual_seed(0)
-    model = build().train()
+    model = build(attn).train()
     ids = torch.randint(0, 64, (2, 20))
     kw = {"use_cache": False}
     if with_mask:
@@ -52,6 +56,7 @@ def test_hf_model_fused_and_matches_eager(build, gqa, with_mask):
     for m in rep.fused:
         assert m.summary["gqa_group"] == gqa
         assert m.summary["causal"] == ("none" if with_mask else "top_left")
+        assert (m.summary["softmax"] == "scaled_dot_product_attention") == (attn == "sdpa")
     compiled = torch.compile(run, backend="fuser")
     out_f = compiled(model)
     loss_f = out_f.float().logsumexp(-1).mean()
