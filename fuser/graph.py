@@ -174,9 +174,13 @@ _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torc
 
 
 def _einsum_as_matmul(eq: str, a_rank: int, b_rank: int) -> Optional[dict]:
-    """``einsum(eq, A, B)`` as ``matmul(op(A), op(B))`` when it is a batched matmul.
+    """``einsum(eq, A, B)`` as ``matmul(A.permute(pa), B.permute(pb)).permute(po)`` when it
+    is a batched matrix product in any layout (``"bhqd,bhkd->bhqk"``, ``"bnhd,bmhd->bhnm"``,
+    ``"bhnm,bmhd->bnhd"``, ``...`` for leading dims).
 
-    Returns ``{"ta": bool, "tb": bool}`` (transpose the last two dims of A / B first) or None.
+    Returns ``{"pa", "pb", "po"}``: permutations (tuples, None for the identity), or None when
+    the equation is not one contraction between two operands whose other letters are batch
+    letters (in both operands and the output) and one free letter each.
     """
     eq = eq.replace(" ", "")
     if "->" not in eq or eq.count(",") != 1:
@@ -196,21 +200,55 @@ def _einsum_as_matmul(eq: str, a_rank: int, b_rank: int) -> Optional[dict]:
     la, lb = expand(a, a_rank), expand(b, b_rank)
     if la is None or lb is None:
         return None
-    rank_out = max(a_rank, b_rank)
-    lo = expand(out, rank_out) if "..." in out else list(out)
+    lo = expand(out, max(a_rank, b_rank) if "..." in out else len(out))
     if lo is None or len(la) < 2 or len(lb) < 2 or len(lo) < 2:
         return None
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(lo)) != len(lo):
+        return None  # a repeated letter is a diagonal or a trace, not a matmul
     contract = [c for c in la if c in lb and c not in lo]
     if len(contract) != 1:
         return None
     c = contract[0]
-    if la[:-2] != lb[:-2] or la[:-2] != lo[:-2]:
+    batch = [x for x in lo if x in la and x in lb]
+    fa = [x for x in la if x not in lb]
+    fb = [x for x in lb if x not in la]
+    if len(fa) != 1 or len(fb) != 1 or sorted(batch + fa + fb) != sorted(lo):
         return None
-    fa = [x for x in la[-2:] if x != c]
-    fb = [x for x in lb[-2:] if x != c]
-    if len(fa) != 1 or len(fb) != 1 or lo[-2:] != [fa[0], fb[0]]:
+    if sorted(batch + fa + [c]) != sorted(la) or sorted(batch + fb + [c]) != sorted(lb):
         return None
-    return {"ta": la[-1] != c, "tb": lb[-2] != c}
+    pa = tuple(la.index(x) for x in batch) + (la.index(fa[0]), la.index(c))
+    pb = tuple(lb.index(x) for x in batch) + (lb.index(c), lb.index(fb[0]))
+    mat = batch + fa + fb
+    po = tuple(mat.index(x) for x in lo)
+
+    def norm(p):
+        return None if p == tuple(range(len(p))) else p
+
+    return {"pa": norm(pa), "pb": norm(pb), "po": norm(po)}
+
+
+def compose(first: Optional[tuple], then: Optional[tuple]) -> Optional[tuple]:
+    """The permutation ``x.permute(first).permute(then)`` as one (None: the identity)."""
+    if first is None:
+        p = then
+    elif then is None:
+        p = first
+    else:
+        p = tuple(first[i] for i in then)
+    return None if p is None or p == tuple(range(len(p))) else p
+
+
+def swap_last2(rank: int) -> tuple:
+    """The permutation that transposes the last two dims."""
+    p = list(range(rank))
+    p[-1], p[-2] = p[-2], p[-1]
+    return tuple(p)
+
+
+def permuted(sizes: Any, perm: Optional[tuple]) -> tuple:
+    """``sizes`` reordered by ``perm`` (as ``x.permute(perm).shape``)."""
+    sizes = tuple(sizes)
+    return sizes if perm is None else tuple(sizes[i] for i in perm)
 
 
 _INPLACE_OPERATORS = {
@@ -440,7 +478,7 @@ class GraphView:
                     return None
                 return mk(name, (x0,))
         if (fn and t in _MATMUL) or (meth and t in _MATMUL_M):
-            return mk("matmul", (n.args[0], n.args[1]), ta=False, tb=False)
+            return mk("matmul", (n.args[0], n.args[1]), pa=None, pb=None, po=None)
         if fn and t in _EINSUM:
             eq = n.args[0]
             ops = n.args[1:]

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from fuser.graph import GraphView, dtype, is_tensor, location, ndim, shape, val
+from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
 from fuser.matcher import match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 
@@ -87,7 +87,7 @@ class AttentionPattern(Pattern):
                 passed.append(r)
                 x = r
                 continue
-            if c is not None and c.op == "matmul" and c.args[0] is x and not c.attrs.get("ta"):
+            if c is not None and c.op == "matmul" and c.args[0] is x and c.attrs.get("pa") is None:
                 return r, passed
             return None
 
@@ -118,17 +118,19 @@ class AttentionPattern(Pattern):
         detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad
                                    and (val(sc.q).requires_grad or val(sc.k).requires_grad))
         region = frozenset(b.region) | frozenset(p_nodes) | {pv}
-        return self._finish(sc, pv_c.args[1], bool(pv_c.attrs.get("tb")), pv, region, detached, ctx,
-                            "hand-written" if sm.op == "div" else "softmax", anchor)
+        return self._finish(sc, pv_c.args[1], pv_c.attrs.get("pb"), pv, region, detached, ctx,
+                            "hand-written" if sm.op == "div" else "softmax", anchor, out_p=pv_c.attrs.get("po"))
 
     def _analyze_sdpa(self, node: fx.Node, ctx: MatchContext) -> Match:
         sc = analyze_sdpa(node, ctx)
-        return self._finish(sc, ctx.view.canon(node).args[2], False, node, frozenset({node}), sc.detached, ctx,
+        return self._finish(sc, ctx.view.canon(node).args[2], None, node, frozenset({node}), sc.detached, ctx,
                             "scaled_dot_product_attention", node)
 
-    def _finish(self, sc, v, v_t: bool, pv: fx.Node, region: frozenset, detached: bool, ctx: MatchContext,
-                softmax: str, anchor: fx.Node) -> Match:
-        """The match for scores ``sc`` feeding ``P V`` at ``pv`` (``v`` transposed if ``v_t``)."""
+    def _finish(self, sc, v, v_p: Optional[tuple], pv: fx.Node, region: frozenset, detached: bool,
+                ctx: MatchContext, softmax: str, anchor: fx.Node, out_p: Optional[tuple] = None) -> Match:
+        """The match for scores ``sc`` feeding ``P V`` at ``pv``: the kernels take
+        ``v.permute(v_p)`` as ``[..., Nk, Dv]`` and the result is ``out.permute(out_p)``
+        (an ``einsum`` writing ``[B, N, H, D]``)."""
         view = ctx.view
         rank = sc.rank
         if not is_tensor(v):
@@ -138,22 +140,22 @@ class AttentionPattern(Pattern):
         q, k, group = sc.q, sc.k, 1
         if sc.k_ungrouped is sc.k and sc.group > 1:  # SDPA's enable_gqa: k and v come un-repeated
             group = sc.group
-        elif rank == 4 and not v_t and sc.group > 1:
+        elif rank == 4 and v_p is None and sc.group > 1:
             v0, gv = ungroup(v, view)
             if gv == sc.group:  # k and v repeated alike: read the un-repeated heads
                 k, v, group = sc.k_ungrouped, v0, gv
         if dtype(v) != sc.in_dtype:
             raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {sc.in_dtype}, {dtype(v)})")
-        sq, sk, sv = shape(q), shape(k), shape(v)
-        dv = sv[-2] if v_t else sv[-1]
+        sq, sk, sv = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p), permuted(shape(v), v_p)
+        dv = sv[-1]
         if not within(dv, 1, 256):
             raise Decline(f"value head dim {dv} is outside 1..256")
-        if group == 1 and not _same_dims(tuple(shape(sc.k)[:-2]), tuple(sv[:-2])):
+        if group == 1 and not _same_dims(tuple(permuted(shape(sc.k), sc.k_p)[:-2]), tuple(sv[:-2])):
             raise Decline("k and v batch dims differ (broadcasting batched matmul)")
         grad_from = (v,) if detached else (q, k, v)
         need_lse = bool(ctx.grad_enabled and val(pv).requires_grad and any(val(x).requires_grad for x in grad_from))
         bindings = dict(
-            q=q, k=k, v=v, q_t=sc.q_t, k_t=sc.k_t, v_t=v_t, factors=sc.factors, causal=sc.causal,
+            q=q, k=k, v=v, q_p=sc.q_p, k_p=sc.k_p, v_p=v_p, out_p=out_p, factors=sc.factors, causal=sc.causal,
             causal_fill=sc.causal_fill, causal_fill_mode=sc.causal_fill_mode, mask_fill=sc.mask_fill,
             mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group, rank=rank,
             in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, out_dtype=dtype(pv), need_lse=need_lse,

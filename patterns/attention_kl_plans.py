@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from fuser import costmodel as cm
 from fuser.codegen import launch
-from fuser.graph import val
+from fuser.graph import permuted, val
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
@@ -38,21 +38,18 @@ def _subs(m: Match) -> dict:
     b = m.bindings
     s1, s2 = b["s1"], b["s2"]
 
-    def four(x, transposed):
-        s = [int(symint_value(v)) for v in val(x).shape]
-        s = [1] * (4 - len(s)) + s
-        if transposed:
-            s[-1], s[-2] = s[-2], s[-1]
-        return s
+    def four(x, perm):
+        s = [int(symint_value(v)) for v in permuted(val(x).shape, perm)]
+        return [1] * (4 - len(s)) + s
 
-    q1, k1 = four(s1.q, s1.q_t), four(_k(s1), s1.k_t)
-    q2, k2 = four(s2.q, s2.q_t), four(_k(s2), s2.k_t)
+    q1, k1 = four(s1.q, s1.q_p), four(_k(s1), s1.k_p)
+    q2, k2 = four(s2.q, s2.q_p), four(_k(s2), s2.k_p)
     return {cm.B: q1[0], cm.H: q1[1], cm.NQ: q1[2], cm.NK: k1[2], D1: q1[3], D2: q2[3], HKV1: k1[1], HKV2: k2[1]}
 
 
 def _k(s):
     """The k operand the kernels read: the un-repeated heads when GQA was undone."""
-    return s.k_ungrouped if s.group > 1 and not s.k_t else s.k
+    return s.k_ungrouped if s.group > 1 and s.k_p is None else s.k
 
 
 def cost_terms(m: Match, impl: str, split: bool, backward: str | None) -> dict:
@@ -180,10 +177,10 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     e2 = Emitter(graph, rank, s2.compute_dtype)
     _check_fills(b)
     with graph.inserting_before(m.insertion_point):
-        q1 = e1.operand(s1.q, s1.q_t, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
-        k1 = e1.operand(_k(s1), s1.k_t, s1.in_dtype, detach=not b["grad_teacher"])
-        q2 = e2.operand(s2.q, s2.q_t, s2.in_dtype, detach=not b["grad_student"], factors=s2.dynamic_factors)
-        k2 = e2.operand(_k(s2), s2.k_t, s2.in_dtype, detach=not b["grad_student"])
+        q1 = e1.operand(s1.q, s1.q_p, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
+        k1 = e1.operand(_k(s1), s1.k_p, s1.in_dtype, detach=not b["grad_teacher"])
+        q2 = e2.operand(s2.q, s2.q_p, s2.in_dtype, detach=not b["grad_student"], factors=s2.dynamic_factors)
+        k2 = e2.operand(_k(s2), s2.k_p, s2.in_dtype, detach=not b["grad_student"])
         mask = e1.mask(b["mask_terms"], b["mask_shape"])
         op = e1.node(
             "call_function", torch.ops.fuser.attention_kl.default,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fuser import costmodel as cm
 from fuser.codegen import launch
-from fuser.graph import shape, val
+from fuser.graph import permuted, shape, val
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
@@ -47,14 +47,11 @@ def _shape_subs(m: Match) -> dict:
     b = m.bindings
     sq, sk, sv = shape(b["q"]), shape(b["k"]), shape(b["v"])
 
-    def dims(s, transposed):
-        s = [symint_value(x) for x in s]
-        s = [1] * (4 - len(s)) + list(s)
-        if transposed:
-            s[-1], s[-2] = s[-2], s[-1]
-        return s
+    def dims(s, perm):
+        s = [symint_value(x) for x in permuted(s, perm)]
+        return [1] * (4 - len(s)) + list(s)
 
-    q4, k4, v4 = dims(sq, b["q_t"]), dims(sk, b["k_t"]), dims(sv, b["v_t"])
+    q4, k4, v4 = dims(sq, b["q_p"]), dims(sk, b["k_p"]), dims(sv, b["v_p"])
     return {
         cm.B: q4[0], cm.H: q4[1], cm.HKV: k4[1], cm.NQ: q4[2], cm.NK: k4[2], cm.D: q4[3], cm.DV: v4[3],
     }
@@ -207,8 +204,8 @@ def _sdpa_exact(m: Match) -> bool:
         return False
     if b["causal"] == "bottom_right":
         # SDPA's is_causal is top-left: the same only while Nq == Nk, so only for static sizes
-        n_q = shape(b["q"])[-1 if b["q_t"] else -2]
-        n_k = shape(b["k"])[-1 if b["k_t"] else -2]
+        n_q = permuted(shape(b["q"]), b["q_p"])[-2]
+        n_k = permuted(shape(b["k"]), b["k_p"])[-2]
         if not (isinstance(n_q, int) and isinstance(n_k, int) and n_q == n_k):
             return False
     return True
@@ -228,9 +225,9 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     e = Emitter(graph, rank, compute)
     with graph.inserting_before(m.insertion_point):
         dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
-        q = e.operand(b["q"], b["q_t"], b["in_dtype"], detach=b["detach_qk"], factors=dyn)
-        k = e.operand(b["k"], b["k_t"], b["in_dtype"], detach=b["detach_qk"])
-        v = e.operand(b["v"], b["v_t"], b["in_dtype"])
+        q = e.operand(b["q"], b["q_p"], b["in_dtype"], detach=b["detach_qk"], factors=dyn)
+        k = e.operand(b["k"], b["k_p"], b["in_dtype"], detach=b["detach_qk"])
+        v = e.operand(b["v"], b["v_p"], b["in_dtype"])
         scale = e.scale(b["factors"])
         mask = e.mask(b["mask_terms"], b["mask_shape"])
         impl = plan.params["impl"]
@@ -249,6 +246,8 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         else:
             raise ValueError(f"attention plan {plan.name} emits nothing")
         out = e.unrank(out)
+        if b.get("out_p") is not None:  # an einsum that writes [B, N, H, D]
+            out = e.node("call_method", "permute", (out, *b["out_p"]))
         if b["out_dtype"] != compute:
             out = e.node("call_method", "to", (out, b["out_dtype"]))
     return out

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fuser import indexmask
-from fuser.graph import COp, GraphView, dtype, is_tensor, ndim, shape, val, written_args
+from fuser.graph import COp, GraphView, compose, dtype, is_tensor, ndim, permuted, shape, swap_last2, val, written_args
 from fuser.matcher import HOLE, Alt, Bindings, Chain, Op, Rule, Same, Var
 from fuser.pattern import MatchContext
 from fuser.static import NotStatic, symint_value
@@ -225,14 +225,6 @@ def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: 
     return MaskClass(cls, hidden, sl.buffers)
 
 
-def permute_last2(c: Optional[COp]) -> bool:
-    if c is None or c.op != "permute":
-        return False
-    dims = c.attrs["dims"]
-    n = len(dims)
-    return n >= 2 and list(dims) == list(range(n - 2)) + [n - 1, n - 2]
-
-
 def strip_scale(x: Any, view: GraphView, ctx: MatchContext, factors: list) -> Any:
     """Look through ``x * c`` / ``x / c`` / ``c * x`` with scalar c, collecting c. An in-place
     ``x.mul_(c)`` is not looked through: its value is the scaled tensor itself."""
@@ -294,8 +286,10 @@ class Scores:
         node: the scores node the softmax reads (the chain's outermost node).
         qk: the ``Q Kᵀ`` node (``matmul``/``baddbmm``/``einsum``).
         rank: rank of the scores (2 to 4).
-        q, k: the operands as the kernels take them (``[..., N, D]``), before any GQA undoing.
-        q_t, k_t: the operand must be transposed (last two dims) at emit time.
+        q, k: the operands, before any GQA undoing; the kernels take ``q.permute(q_p)`` and
+            ``k.permute(k_p)`` as ``[..., N, D]``.
+        q_p, k_p: those permutations (None for none): ``einsum`` layouts such as
+            ``"bnhd,bmhd->bhnm"``, a ``k`` given as ``Kᵀ``.
         k_ungrouped, group: ``k`` with a GQA repeat undone and the group size (``k``, 1 if none).
         factors: the scale as ``[(value, power)]``: a float known at compile time, or a node
             computed at run time (applied to q in the graph, see :meth:`Emitter.operand`).
@@ -319,8 +313,8 @@ class Scores:
     rank: int
     q: Any
     k: Any
-    q_t: bool
-    k_t: bool
+    q_p: Optional[tuple]
+    k_p: Optional[tuple]
     k_ungrouped: Any
     group: int
     factors: list
@@ -369,8 +363,8 @@ class Scores:
 
     def dims(self) -> tuple:
         """``(Nq, Nk, D)`` (ints or SymInts)."""
-        sq, sk = shape(self.q), shape(self.k)
-        return (sq[-1] if self.q_t else sq[-2], sk[-1] if self.k_t else sk[-2], sq[-2] if self.q_t else sq[-1])
+        sq, sk = permuted(shape(self.q), self.q_p), permuted(shape(self.k), self.k_p)
+        return sq[-2], sk[-2], sq[-1]
 
 
 def static_product(factors: list) -> float:
@@ -474,14 +468,17 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     # -- operands ---------------------------------------------------------------------
     q = strip_scale(b[f"q{tag}"], view, ctx, factors)
     kt = strip_scale(b[f"kT{tag}"], view, ctx, factors)
-    q_t = bool(qk_c.attrs.get("ta"))
-    if qk_c.attrs.get("tb"):
-        k, k_t = kt, False
-    elif permute_last2(view.canon(kt)):
-        k, k_t = view.canon(kt).args[0], False
+    if qk_c.attrs.get("po") is not None:
+        raise Decline("the Q Kᵀ einsum writes the scores in another layout than [..., queries, keys]")
+    q_p = qk_c.attrs.get("pa")
+    # the kernel's k is [..., Nk, D]: the matmul's right operand [..., D, Nk] transposed
+    k_p = compose(qk_c.attrs.get("pb"), swap_last2(ndim(kt))) if ndim(kt) is not None else None
+    kc = view.canon(kt)
+    if kc is not None and kc.op == "permute" and not written_args(kt):
+        k, k_p = kc.args[0], compose(tuple(kc.attrs["dims"]), k_p)  # look through Kᵀ = k.transpose(...)
         k = strip_scale(k, view, ctx, factors)
     else:
-        k, k_t = kt, True  # k = kT.transpose(-2, -1), inserted at emit
+        k = kt
     for name, x in (("q", q), ("k", k)):
         if not is_tensor(x):
             raise Decline(f"{name} is not a tensor")
@@ -493,7 +490,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         )
     if not (ndim(q) == ndim(k) == rank):
         raise Decline(f"q, k ranks {ndim(q)}, {ndim(k)} differ from the scores' rank {rank} (broadcast matmul)")
-    k0, group = (ungroup(k, view) if rank == 4 and not k_t else (k, 1))
+    k0, group = (ungroup(k, view) if rank == 4 and k_p is None else (k, 1))
     # scores computed under torch.no_grad() (a frozen teacher, say): Dynamo keeps only the
     # grad-mode switches, so read it off the values; the fused op sits where grad is on again
     if ctx.grad_enabled and not val(scores).requires_grad and (val(q).requires_grad or val(k).requires_grad):
@@ -511,8 +508,8 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
         raise Decline("tensors are on the CPU and the Triton interpreter is off (fuser.interpret=False)")
     if dev.type not in ("cpu", "cuda"):
         raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
-    sq, sk = shape(q), shape(k)
-    d = sq[-2] if q_t else sq[-1]
+    sq, sk = permuted(shape(q), q_p), permuted(shape(k), k_p)
+    d = sq[-1]
     if not within(d, 1, 256):
         raise Decline(f"head dim {d} is outside 1..256")
     if not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):
@@ -520,7 +517,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
 
     masks = analyze_masks(terms, score_scales, tuple(shape(scores)[-2:]), rank, dtype(scores), ctx)
     return Scores(
-        node=scores, qk=qk, rank=rank, q=q, k=k, q_t=q_t, k_t=k_t, k_ungrouped=k0, group=group,
+        node=scores, qk=qk, rank=rank, q=q, k=k, q_p=q_p, k_p=k_p, k_ungrouped=k0, group=group,
         factors=factors, in_dtype=in_dtype, compute_dtype=compute_dtype, device=dev, detached=detached, **masks,
     )
 
@@ -700,7 +697,7 @@ def analyze_sdpa(node: fx.Node, ctx: MatchContext) -> Scores:
     detached = bool(ctx.grad_enabled and not val(node).requires_grad
                     and (val(q).requires_grad or val(k).requires_grad))
     return Scores(
-        node=node, qk=node, rank=rank, q=q, k=k, q_t=False, k_t=False, k_ungrouped=k0, group=group,
+        node=node, qk=node, rank=rank, q=q, k=k, q_p=None, k_p=None, k_ungrouped=k0, group=group,
         factors=factors, in_dtype=in_dtype, compute_dtype=in_dtype, device=dev, detached=detached, **masks,
     )
 
@@ -726,13 +723,13 @@ class Emitter:
 
         return annotate(self.graph.create_node(kind, target, args, kwargs or {}))
 
-    def operand(self, x, transposed: bool, in_dtype: torch.dtype, detach: bool = False, factors: list = ()):
-        """``x`` as ``[B, H, N, D]``: multiplied by the run-time scale ``factors`` (``[(node,
+    def operand(self, x, perm: Optional[tuple], in_dtype: torch.dtype, detach: bool = False, factors: list = ()):
+        """``x`` as ``[B, H, N, D]``: permuted by ``perm`` (a view: the kernels take strides),
+        given leading unit dims, cast, multiplied by the run-time scale ``factors`` (``[(node,
         power)]``: symbolic sizes or 0-dim tensors, so that no value is baked into the kernel
-        and gradients reach a learned temperature), detached, transposed back, given leading
-        unit dims, cast."""
-        if transposed:
-            x = self.node("call_method", "transpose", (x, -2, -1))
+        and gradients reach a learned temperature), detached."""
+        if perm is not None:
+            x = self.node("call_method", "permute", (x, *perm))
         for _ in range(4 - self.rank):
             x = self.node("call_method", "unsqueeze", (x, 0))
         if in_dtype != self.compute_dtype:

@@ -240,3 +240,12 @@ def test_detached_scores_give_gradients_to_v_only():
     want = torch.autograd.grad(ref, ref_in, g, allow_unused=True)
     assert got[0] is None and got[1] is None and want[0] is None
     assert _rel(got[2], want[2]) < 1e-4
+
+
+def test_einsum_on_bnhd_operands_writing_bnhd():
+    """Issue 7: einsum on [B, N, H, D] operands (and a P V einsum writing [B, N, H, D])."""
+    def fn(q, k, v):
+        s = torch.einsum("bnhd,bmhd->bhnm", q, k) * 0.3
+        return torch.einsum("bhnm,bmhd->bnhd", s.softmax(-1), v)
+
+    _check(fn, _inputs((2, 13, 3, 8), (2, 13, 3, 8)))

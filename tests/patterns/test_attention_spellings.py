@@ -83,6 +83,17 @@ def _baddbmm(q, k, v):
     return torch.bmm(s.softmax(-1), v3)
 
 
+def _einsum_bnhd(q, k, v):
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))  # [B, N, H, D] tensors
+    return torch.einsum("bhqk,bkhd->bqhd", torch.einsum("bqhd,bkhd->bhqk", qb, kb).mul(0.3).softmax(-1), vb)
+
+
+def _einsum_bnhd_letters(q, k, v):
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
+    s = torch.einsum("bnhd,bmhd->bhnm", qb, kb) * 0.3
+    return torch.einsum("bhnm,bmhd->bnhd", s.softmax(-1), vb)
+
+
 def _bnhd(q, k, v):
     qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))  # [B, N, H, D] tensors
     o = torch.softmax(qb.transpose(1, 2) @ kb.transpose(1, 2).transpose(-1, -2) * 0.3, -1) @ vb.transpose(1, 2)
@@ -101,6 +112,8 @@ POSITIVE = [
     ("baddbmm_alpha", _baddbmm, dict(scale="0.25", mask="none")),
     ("einsum", lambda q, k, v: torch.einsum("bhqk,bhkd->bhqd", torch.einsum("bhqd,bhkd->bhqk", q * 0.25, k).softmax(-1), v),
      dict(scale="0.25")),
+    ("einsum_bnhd", _einsum_bnhd, dict(scale="0.3")),
+    ("einsum_bnhd_letters", _einsum_bnhd_letters, dict(scale="0.3")),
     ("softmax_method", lambda q, k, v: (q @ k.mT).softmax(dim=-1) @ v, dict(softmax="softmax")),
     ("torch_softmax_fp32_to", lambda q, k, v: torch.softmax(q.half() @ k.half().mT, -1, dtype=torch.float32).to(torch.float16) @ v.half(),
      dict(dtype="float16")),
