@@ -9,6 +9,7 @@ Public API:
     FuserOptionError                                   raised for bad ``fuser.*`` options
     FuserWarning                                       what fuser says once (regions left unfused)
     fuser.testing                                      pytest helpers for pattern rewrites
+    fuser.names                                        readable names of graph nodes (reports)
 """
 
 import logging as _logging
