@@ -98,6 +98,23 @@ class FuserOptionError(ValueError, _ShortenTraceback):
         # PyTorch") to the args of exceptions passing through it; the option's message is ours.
         return self.message
 
+    def remove_dynamo_frames(self) -> "FuserOptionError":
+        """The traceback from ``first_useful_frame`` on (the backend sets it to its own frame),
+        as Dynamo's ShortenTraceback does; unchanged where that frame is not in it or under
+        ``TORCHDYNAMO_VERBOSE=1``."""
+        tb, frame = self.__traceback__, self.first_useful_frame
+        try:
+            from torch._dynamo import config as dynamo_config
+
+            verbose = bool(getattr(dynamo_config, "verbose", False))
+        except Exception:  # pragma: no cover
+            verbose = True
+        if frame is None or tb is None or verbose:
+            return self
+        while tb is not None and tb.tb_frame is not frame:
+            tb = tb.tb_next
+        return self.with_traceback(tb) if tb is not None else self
+
 
 class FuserWarning(UserWarning):
     """What fuser tells the user once: a region left unfused for a reason they can change."""

@@ -89,6 +89,7 @@ class Report:
 
     @property
     def kernels(self) -> list[KernelInfo]:
+        """The kernels the matches run (:class:`KernelInfo`), each once, in order of use."""
         seen: dict[str, KernelInfo] = {}
         for m in self.matches:
             for k in m.kernels:

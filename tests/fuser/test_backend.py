@@ -156,6 +156,7 @@ def test_option_errors_reach_the_user_as_themselves(options, message):
     assert type(info.value) is fuser.FuserOptionError and isinstance(info.value, ValueError)
     assert "PyTorch" not in str(info.value)  # not Dynamo's "please report this to PyTorch"
     assert info.traceback[-1].path.name in ("options.py", "planner.py")
+    assert not any(e.path.name == "output_graph.py" for e in info.traceback)  # Dynamo's frames cut
 
 
 def test_explain_checks_options_before_compiling():
