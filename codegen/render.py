@@ -7,12 +7,15 @@ from there: ``@triton.jit`` reads a kernel's source through ``inspect``, so the 
 live in a real file.
 
 Cache directory: ``$FUSER_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fuser`` (default
-``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. With
+``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. Inside
+:func:`exporting_to` (the backend wraps each compile with ``fuser.debug_dir``), or with
 ``$FUSER_DEBUG_DIR`` set, every rendered kernel is also copied there under the same name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import importlib.util
@@ -23,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import jinja2
 
@@ -43,6 +46,20 @@ _env = jinja2.Environment(
 _lock = threading.Lock()
 _rendered: dict[str, "RenderedKernel"] = {}
 _modules: dict[str, ModuleType] = {}
+# the debug directory of the compile in progress (``fuser.debug_dir``); never process-wide
+_debug_dir: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fuser_debug_dir", default=None)
+
+
+@contextlib.contextmanager
+def exporting_to(debug_dir: Optional[str]) -> Iterator[None]:
+    """Inside the block, every kernel :func:`render` returns is also copied to ``debug_dir``
+    (None: only ``$FUSER_DEBUG_DIR``, if set). Scoped to the block and the current context,
+    so one compile's ``fuser.debug_dir`` never reaches another's."""
+    token = _debug_dir.set(debug_dir)
+    try:
+        yield
+    finally:
+        _debug_dir.reset(token)
 
 
 def cache_dir() -> Path:
@@ -76,6 +93,9 @@ class RenderedKernel:
     source: str
     path: str
     digest: str
+
+    def __repr__(self) -> str:  # without the source and parameters (kilobytes)
+        return f"<RenderedKernel {self.name} at {self.path}>"
 
     @property
     def module(self) -> ModuleType:
@@ -136,11 +156,12 @@ def render(template: str, name: str, **params: Any) -> RenderedKernel:
 
 
 def _export_debug(kernel: RenderedKernel) -> None:
-    """Copy the kernel's source to ``$FUSER_DEBUG_DIR`` (read at every call, so setting the
-    variable later still exports kernels rendered before)."""
-    debug_dir = os.environ.get("FUSER_DEBUG_DIR")
-    if debug_dir:
-        target = Path(debug_dir) / Path(kernel.path).name
+    """Copy the kernel's source to the :func:`exporting_to` directory and to
+    ``$FUSER_DEBUG_DIR`` (both read at every call, so kernels rendered before are exported
+    too)."""
+    dirs = {d for d in (_debug_dir.get(), os.environ.get("FUSER_DEBUG_DIR")) if d}
+    for debug_dir in sorted(dirs):
+        target = Path(debug_dir).expanduser() / Path(kernel.path).name
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(target, kernel.source)

@@ -3,6 +3,9 @@ frozen teacher (MiniLM-style), trained with ``torch.compile(..., backend="fuser"
 
     python examples/distill.py
 
+Without a GPU it runs fuser's kernels in Triton's interpreter on the CPU
+(``options={"fuser.interpret": True}``; slow, exact).
+
 The loss is cross-entropy plus ``KL(P_teacher ‖ P_student)`` between the two models' causal
 attention distributions, written the natural way (``F.kl_div`` of two ``log_softmax`` es with
 ``finfo.min`` masking). fuser fuses each model's attention and the attention-KL term: the KL
@@ -52,10 +55,13 @@ def make_step(teacher, student):
 def main() -> None:
     torch.manual_seed(0)
     if torch.cuda.is_available():
-        device, dtype, seq = "cuda", torch.bfloat16, 1024
+        device, dtype, seq, options = "cuda", torch.bfloat16, 1024, None
     else:
         device, dtype, seq = "cpu", torch.float32, 48
-        print("No GPU found: fuser runs its Triton kernels in Triton's interpreter on the CPU (slow but exact).")
+        options = {"fuser.interpret": True}
+        print("No GPU found: asking fuser to run its Triton kernels in Triton's interpreter on the CPU "
+              "(options={'fuser.interpret': True}; slow but exact; without it, regions on CPU tensors are "
+              "left to Inductor).")
     teacher = TinyGPT(vocab=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, max_seq=seq).to(device, dtype).eval()
     student = TinyGPT(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq=seq).to(device, dtype)
     for p in teacher.parameters():
@@ -64,9 +70,9 @@ def main() -> None:
     target = torch.randint(0, 256, (2, seq), device=device)
     step = make_step(teacher, student)
 
-    report = fuser.explain(step, idx, target)
+    report = fuser.explain(step, idx, target, options=options)
     print(report)
-    compiled = torch.compile(step, backend="fuser")
+    compiled = torch.compile(step, backend="fuser", options=options)
 
     def grads(fn):
         student.zero_grad(set_to_none=True)

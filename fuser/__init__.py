@@ -7,7 +7,9 @@ Public API:
     rewrite(gm, example_inputs=None, ...)              apply the pass to an FX graph (tests)
     fuser_backend                                      the backend function itself
     FuserOptionError                                   raised for bad ``fuser.*`` options
+    FuserWarning                                       what fuser says once (regions left unfused)
     fuser.testing                                      pytest helpers for pattern rewrites
+    fuser.names                                        readable names of graph nodes (reports)
 """
 
 import logging as _logging
@@ -22,10 +24,10 @@ if not _os.path.isdir(_os.path.join(_here, "codegen")):
 
 from .backend import fuser_backend, register as _register  # noqa: E402
 from .report import Report, explain  # noqa: E402
-from .options import FuserOptionError  # noqa: E402
+from .options import FuserOptionError, FuserWarning  # noqa: E402
 from .testing import rewrite  # noqa: E402
 
-__all__ = ["explain", "rewrite", "fuser_backend", "Report", "FuserOptionError"]
+__all__ = ["explain", "rewrite", "fuser_backend", "Report", "FuserOptionError", "FuserWarning"]
 __version__ = "0.1.0"
 
 _logging.getLogger("fuser").addHandler(_logging.NullHandler())

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
+import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -20,11 +23,14 @@ import torch.fx as fx
 
 from . import options as options_mod
 from . import passes
-from .report import record
+from .options import FuserOptionError, FuserWarning
+from .report import next_graph_index, record
 
 log = logging.getLogger("fuser")
 
-_counter = {"graphs": 0}
+# What has been said once in this process (see _tell): "cpu", and internal-error messages.
+_said: set[str] = set()
+_said_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,27 +102,71 @@ def fuser_backend(
         The compiled callable from ``torch._inductor.compile_fx.compile_fx``.
 
     Raises:
-        fuser.options.FuserOptionError: an unknown ``fuser.*`` option or a bad value.
+        fuser.options.FuserOptionError: an unknown ``fuser.*`` option or a bad value, or a
+            ``fuser.plan`` value a match does not offer. Dynamo lets it through as itself (it
+            is a ``torch._dynamo.exc.ShortenTraceback``); a torch that wraps it all the same
+            raises ``torch._dynamo.exc.BackendCompilerFailed`` with it as ``inner_exception``.
+
+    Warns:
+        fuser.options.FuserWarning: once per process when regions on CPU tensors were left to
+            Inductor because Triton's interpreter was not asked for, and once per distinct
+            internal error that left a region unfused.
     """
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    opts, inductor_opts = options_mod.resolve(options, mode)
+    from .codegen import render
+
+    try:
+        opts, inductor_opts = options_mod.resolve(options, mode)
+        index = next_graph_index()
+        with render.exporting_to(opts.debug_dir):
+            result = passes.apply(gm, example_inputs, opts, grad_enabled=torch.is_grad_enabled(), graph_index=index)
+    except FuserOptionError as exc:
+        # Dynamo passes a ShortenTraceback through unchanged and cuts the traceback to start here
+        exc.first_useful_frame = inspect.currentframe()
+        raise
+    _tell(result, opts)
+    record(result, opts)
     patches: dict[str, Any] = {}
     if mode is not None:
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(inductor_opts)
-    if opts.debug_dir:
-        import os
-
-        os.environ["FUSER_DEBUG_DIR"] = opts.debug_dir
-    index = _counter["graphs"]
-    _counter["graphs"] += 1
-    result = passes.apply(gm, example_inputs, opts, grad_enabled=torch.is_grad_enabled(), graph_index=index)
-    record(result)
     existing = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = _cache_key_pass(existing)
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _say_once(key: str, message: str) -> None:
+    with _said_lock:
+        if key in _said:
+            return
+        _said.add(key)
+    warnings.warn(message, FuserWarning, stacklevel=2)
+
+
+def _tell(result: Any, opts: options_mod.Options) -> None:
+    """Warn (once per process, per message) about regions left unfused for a reason the user
+    would want to know: CPU tensors without the interpreter (only under the default
+    ``fuser.interpret="auto"``: whoever set it to False asked for this), and internal errors
+    while matching or emitting a kernel (e.g. an unwritable kernel cache)."""
+    cpu = [r for r in result.rejected if opts.cpu_decline in r.reason]
+    if cpu and opts.interpret == "auto":
+        where = ", ".join(sorted({r.location for r in cpu})[:3])
+        _say_once("cpu", (
+            f"fuser: {len(cpu)} region(s) on CPU tensors ({where}) were left to Inductor: fuser's Triton "
+            "kernels run on CPU tensors only in Triton's interpreter, which is slow (seconds per call; "
+            "meant for trying fuser out and for tests). To fuse them anyway, pass "
+            "options={'fuser.interpret': True} to torch.compile, or set FUSER_INTERPRET=1 (or "
+            "TRITON_INTERPRET=1). Said once per process."
+        ))
+    for r in result.rejected:
+        if r.reason.startswith("internal error"):
+            _say_once(f"internal:{r.pattern}:{r.reason}", (
+                f"fuser: {r.pattern} at {r.location} was not fused because of an internal error and "
+                f"runs as Inductor compiles it: {r.reason}. TORCH_LOGS=+fuser shows details; please "
+                "report it if the cause is not in your setup (e.g. an unwritable FUSER_CACHE_DIR)."
+            ))
 
 
 def register() -> None:

@@ -41,6 +41,12 @@ class Candidate:
     note: str = ""
     deterministic: bool = True
 
+    def __str__(self) -> str:
+        return f"{self.name} (est. {self.estimate_ms:.3g} ms)"
+
+    def __repr__(self) -> str:  # the cost terms are pages of sympy: left out
+        return f"<Candidate {self}>"
+
 
 @dataclasses.dataclass
 class Match:
@@ -92,6 +98,10 @@ class Match:
         """True when the plan replaces the region with fuser's kernels."""
         return self.plan is not None and self.plan.params.get("impl") == "fuser"
 
+    def __repr__(self) -> str:  # the region, bindings and kernels (with their source) left out
+        plan = self.plan.name if self.plan is not None else "not planned"
+        return f"<Match {self.pattern} at {self.location} (graph {self.graph_index}), plan {plan}>"
+
 
 @dataclasses.dataclass
 class Rejection:
@@ -102,6 +112,10 @@ class Rejection:
     location: str
     node: str
     graph_index: int = 0
+
+    def __repr__(self) -> str:
+        reason = self.reason if len(self.reason) <= 160 else self.reason[:157] + "..."
+        return f"<Rejection {self.pattern} at {self.location} (graph {self.graph_index}): {reason}>"
 
 
 @dataclasses.dataclass

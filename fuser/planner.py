@@ -46,7 +46,7 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
         if str(value) not in offered:
             raise FuserOptionError(
                 f"fuser.plan forces {key}={value}, but {match.pattern} at {match.location} offers "
-                f"{choice} in {offered}"
+                f"{choice} in {offered}{_why_not_offered(match, choice, str(value), key)}"
             )
         if strict and not any(c.deterministic for c in relevant if str(c.params[choice]) == str(value)):
             message = (f"fuser.plan forces {key}={value} for {match.pattern} at {match.location}, which is "
@@ -77,3 +77,23 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
         f"lowest estimated time: {best.estimate_ms:.3g} ms vs {runner_up.estimate_ms:.3g} ms "
         f"for {runner_up.name}{note}"
     )
+
+
+def _why_not_offered(match: Match, choice: str, value: str, key: str) -> str:
+    """Why a valid ``fuser.plan`` value is not among a match's candidates, when known: the
+    text to append to the error ("" when there is nothing to add)."""
+    from .report import match_device
+
+    if choice == "impl" and value in ("sdpa", "inductor"):
+        dev = match_device(match)
+        if dev is not None and dev.type == "cpu":
+            return (f": Inductor and SDPA plans exist only on CUDA; these tensors are on the CPU, where "
+                    f"fuser's kernels run in Triton's interpreter. Drop {key} from fuser.plan, or leave "
+                    "CPU regions to Inductor with fuser.interpret=False")
+        if value == "sdpa" and dev is not None and dev.type == "cuda":
+            return (": SDPA is offered only where it computes exactly the same thing (no mask tensor, "
+                    "causal top-left, D = Dv, fp16/bf16)")
+        return " (Inductor and SDPA plans exist only on CUDA)"
+    if choice == "backward" and value == "autotune":
+        return ": backward=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
+    return ""

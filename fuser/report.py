@@ -7,11 +7,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
+import textwrap
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 _session: contextvars.ContextVar[Optional["Report"]] = contextvars.ContextVar("fuser_session", default=None)
+_process_graphs = itertools.count()  # graph numbers outside any report (log messages only)
+
+#: Said under a match whose tensors are on the CPU (its kernels run in Triton's interpreter).
+CPU_ESTIMATES_NOTE = (
+    "tensors on the CPU: the kernels run in Triton's interpreter; the estimates are the cost "
+    "model's for a nominal GPU (an H100) and only rank the plans; nothing is timed"
+)
 
 
 @dataclasses.dataclass
@@ -19,8 +28,40 @@ class KernelInfo:
     """A rendered kernel module: ``name``, ``source`` (the Triton Python) and ``path`` on disk."""
 
     name: str
-    source: str
+    source: str = dataclasses.field(repr=False)
     path: str
+
+
+def _plural(n: int, word: str, plural: Optional[str] = None) -> str:
+    return f"{n} {word if n == 1 else (plural or word + 's')}"
+
+
+def _wrap(first: str, text: str, indent: int, width: int = 110) -> list[str]:
+    """``first + text`` as lines of at most ``width`` characters (longer words are kept whole),
+    continuation lines indented by ``indent`` spaces."""
+    return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=" " * indent,
+                         break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
+
+
+def match_device(m: Any) -> Optional[torch.device]:
+    """The device of a match's tensors (from its bindings, else the root's value), or None."""
+    dev = getattr(m, "bindings", {}).get("device") if isinstance(getattr(m, "bindings", None), dict) else None
+    if isinstance(dev, (torch.device, str)):
+        return torch.device(dev)
+    root = getattr(m, "root", None)
+    meta = getattr(root, "meta", {}) or {}
+    for key in ("example_value", "val"):
+        v = meta.get(key)
+        if isinstance(v, (tuple, list)) and v:
+            v = v[0]
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _interpreted(m: Any) -> bool:
+    dev = match_device(m)
+    return dev is not None and dev.type == "cpu"
 
 
 @dataclasses.dataclass
@@ -34,7 +75,9 @@ class Report:
         rejected: near-misses (:class:`fuser.pattern.Rejection`: ``.pattern``, ``.reason``,
             ``.location``).
         kernels: the kernels the fused matches run (:class:`KernelInfo`), each once.
-        graphs: how many graphs Dynamo captured (more than one means graph breaks).
+        graphs: how many graphs Dynamo captured (more than one means graph breaks); each
+            match's ``graph_index`` counts from 0 in this report.
+        disabled_graphs: how many of them were compiled with ``fuser.enabled=False``.
         output: what the function returned when it ran.
     """
 
@@ -42,9 +85,11 @@ class Report:
     rejected: list = dataclasses.field(default_factory=list)
     graphs: int = 0
     output: Any = None
+    disabled_graphs: int = 0
 
     @property
     def kernels(self) -> list[KernelInfo]:
+        """The kernels the matches run (:class:`KernelInfo`), each once, in order of use."""
         seen: dict[str, KernelInfo] = {}
         for m in self.matches:
             for k in m.kernels:
@@ -56,39 +101,80 @@ class Report:
         """The matches replaced by fuser's own kernels."""
         return [m for m in self.matches if m.fused]
 
+    @property
+    def disabled(self) -> bool:
+        """True when every graph was compiled with ``fuser.enabled=False`` (nothing matched)."""
+        return self.graphs > 0 and self.disabled_graphs == self.graphs
+
+    def __repr__(self) -> str:
+        if self.disabled:
+            return f"<fuser.Report: {_plural(self.graphs, 'graph')}, fuser disabled>"
+        left = len(self.matches) - len(self.fused)
+        return (f"<fuser.Report: {_plural(self.graphs, 'graph')}, {len(self.fused)} fused, "
+                f"{left} left to Inductor, {_plural(len(self.rejected), 'near-miss', 'near-misses')}>")
+
     def __str__(self) -> str:
+        if self.disabled:
+            return (f"fuser: {_plural(self.graphs, 'graph')}; fuser is disabled (fuser.enabled=False): "
+                    "nothing was matched, everything was compiled by Inductor")
         lines = [f"fuser: {self.graphs_desc()}"]
+        interp = [i for i, m in enumerate(self.matches) if _interpreted(m)]
+        if interp:
+            which = "every match" if len(interp) == len(self.matches) else "matches " + ", ".join(f"[{i}]" for i in interp)
+            lines += _wrap(f"  note ({which}): ", CPU_ESTIMATES_NOTE, 4)
         for i, m in enumerate(self.matches):
             plan = m.plan.name if m.plan else "-"
             lines.append(f"  [{i}] {m.pattern} at {m.location} (graph {m.graph_index}) -> plan {plan}")
-            lines.append(f"      why: {m.reason}")
-            summ = ", ".join(f"{k}={v}" for k, v in m.summary.items())
-            lines.append(f"      recognised: {summ}")
+            lines += _wrap("      why: ", m.reason, 11)
+            lines += _wrap("      recognised: ", ", ".join(f"{k}={v}" for k, v in m.summary.items()), 18)
             for c in m.alternatives:
                 mark = "*" if c is m.plan else " "
-                lines.append(f"      {mark} {c.name:<28} est. {c.estimate_ms:10.4g} ms  {c.note}")
+                note = c.note
+                if i in interp and (c.params.get("autotune") in ("1", True) or c.params.get("backward") == "autotune"):
+                    note += " (on the interpreter nothing is timed: the first config is used)"
+                head = f"      {mark} {c.name:<28} est. {c.estimate_ms:10.4g} ms  "
+                lines += _wrap(head, note, len(head) if len(head) <= 70 else 10)
             for k in m.kernels:
                 lines.append(f"      kernel {k.name}: {k.path}")
         if self.rejected:
             lines.append(f"  not fused ({len(self.rejected)}):")
             for r in self.rejected:
-                lines.append(f"    {r.pattern} at {r.location} (graph {r.graph_index}): {r.reason}")
+                lines += _wrap(f"    {r.pattern} at {r.location} (graph {r.graph_index}): ", r.reason, 8)
         return "\n".join(lines)
 
     def graphs_desc(self) -> str:
+        """The summary line: graphs, fused regions, regions left to Inductor, near-misses."""
+        left = len(self.matches) - len(self.fused)
         return (
-            f"{self.graphs} graph(s), {len(self.fused)} region(s) fused, "
-            f"{len(self.matches) - len(self.fused)} left to Inductor/SDPA by the planner, "
-            f"{len(self.rejected)} near-miss(es)"
+            f"{_plural(self.graphs, 'graph')}, {_plural(len(self.fused), 'region')} fused, "
+            f"{left} left to Inductor/SDPA by the planner, "
+            f"{_plural(len(self.rejected), 'near-miss', 'near-misses')}"
         )
 
 
-def record(result: Any) -> None:
-    """Called by the backend for every graph it compiles: add its results to the active report."""
+def next_graph_index() -> int:
+    """The number the next compiled graph gets: its index in the active report (0, 1, ... in
+    the order compiled), or a process-wide count when no report is collecting."""
+    rep = _session.get()
+    return rep.graphs if rep is not None else next(_process_graphs)
+
+
+def record(result: Any, options: Any = None) -> None:
+    """Called by the backend for every graph it compiles: add its results to the active report.
+
+    Args:
+        result: the graph's :class:`fuser.passes.PassResult`.
+        options: the :class:`fuser.options.Options` it was compiled with (None: enabled).
+    """
     rep = _session.get()
     if rep is None:
         return
+    index = rep.graphs
     rep.graphs += 1
+    if options is not None and not options.enabled:
+        rep.disabled_graphs += 1
+    for item in list(result.matches) + list(result.rejected):
+        item.graph_index = index
     rep.matches.extend(result.matches)
     rep.rejected.extend(result.rejected)
 
@@ -111,15 +197,24 @@ def explain(fn: Callable, *args: Any, options: Optional[dict] = None, dynamic: O
     Args:
         fn: a function or ``nn.Module``.
         *args, **kwargs: inputs to call it with (it is run once, so it is also compiled).
-        options, dynamic, mode: as for ``torch.compile``.
+        options: as for ``torch.compile`` (``fuser.*`` keys and Inductor's), e.g.
+            ``{"fuser.interpret": True}`` to fuse regions on CPU tensors.
+        dynamic, mode: as for ``torch.compile``.
 
     Returns:
         A :class:`Report`; ``str(report)`` is a readable summary.
+
+    Raises:
+        fuser.FuserOptionError: a bad ``fuser.*`` option (checked before anything is compiled),
+            or a ``fuser.plan`` value that a match does not offer.
 
     Note:
         Like ``torch._dynamo.explain``, this resets Dynamo's caches first so that ``fn`` is
         compiled afresh.
     """
+    from .options import resolve
+
+    resolve(options, mode)  # a bad option fails here, before Dynamo runs
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="fuser", options=options, dynamic=dynamic, mode=mode)
     with collecting() as rep:

@@ -7,7 +7,7 @@ Typical use::
     def attn(q, k, v):
         return torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1) @ v
 
-    m = testing.assert_fuses(attn, q, k, v, pattern="attention", causal="none", gqa_group=1)
+    m = testing.assert_fuses(attn, q, k, v, pattern="attention", causal="none", gqa_group=1, scale=0.125)
     testing.assert_declines(lambda q, k, v: (attn(q, k, v), ...), q, k, v, reason="also used")
 
 Nothing here compiles with Inductor or runs fused kernels: graphs are captured with Dynamo
@@ -17,11 +17,13 @@ when a test wants numbers too.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from . import passes
 from .options import resolve
@@ -42,7 +44,11 @@ def capture(fn: Callable, *args: Any, dynamic: Optional[bool] = None, **kwargs: 
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, dynamic=dynamic)(*args, **kwargs)
+    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args, **kwargs)
+    if len(graphs) == 1:  # for run_rewritten: the function and the structure of what it returned
+        leaves, spec = pytree.tree_flatten(out)
+        graphs[0][0].meta["fuser_output_spec"] = (spec, len(leaves))
+        graphs[0][0].meta["fuser_function"] = fn
     return graphs
 
 
@@ -109,11 +115,47 @@ def _fmt(result: passes.PassResult) -> str:
     return "\n".join(lines)
 
 
+def _number(x: Any) -> Optional[float]:
+    """``x`` as a float if it is a number or a string that parses as one (not a bool)."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _same(got: Any, want: Any) -> bool:
+    """``got == want``; numbers (a summary's ``scale="0.125"`` against ``0.125``) compare
+    within 1e-6 relative."""
+    if got == want:
+        return True
+    g, w = _number(got), _number(want)
+    if g is None or w is None or not isinstance(want, (int, float)):
+        return False
+    return math.isclose(g, w, rel_tol=1e-6, abs_tol=0.0)
+
+
 def assert_fuses(fn: Callable, *args: Any, pattern: str = "attention", count: Optional[int] = 1,
                  options: Optional[dict] = None, dynamic: Optional[bool] = None, **expected: Any) -> list[Match]:
     """Assert ``fn(*args)`` has ``count`` (None: at least one) fused matches of ``pattern``
     whose ``summary`` has every ``expected`` key/value (e.g. ``causal="top_left"``,
-    ``gqa_group=4``). Returns the matches."""
+    ``gqa_group=4``, ``scale=0.125``).
+
+    A number expected (``int``/``float``) matches a summary number or numeric string within
+    1e-6 relative; anything else must be equal.
+
+    Returns:
+        The fused matches.
+
+    Raises:
+        AssertionError: the wrong number of fused matches, an ``expected`` key the summary does
+            not have (the message lists the keys it has), or a value that differs.
+    """
     _, result = fuse(fn, *args, options=options, dynamic=dynamic)
     ms = [m for m in result.matches if m.pattern == pattern and m.fused]
     if count is None:
@@ -122,8 +164,12 @@ def assert_fuses(fn: Callable, *args: Any, pattern: str = "attention", count: Op
         assert len(ms) == count, f"expected {count} fused {pattern} match(es), got {len(ms)}\n{_fmt(result)}"
     for m in ms:
         for key, want in expected.items():
-            got = m.summary.get(key)
-            assert got == want, f"{pattern} at {m.location}: {key}={got!r}, expected {want!r}\n{_fmt(result)}"
+            assert key in m.summary, (
+                f"{pattern} at {m.location}: the summary has no key {key!r}; its keys: "
+                f"{', '.join(m.summary)}"
+            )
+            got = m.summary[key]
+            assert _same(got, want), f"{pattern} at {m.location}: {key}={got!r}, expected {want!r}\n{_fmt(result)}"
     return ms
 
 
@@ -139,10 +185,114 @@ def assert_declines(fn: Callable, *args: Any, pattern: str = "attention", reason
     return rej[0]
 
 
-def run_rewritten(graphs: list, *args: Any) -> Any:
-    """Run the single rewritten graph from :func:`fuse` on new inputs (placeholders in
-    Dynamo's order must match ``args``)."""
+class _NoValue(Exception):
+    """A placeholder's source cannot be evaluated on the given call's arguments."""
+
+
+def _evaluate(source: Any, scope: dict, fn: Callable) -> Any:
+    """The value a Dynamo source names, for a call whose arguments are ``scope``."""
+    from torch._dynamo import source as sources
+
+    def cls(*names: str) -> tuple:
+        return tuple(c for c in (getattr(sources, n, None) for n in names) if isinstance(c, type))
+
+    if isinstance(source, cls("LocalSource")):
+        if source.local_name not in scope:
+            raise _NoValue(source)
+        return scope[source.local_name]
+    if isinstance(source, cls("GlobalSource")):
+        glb = getattr(getattr(fn, "forward", fn), "__globals__", {})
+        if source.global_name not in glb:
+            raise _NoValue(source)
+        return glb[source.global_name]
+    if isinstance(source, cls("DictGetItemSource", "GetItemSource")):
+        index = source.index
+        if getattr(source, "index_is_slice", False) or not isinstance(index, (str, int)):
+            raise _NoValue(source)
+        return _evaluate(source.base, scope, fn)[index]
+    if isinstance(source, cls("AttrSource")):
+        return getattr(_evaluate(source.base, scope, fn), source.member)
+    if isinstance(source, cls("NNModuleSource")):
+        return _evaluate(source.base, scope, fn)
+    if isinstance(source, cls("TensorPropertySource")):
+        t = _evaluate(source.base, scope, fn)
+        prop = getattr(source.prop, "name", str(source.prop)).upper()
+        if prop.endswith("SIZE"):
+            return t.size(source.idx)
+        if prop.endswith("STRIDE"):
+            return t.stride(source.idx)
+        if prop.endswith("STORAGE_OFFSET"):
+            return t.storage_offset()
+    raise _NoValue(source)
+
+
+def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Optional[list]:
+    """The graph's placeholder values for a call ``fn(*args, **kwargs)`` of the function it
+    was captured from, found through each placeholder's Dynamo source; None if any is unknown."""
+    import inspect
+
+    from .names import _source_of
+
+    fn = gm.meta.get("fuser_function")
+    if fn is None:
+        return None
+    try:
+        bound = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    scope = dict(bound.arguments)
+    if isinstance(fn, torch.nn.Module):
+        scope.setdefault("self", fn)
+    elif inspect.ismethod(fn):
+        scope.setdefault("self", fn.__self__)
+    values = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = _source_of(node)
+        if source is None:
+            return None
+        try:
+            values.append(_evaluate(source, scope, fn))
+        except (_NoValue, AttributeError, KeyError, IndexError, TypeError):
+            return None
+    return values
+
+
+def run_rewritten(graphs: list, *args: Any, **kwargs: Any) -> Any:
+    """Run the single rewritten graph from :func:`fuse` on new inputs and return what the
+    function returns: a single value for a function returning one tensor, its tuple (list,
+    dict, ...) for one returning several. (A Dynamo graph itself returns a flat tuple.)
+
+    Args:
+        graphs: ``fuse(...)[0]`` (or :func:`capture`'s list): exactly one graph.
+        *args, **kwargs: the arguments to call the function with, as for the function itself
+            (``attn(q, k, v)`` -> ``run_rewritten(graphs, q, k, v)``); module parameters and
+            buffers are the module's current ones. Where a placeholder's value cannot be found
+            that way, ``args`` are taken as the placeholders' values in Dynamo's order.
+
+    Raises:
+        ValueError: not exactly one graph (a graph break splits the function), or arguments
+            that fit neither the function nor the graph's placeholders.
+    """
     if len(graphs) != 1:
         raise ValueError(f"expected one graph, got {len(graphs)} (graph breaks?)")
     gm, _ = graphs[0]
-    return gm(*args)
+    values = _placeholder_values(gm, args, kwargs)
+    if values is None:
+        n = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+        if kwargs or len(args) != n:
+            raise ValueError(
+                f"cannot map the arguments to the graph's {n} placeholders: pass the function's "
+                "arguments (graphs from fuser.testing.fuse/capture) or every placeholder's value "
+                "in Dynamo's order"
+            )
+        values = list(args)
+    out = gm(*values)
+    if not isinstance(out, (tuple, list)):
+        return out
+    spec = gm.meta.get("fuser_output_spec")
+    if spec is not None and spec[1] == len(out):
+        return pytree.tree_unflatten(list(out), spec[0])
+    return out[0] if len(out) == 1 else tuple(out)

@@ -504,8 +504,8 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     if compute_dtype not in FLOATS:
         raise Decline(f"scores computed in {compute_dtype}")
     dev = val(q).device
-    if dev.type == "cpu" and ctx.options.interpret == "off":
-        raise Decline("tensors are on the CPU and the Triton interpreter is off (fuser.interpret=False)")
+    if dev.type == "cpu" and not ctx.options.interpret_cpu:
+        raise Decline(ctx.options.cpu_decline)
     if dev.type not in ("cpu", "cuda"):
         raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
     sq, sk = permuted(shape(q), q_p), permuted(shape(k), k_p)

@@ -60,13 +60,18 @@ def test_fullgraph_and_graph_breaks():
 
     rep = fuser.explain(broken, q, k, v)
     assert rep.graphs == 2 and len(rep.fused) == 2
-    assert len({m.graph_index for m in rep.fused}) == 2
+    assert sorted(m.graph_index for m in rep.fused) == [0, 1]  # numbered per report, from 0
+    again = fuser.explain(broken, q, k, v)
+    assert sorted(m.graph_index for m in again.fused) == [0, 1]
+    assert "(graph 1)" in str(again) and "2 graphs" in str(again)
 
 
 def test_disabled_compiles_like_inductor():
     q, k, v = _qkv()
     rep = fuser.explain(attn, q, k, v, options={"fuser.enabled": False})
     assert not rep.matches and rep.graphs == 1
+    assert "fuser is disabled (fuser.enabled=False): nothing was matched" in str(rep)
+    assert "fuser disabled" in repr(rep)
     assert torch.allclose(rep.output, attn(q, k, v), atol=1e-5)
 
 
@@ -135,3 +140,120 @@ def test_autotune_times_once_and_caches_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_tune_mem", {})
     assert launch.autotune("k1", cands, run) == {"name": "b"} and len(seen) == 3  # disk
     assert json.loads((tmp_path / "autotune.json").read_text())["k1"] == {"name": "b"}
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"fuser.patterns": 3}, "fuser.patterns takes a list"),
+    ({"fuser.autotun": True}, "unknown fuser option 'fuser.autotun'"),
+    ({"fuser.plan": "atention.backward=atomic_dq"}, "unknown pattern 'atention'"),
+    ({"fuser.plan": {"attention.impl": "inductor"}}, "Inductor and SDPA plans exist only on CUDA"),  # planner
+])
+def test_option_errors_reach_the_user_as_themselves(options, message):
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    with pytest.raises(fuser.FuserOptionError, match=message) as info:
+        torch.compile(attn, backend="fuser", options=options)(q, k, v)
+    assert type(info.value) is fuser.FuserOptionError and isinstance(info.value, ValueError)
+    assert "PyTorch" not in str(info.value)  # not Dynamo's "please report this to PyTorch"
+    assert info.traceback[-1].path.name in ("options.py", "planner.py")
+    assert not any(e.path.name == "output_graph.py" for e in info.traceback)  # Dynamo's frames cut
+
+
+def test_explain_checks_options_before_compiling():
+    calls = []
+
+    def f(q, k, v):
+        calls.append(1)
+        return attn(q, k, v)
+
+    with pytest.raises(fuser.FuserOptionError, match="attention has no choice 'bwd'"):
+        fuser.explain(f, *_qkv(), options={"fuser.plan": {"attention.bwd": "atomic_dq"}})
+    assert not calls
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget what fuser has said once in this process, and record every warning."""
+    import warnings
+
+    monkeypatch.setattr(backend, "_said", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def test_cpu_regions_go_to_inductor_unless_asked_and_it_is_said_once(monkeypatch, fresh_warnings):
+    monkeypatch.delenv("FUSER_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _qkv()
+    rep = fuser.explain(attn, q, k, v)
+    assert not rep.fused and len(rep.rejected) == 1
+    assert "fuser.interpret': True" in rep.rejected[0].reason
+    assert torch.allclose(rep.output, attn(q, k, v), atol=1e-5)
+    said = [w for w in fresh_warnings if issubclass(w.category, fuser.FuserWarning)]
+    assert len(said) == 1
+    text = str(said[0].message)
+    assert "left to Inductor" in text and "options={'fuser.interpret': True}" in text and "FUSER_INTERPRET=1" in text
+    fuser.explain(lambda q, k, v: attn(q, k, v) * 2, q, k, v)  # another compile: not said again
+    assert len([w for w in fresh_warnings if issubclass(w.category, fuser.FuserWarning)]) == 1
+    rep = fuser.explain(attn, q, k, v, options={"fuser.interpret": True})  # asked for: fused
+    assert len(rep.fused) == 1
+
+
+def test_cpu_decline_is_not_said_when_the_user_turned_the_interpreter_off(fresh_warnings):
+    rep = fuser.explain(attn, *_qkv(), options={"fuser.interpret": False})
+    assert not rep.fused and rep.rejected
+    assert not [w for w in fresh_warnings if issubclass(w.category, fuser.FuserWarning)]
+
+
+def test_triton_interpret_turns_the_interpreter_on(monkeypatch):
+    monkeypatch.delenv("FUSER_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert len(fuser.explain(attn, *_qkv()).fused) == 1
+
+
+def test_internal_error_while_emitting_is_warned_once_per_message(monkeypatch, fresh_warnings):
+    from fuser.patterns import attention
+
+    def broken(match, plan):
+        raise OSError("cannot write the kernel file")
+
+    monkeypatch.setattr(attention.PATTERN, "kernels", broken)
+    q, k, v = _qkv()
+    for _ in range(2):
+        rep = fuser.explain(attn, q, k, v)
+        assert not rep.fused and "internal error" in rep.rejected[0].reason
+        assert torch.allclose(rep.output, attn(q, k, v), atol=1e-5)
+    said = [str(w.message) for w in fresh_warnings if issubclass(w.category, fuser.FuserWarning)]
+    assert len(said) == 1 and "internal error" in said[0] and "cannot write the kernel file" in said[0]
+
+
+def test_debug_dir_applies_to_its_compile_only(tmp_path):
+    import os
+
+    d = tmp_path / "dbg"
+    q, k, v = _qkv()
+    rep = fuser.explain(attn, q, k, v, options={"fuser.debug_dir": str(d)})
+    written = sorted(p.name for p in d.iterdir())
+    assert written and written == sorted(os.path.basename(kk.path) for kk in rep.kernels)
+    assert "FUSER_DEBUG_DIR" not in os.environ
+    for p in d.iterdir():
+        p.unlink()
+    fuser.explain(attn, q, k, v)  # the same kernels, rendered again, without debug_dir
+    assert not list(d.iterdir())
+
+
+def test_debug_dir_that_is_a_file_is_an_option_error(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("")
+    with pytest.raises(fuser.FuserOptionError, match="is not a directory"):
+        fuser.explain(attn, *_qkv(), options={"fuser.debug_dir": str(f)})
+
+
+def test_kernels_go_to_the_session_cache_not_the_users():
+    import os
+
+    rep = fuser.explain(attn, *_qkv())
+    cache = os.path.realpath(os.environ["FUSER_CACHE_DIR"])
+    assert "fuser-test-cache" in cache  # tests/conftest.py's temporary directory
+    assert rep.kernels and all(os.path.realpath(kk.path).startswith(cache + os.sep) for kk in rep.kernels)

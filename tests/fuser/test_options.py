@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from fuser.options import ALL_PATTERNS, FuserOptionError, Options, resolve
 
@@ -56,3 +57,82 @@ def test_interpret_option():
     assert resolve({"fuser.interpret": False})[0].interpret == "off"
     assert resolve({"fuser.interpret": "auto"})[0].interpret == "auto"
     assert Options().interpret == "auto"
+
+
+def test_interpret_values_and_interpret_cpu(monkeypatch):
+    monkeypatch.delenv("FUSER_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve({"fuser.interpret": True})[0].interpret == "on"
+    assert resolve({"fuser.interpret": True})[0].interpret_cpu
+    assert not resolve({"fuser.interpret": False})[0].interpret_cpu
+    assert not resolve(None)[0].interpret_cpu  # "auto" without TRITON_INTERPRET: Inductor
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve(None)[0].interpret_cpu  # "auto" follows TRITON_INTERPRET
+    assert not resolve({"fuser.interpret": False})[0].interpret_cpu
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("FUSER_INTERPRET", "1")
+    assert resolve(None)[0].interpret_cpu
+    with pytest.raises(FuserOptionError, match="True, False or 'auto'"):
+        resolve({"fuser.interpret": "sometimes"})
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"fuser.patterns": 3}, r"fuser.patterns takes a list of pattern names or a comma-separated string"),
+    ({"fuser.patterns": [1, 2]}, r"fuser.patterns takes a list"),
+    ({"fuser.plan": 3}, r"fuser.plan takes a dict or a 'key=value,key=value' string"),
+    ({"fuser.debug_dir": 3}, r"fuser.debug_dir takes a directory path"),
+    ({"fuser.autotune": [True]}, r"takes a boolean"),
+])
+def test_wrong_types_are_option_errors(options, message):
+    with pytest.raises(FuserOptionError, match=message):
+        resolve(options)
+
+
+@pytest.mark.parametrize("plan,message", [
+    ("attention.bwd=two_kernel", r"attention has no choice 'bwd'; valid keys for attention: attention.impl, attention.backward"),
+    ("atention.backward=two_kernel", r"unknown pattern 'atention'.*valid keys: attention.impl, attention.backward, "
+                                     r"attention_kl.impl, attention_kl.split_k, attention_kl.backward"),
+    ("h2o.impl=fuser", r"h2o pattern is not implemented yet"),
+    ("kda.backward=two_kernel", r"kda pattern is not implemented yet"),
+    ("attention.backward=three_kernel", r"attention.backward takes one of: two_kernel, atomic_dq, autotune"),
+    ("attention.impl=flash", r"attention.impl takes one of: fuser, sdpa, inductor"),
+    ("attention_kl.impl=sdpa", r"attention_kl.impl takes one of: fuser, inductor"),
+    ("attention_kl.backward=autotune", r"attention_kl.backward takes one of: two_kernel, atomic_dq"),
+    ("attention_kl.split_k=0", r"takes one of: 1, auto, <positive integer>"),
+    ("attention_kl.split_k=two", r"takes one of: 1, auto, <positive integer>"),
+])
+def test_plan_entries_are_checked_against_the_choices(plan, message):
+    with pytest.raises(FuserOptionError, match=message):
+        resolve({"fuser.plan": plan})
+
+
+def test_valid_plan_entries():
+    opts = resolve({"fuser.plan": {"attention.impl": "inductor", "attention.backward": "autotune",
+                                   "attention_kl.split_k": 4, "attention_kl.backward": "atomic_dq"}})[0]
+    assert opts.forced("attention_kl", "split_k") == "4" and opts.forced("attention", "impl") == "inductor"
+    assert resolve({"fuser.plan": "attention_kl.split_k=auto"})[0].forced("attention_kl", "split_k") == "auto"
+    assert resolve({"fuser.plan": "attention_kl.split_k=08"})[0].forced("attention_kl", "split_k") == "8"
+
+
+def test_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("FUSER_PLAN", "attention.bwd=two_kernel")
+    with pytest.raises(FuserOptionError, match=r"environment variable FUSER_PLAN=.*has no choice 'bwd'"):
+        resolve(None)
+
+
+def test_debug_dir_must_be_a_directory(tmp_path):
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    with pytest.raises(FuserOptionError, match="is not a directory"):
+        resolve({"fuser.debug_dir": str(a_file)})
+    with pytest.raises(FuserOptionError, match="which is not a directory"):
+        resolve({"fuser.debug_dir": str(a_file / "sub")})
+    assert resolve({"fuser.debug_dir": tmp_path / "new" / "dir"})[0].debug_dir == str(tmp_path / "new" / "dir")
+    assert not (tmp_path / "new").exists()  # created on first use, not by resolving
+
+
+def test_option_error_is_a_value_error_dynamo_passes_through():
+    err = FuserOptionError("fuser.plan: bad")
+    assert isinstance(err, ValueError)
+    assert isinstance(err, torch._dynamo.exc.ShortenTraceback)
+    assert err.remove_dynamo_frames() is err and str(err) == "fuser.plan: bad"

@@ -90,3 +90,17 @@ def test_kl_and_attention_atomic_candidates_are_marked_nondeterministic(determin
     assert "atomic_dq" not in m.plan.name and "left out" in m.reason
     assert all(c.deterministic == ("atomic_dq" not in c.name) for c in m.alternatives)
     torch.autograd.grad(out, xs[2:])
+
+
+@pytest.mark.parametrize("impl", ["inductor", "sdpa"])
+def test_forcing_inductor_or_sdpa_on_the_cpu_says_they_exist_only_on_cuda(impl):
+    cpu_match = types.SimpleNamespace(pattern="attention", location="m.py:3", bindings={"device": torch.device("cpu")})
+    fuser_only = [Candidate("fuser[backward=two_kernel]", {"impl": "fuser", "backward": "two_kernel"}, {}, 1.0)]
+    with pytest.raises(FuserOptionError, match=r"offers impl in \['fuser'\]: Inductor and SDPA plans exist only on "
+                                               r"CUDA; these tensors are on the CPU"):
+        choose(cpu_match, fuser_only, Options(plan=(("attention.impl", impl),)))
+
+
+def test_forced_autotune_backward_without_autotune_names_the_option():
+    with pytest.raises(FuserOptionError, match=r"backward=autotune is offered only under fuser.autotune=True"):
+        choose(MATCH, _candidates(), Options(plan=(("attention_kl.backward", "autotune"),)))
