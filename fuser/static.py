@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .graph import GraphView, flat_args, val
+from .names import is_module_buffer
 
 _RANDOM = {
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
@@ -42,39 +43,6 @@ def _target_name(n: fx.Node) -> str:
     if isinstance(t, str):
         return t
     return getattr(t, "__name__", str(t)).split(".")[-1]
-
-
-def buffer_name(n: fx.Node) -> Optional[str]:
-    """The dotted name of the registered module buffer a placeholder holds, proven by
-    Dynamo's source information (``L['self']._modules['attn']._buffers['causal']`` ->
-    ``"attn.causal"``); None for anything else — parameters, inputs, graphs without source
-    information. Never decided by the node's name."""
-    src = getattr(n.meta.get("grapharg"), "source", None) or n.meta.get("fuser_source")
-    if src is None:
-        return None
-    path: list[str] = []
-    buffer = None
-    node = src
-    while node is not None:
-        base = getattr(node, "base", None)
-        index = getattr(node, "index", None)
-        member = getattr(base, "member", None) if base is not None else None
-        if buffer is None and index is not None and member == "_buffers":
-            buffer = str(index)
-            node = getattr(base, "base", None)
-            continue
-        if buffer is not None:
-            if index is not None and member == "_modules":
-                path.append(str(index))
-                node = getattr(base, "base", None)
-                continue
-            if getattr(node, "member", None) is not None and not str(node.member).startswith("_"):
-                path.append(str(node.member))
-        node = base
-    if buffer is None:
-        return None
-    parts = [p for p in reversed(path)] + [buffer]
-    return ".".join(parts)
 
 
 def symint_value(x: Any, assignment: Optional[Mapping] = None) -> Any:
@@ -140,7 +108,7 @@ class StaticEvaluator:
 
     Constant leaves: ``get_attr`` tensors that are not parameters (constants of the graph
     module), and placeholders that Dynamo's source information proves to be registered module
-    buffers (:func:`buffer_name`; assumed constant, and reported as such). Parameters and
+    buffers (:func:`fuser.names.is_module_buffer`; assumed constant, and reported as such). Parameters and
     inputs are data.
     """
 
@@ -184,7 +152,7 @@ class StaticEvaluator:
                 v = val(n)
                 ex = self.inputs.get(n, v)
                 if isinstance(v, torch.Tensor) or isinstance(ex, torch.Tensor):
-                    name = buffer_name(n)
+                    name = is_module_buffer(n)
                     if name is None or isinstance(ex, torch.nn.Parameter):
                         raise NotStatic(f"depends on the input tensor '{n.target}'")
                     if ex is None or not isinstance(ex, torch.Tensor) or _is_fake(ex):
@@ -289,7 +257,7 @@ class StaticEvaluator:
         if n.op == "get_attr":
             obj = self._attr(n)
             return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter) else None
-        if n.op == "placeholder" and buffer_name(n) is not None:
+        if n.op == "placeholder" and is_module_buffer(n) is not None:
             ex = self.inputs.get(n)
             if isinstance(ex, torch.Tensor) and not isinstance(ex, torch.nn.Parameter) and not _is_fake(ex):
                 return ex

@@ -16,6 +16,7 @@ from typing import Optional
 import torch.fx as fx
 
 from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
+from fuser.names import user_name
 from fuser.matcher import match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 
@@ -162,7 +163,7 @@ class AttentionPattern(Pattern):
             device=sc.device, detach_qk=detached, sdpa=softmax == "scaled_dot_product_attention",
         )
         summary = {
-            "q": q.name, "k": k.name, "v": v.name,
+            "q": user_name(q), "k": user_name(k), "v": user_name(v),
             "scale": describe_scale(sc.factors),
             "causal": sc.causal,
             "mask": describe_mask(sc.mask_terms),

@@ -24,6 +24,7 @@ from typing import Optional
 import torch.fx as fx
 
 from fuser.graph import GraphView, dtype, location, shape, val
+from fuser.names import user_name
 from fuser.matcher import Alt, Op, Same, match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
@@ -177,8 +178,8 @@ class AttentionKLPattern(Pattern):
             "mul": "p1 * (log p1 - log p2)",
         }[view.canon(term).op]
         summary = {
-            "teacher": f"q={s1.q.name} k={s1.k.name}",
-            "student": f"q={s2.q.name} k={s2.k.name}",
+            "teacher": f"q={user_name(s1.q)} k={user_name(s1.k)}",
+            "student": f"q={user_name(s2.q)} k={user_name(s2.k)}",
             "scale1": describe_scale(s1.factors),
             "scale2": describe_scale(s2.factors),
             "causal": s1.causal,

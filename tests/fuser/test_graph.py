@@ -64,12 +64,27 @@ def test_inplace_resolution():
 
 
 @pytest.mark.parametrize("eq,expect", [
-    ("bhqd,bhkd->bhqk", {"ta": False, "tb": True}),
-    ("bhqk,bhkd->bhqd", {"ta": False, "tb": False}),
-    ("bhdq,bhkd->bhqk", {"ta": True, "tb": True}),
-    ("...qd,...kd->...qk", {"ta": False, "tb": True}),
-    ("bhqd,bhkd->bhkq", None),  # transposed output
-    ("bqhd,bkhd->bhqk", None),  # batch dims out of place
+    ("bhqd,bhkd->bhqk", {"pa": None, "pb": (0, 1, 3, 2), "po": None}),
+    ("bhqk,bhkd->bhqd", {"pa": None, "pb": None, "po": None}),
+    ("bhdq,bhkd->bhqk", {"pa": (0, 1, 3, 2), "pb": (0, 1, 3, 2), "po": None}),
+    ("...qd,...kd->...qk", {"pa": None, "pb": (0, 1, 3, 2), "po": None}),
+    ("bhqd,bhkd->bhkq", {"pa": None, "pb": (0, 1, 3, 2), "po": (0, 1, 3, 2)}),  # transposed output
+    ("bqhd,bkhd->bhqk", {"pa": (0, 2, 1, 3), "pb": (0, 2, 3, 1), "po": None}),  # [B, N, H, D] operands
+    ("bhqk,bkhd->bqhd", {"pa": None, "pb": (0, 2, 1, 3), "po": (0, 2, 1, 3)}),  # P V writing [B, N, H, D]
+    ("bhqd,bhkd->bqk", None),   # a batch letter summed away
+    ("bii,bij->bij", None),     # a diagonal
 ])
 def test_einsum_as_matmul(eq, expect):
-    assert _einsum_as_matmul(eq, 4, 4) == expect
+    """einsum(eq, A, B) == matmul(A.permute(pa), B.permute(pb)).permute(po), checked numerically."""
+    size = dict(b=2, h=3, q=5, k=7, d=4, i=5, j=6, x=2, y=3)
+    a_letters, b_letters = (t.replace("...", "xy") for t in eq.split("->")[0].split(","))
+    got = _einsum_as_matmul(eq, len(a_letters), len(b_letters))
+    assert got == expect
+    if got is None:
+        return
+    a = torch.randn(*[size[c] for c in a_letters])
+    b = torch.randn(*[size[c] for c in b_letters])
+    out = torch.matmul(a.permute(got["pa"] or tuple(range(a.dim()))), b.permute(got["pb"] or tuple(range(b.dim()))))
+    if got["po"] is not None:
+        out = out.permute(got["po"])
+    torch.testing.assert_close(out, torch.einsum(eq, a, b))

@@ -103,7 +103,7 @@ def _bnhd(q, k, v):
 # (id, function, expected summary entries)
 POSITIVE = [
     ("matmul_div_sqrt", lambda q, k, v: torch.softmax(torch.matmul(q, k.transpose(2, 3)) / math.sqrt(D), dim=-1) @ v,
-     dict(scale=f"{1 / math.sqrt(D):.6g}", causal="none", mask="none", gqa_group=1, q="l_q_", k="l_k_", v="l_v_")),
+     dict(scale=f"{1 / math.sqrt(D):.6g}", causal="none", mask="none", gqa_group=1, q="q", k="k", v="v")),
     ("operator_mul", lambda q, k, v: (q @ k.mT * 0.125).softmax(-1) @ v, dict(scale="0.125")),
     ("scale_left", lambda q, k, v: F.softmax(0.5 * (q @ k.mT), -1) @ v, dict(scale="0.5")),
     ("scale_on_q", lambda q, k, v: F.softmax((q / math.sqrt(D)) @ k.mT, dim=-1) @ v, dict(scale=f"{1 / math.sqrt(D):.6g}")),
