@@ -14,6 +14,7 @@ import math
 import operator
 from typing import Any, Optional
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -165,15 +166,19 @@ class MaskClass:
     """A static mask term's structure.
 
     Attributes:
-        cls: ``"none"`` (hides nothing), ``"top_left"`` or ``"bottom_right"`` (causal).
+        cls: ``"none"`` (hides nothing), ``"top_left"`` or ``"bottom_right"`` (causal), or
+            ``"pred"`` (another formula over the query and key indices: sliding windows,
+            prefix-LM, ...).
         hidden: for an additive term, the value it adds at hidden entries (``-inf`` or finite;
             visible entries add exactly 0); None for boolean terms (their fill is the step's).
         buffers: module buffers the value was computed from (assumed constant).
+        formula: for ``"pred"``, the visible-key formula (``fuser/indexmask.py`` form).
     """
 
     cls: str
     hidden: Optional[float]
     buffers: list
+    formula: Any = None
 
 
 def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: Optional[fx.Node] = None) -> MaskClass:
@@ -184,16 +189,18 @@ def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: 
     run time)."""
     sl = ctx.evaluator.slice(node, at)
     sshape = tuple(sizes)
-    if sl.symbols:
-        try:
-            mp = indexmask.mask_predicate(node, sl.nodes, kind, ctx.view, ctx.evaluator.constant)
-        except indexmask.NotIndexed as exc:
+    try:
+        mp = indexmask.mask_predicate(node, sl.nodes, kind, ctx.view, ctx.evaluator.constant)
+    except indexmask.NotIndexed as exc:
+        if sl.symbols:
             raise NotStatic(f"its structure under dynamic sizes is not proven ({exc})") from None
+        mp = None  # a constant of another form: evaluated below at the only size there is
+    if mp is not None:
         prover = indexmask.Prover(indexmask.shape_env_of(ctx.view))
         cls = indexmask.classify(mp.visible, sshape[-2], sshape[-1], prover)
-        if cls not in ("none", "top_left", "bottom_right"):
-            raise NotStatic(f"a {cls} index mask")
-        return MaskClass(cls, mp.hidden_value, sl.buffers)
+        if cls in ("none", "top_left", "bottom_right"):
+            return MaskClass(cls, mp.hidden_value, sl.buffers)
+        return MaskClass("pred", mp.hidden_value, sl.buffers, formula=mp.visible)
     if ctx.evaluator.max_numel(node, at=at) > MAX_STATIC_NUMEL:
         raise NotStatic(f"too large to evaluate at compile time (> {MAX_STATIC_NUMEL} elements)")
     try:
@@ -298,6 +305,12 @@ class Scores:
             (``-inf``: hidden, tiles skipped), and whether it replaces the score
             (``"replace"``: ``masked_fill``/``where``) or is added to it (``"add"``: an additive
             mask whose hidden entries hold that value).
+        pred, pred_consts, pred_fill, pred_fill_mode: an index predicate the kernels evaluate
+            per tile (``codegen/predicate.py`` form: atoms ``a·i + b·j + C[k] ≥ 0``), its
+            constants ``C`` (ints or sympy expressions of the sizes), and the fill of the keys
+            it hides; None when there is none.
+        size_sources: symbol -> ``(node, dim)`` (``dim`` None for a size placeholder): where
+            the emitter reads the sizes the predicate's constants use.
         mask_terms: tensor mask terms the kernel must load: dicts with ``kind``, ``node``,
             ``neg``, ``shape``, ``scale`` (the factors applied after it) and ``fill`` (the score a
             hidden entry of a boolean term gets, ``-inf`` when hidden).
@@ -328,6 +341,11 @@ class Scores:
     causal_fill: float = NEG_INF
     causal_fill_mode: str = "replace"
     mask_fill: float = NEG_INF
+    pred: Any = None
+    pred_consts: tuple = ()
+    pred_fill: float = NEG_INF
+    pred_fill_mode: str = "replace"
+    size_sources: Any = None
 
     @property
     def mask_kind(self) -> str:
@@ -359,6 +377,9 @@ class Scores:
         for t in self.mask_terms:
             out.append(t["node"])
             out += [v for v, _ in t["scale"] if isinstance(v, fx.Node)]
+        for c in self.pred_consts if self.pred is not None else ():
+            for sym in getattr(c, "free_symbols", ()):
+                out.append(self.size_sources[sym][0])
         return [x for x in out if isinstance(x, fx.Node)]
 
     def dims(self) -> tuple:
@@ -398,14 +419,18 @@ def _same_dims(a: tuple, b: tuple) -> bool:
 
 # Kernel order of mask terms: additive data ("A"), then the boolean data term ("R"), then the
 # causal structure ("C"); user programs may apply them in any order where that commutes.
-_KERNEL_RANK = {"A": 0, "R": 1, "C": 2}
+_KERNEL_RANK = {"A": 0, "R": 1, "C": 2, "P": 3}
 
 
 def _commutes(later: tuple, earlier: tuple) -> bool:
     """Whether term ``later`` (applied by the kernel later, by the user earlier) and
     ``earlier`` give the same scores in either order. Terms: (role, fill, mode)."""
     (r1, f1, m1), (r2, f2, m2) = later, earlier
+    r1, r2 = ("C" if r1 == "P" else r1), ("C" if r2 == "P" else r2)  # a predicate acts as the causal mask
+    later, earlier = (r1, f1, m1), (r2, f2, m2)
     pair = {r1, r2}
+    if pair == {"C"}:
+        return f1 == NEG_INF and f2 == NEG_INF
     if pair == {"C", "A"}:
         c = later if r1 == "C" else earlier
         return c[1] == NEG_INF or c[2] == "add"
@@ -523,7 +548,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
 
 
 def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, score_dtype: torch.dtype,
-                  ctx: MatchContext) -> dict:
+                  ctx: MatchContext, predicates: bool = False) -> dict:
     """The mask terms of one score chain as the kernels take them.
 
     Args:
@@ -536,10 +561,11 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
         sizes: ``(Nq, Nk)`` of the scores.
         rank: the scores' rank.
         score_dtype: the dtype of the scores the softmax reads.
+        predicates: the kernels evaluate index predicates (else such masks are loaded as data).
 
     Returns:
         ``Scores`` fields: ``causal``, ``causal_fill``, ``causal_fill_mode``, ``mask_terms``,
-        ``mask_fill``, ``buffers``.
+        ``mask_fill``, ``buffers``, and the ``pred*`` fields.
 
     Raises:
         Decline: a combination the kernels cannot compute exactly.
@@ -549,6 +575,7 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
     # tensor the kernel loads tile by tile (several are summed into one additive mask at
     # emit time). A finite fill is a value, computed exactly; only -inf hides a key.
     causal, causal_fill, causal_mode = "none", NEG_INF, "replace"
+    preds: list = []  # (formula, fill, mode)
     buffers: list = []
     mask_terms: list = []
     seq: list = []  # (role, fill, mode) in the user's order, for the commutation check
@@ -573,7 +600,9 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
             mc, cls = None, "data"
         if cls == "none":
             continue
-        if cls in ("top_left", "bottom_right"):
+        if cls == "pred" and not predicates:
+            cls = "data"
+        if cls in ("top_left", "bottom_right", "pred"):
             if t["kind"] == "additive":
                 if factor is None or factor <= 0 or t["neg"] or mc.hidden is None:
                     cls = "data"
@@ -581,6 +610,10 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
                     value, mode = round_to(mc.hidden * factor, out_dtype), "add"
             else:
                 value, mode = t["fill_eff"], "replace"
+        if cls == "pred":
+            preds.append((mc.formula, value, "replace" if value == NEG_INF else mode))
+            seq.append(("P", value, mode))
+            continue
         if cls in ("top_left", "bottom_right"):
             if value == NEG_INF:
                 mode = "replace"
@@ -617,8 +650,83 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
             if _KERNEL_RANK[first[0]] > _KERNEL_RANK[second[0]] and not _commutes(first, second):
                 raise Decline("masks with finite fills applied in an order the fused kernels do not follow "
                               "(they apply additive masks, then a masked_fill, then the causal mask)")
-    return dict(causal=causal, causal_fill=causal_fill, causal_fill_mode=causal_mode, mask_terms=mask_terms,
-                mask_fill=finite[0]["fill"] if finite else NEG_INF, buffers=buffers)
+    out = dict(causal=causal, causal_fill=causal_fill, causal_fill_mode=causal_mode, mask_terms=mask_terms,
+               mask_fill=finite[0]["fill"] if finite else NEG_INF, buffers=buffers)
+    if preds:
+        out.update(_predicate(preds, out, sizes, ctx))
+    return out
+
+
+def _predicate(preds: list, masks: dict, sizes: tuple, ctx: MatchContext) -> dict:
+    """The ``pred*`` fields for the index-predicate mask terms ``preds`` (formula, fill,
+    mode): several, and a causal structure, are combined into one predicate when they all hide
+    with ``-inf`` (AND of what each leaves visible)."""
+    formulas = [f for f, _, _ in preds]
+    fills = {(v, m) for _, v, m in preds}
+    if len(preds) > 1 and fills != {(NEG_INF, "replace")}:
+        raise Decline("several index masks, one with a finite fill: the fused kernels apply one")
+    fill, mode = preds[0][1], preds[0][2]
+    if masks["causal"] != "none":
+        if masks["causal_fill"] != NEG_INF or fill != NEG_INF:
+            raise Decline("a causal mask and another index mask with a finite fill: the fused kernels apply one")
+        offset = 0 if masks["causal"] == "top_left" else sympy.sympify(_expr_of(sizes[1])) - sympy.sympify(_expr_of(sizes[0]))
+        formulas.append(("atom", indexmask.Atom.make({-2: 1, -1: -1}, offset)))
+        masks.update(causal="none")
+    formula = ("and", *formulas) if len(formulas) > 1 else formulas[0]
+    consts: list = []
+    pred = _codegen_formula(formula, consts)
+    sources = _size_sources(ctx.view, consts)
+    return dict(pred=pred, pred_consts=tuple(consts), pred_fill=fill, pred_fill_mode=mode, size_sources=sources)
+
+
+def _expr_of(x: Any) -> Any:
+    return x.node.expr if isinstance(x, torch.SymInt) else x
+
+
+def _codegen_formula(p: tuple, consts: list) -> tuple:
+    """An ``indexmask`` formula over axes -2 (i) and -1 (j) in ``codegen/predicate.py``'s
+    form; atom constants are appended to ``consts``."""
+    if p == indexmask.TRUE:
+        return ("true",)
+    if p == indexmask.FALSE:
+        return ("false",)
+    if p[0] == "atom":
+        coef = dict(p[1].coef)
+        if set(coef) - {-2, -1}:
+            raise Decline("an index mask that depends on batch or head indices")
+        consts.append(p[1].const)
+        return ("atom", int(coef.get(-2, 0)), int(coef.get(-1, 0)), len(consts) - 1)
+    return (p[0], *[_codegen_formula(x, consts) for x in p[1:]])
+
+
+def _size_sources(view: GraphView, consts: list) -> dict:
+    """symbol -> ``(node, dim)``: the first graph value holding each size symbol the constants
+    use (a size placeholder, ``dim`` None, or a tensor's dim). Declines a constant that is not
+    a sum of integer multiples of sizes, or a size no graph value holds."""
+    need: set = set()
+    for c in consts:
+        if isinstance(c, sympy.Basic):
+            for term in sympy.Add.make_args(sympy.expand(c)):
+                coeff, rest = term.as_coeff_Mul()
+                if not (coeff.is_Integer and (rest == 1 or rest.is_Symbol)):
+                    raise Decline(f"an index mask whose constant {c} is not linear in the sizes")
+            need |= c.free_symbols
+    found: dict = {}
+    for n in view.nodes:
+        if not need - set(found):
+            break
+        v = val(n)
+        if isinstance(v, torch.SymInt) and n.op == "placeholder" and v.node.expr in need:
+            found.setdefault(v.node.expr, (n, None))
+        elif isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr in need:
+                    found.setdefault(size.node.expr, (n, d))
+    missing = need - set(found)
+    if missing:
+        raise Decline(f"an index mask uses sizes {sorted(map(str, missing))} that no input holds")
+    return found
+
 
 
 def analyze_sdpa(node: fx.Node, ctx: MatchContext) -> Scores:
@@ -759,6 +867,23 @@ class Emitter:
             if not isinstance(v, float):
                 out = self.node("call_function", operator.mul if p == 1 else operator.truediv, (out, self.value(v)))
         return out
+
+    def size_expr(self, expr: Any, sources: dict) -> Any:
+        """An int, or graph nodes computing ``expr`` (a sum of integer multiples of size
+        symbols) from the sizes of ``sources`` (symbol -> ``(node, dim)``)."""
+        if not isinstance(expr, sympy.Basic):
+            return int(expr)
+        total: Any = 0
+        for term in sympy.Add.make_args(sympy.expand(expr)):
+            coeff, rest = term.as_coeff_Mul()
+            if rest == 1:
+                part: Any = int(coeff)
+            else:
+                node, dim = sources[rest]
+                size = node if dim is None else self.node("call_method", "size", (node, dim))
+                part = size if coeff == 1 else self.node("call_function", operator.mul, (size, int(coeff)))
+            total = part if isinstance(total, int) and total == 0 else self.node("call_function", operator.add, (total, part))
+        return total
 
     def value(self, v: Any) -> Any:
         """A run-time factor as a graph value (a :class:`SizeFactor` is emitted here)."""
