@@ -416,17 +416,32 @@ class _Bounds:
         for q in parts[1:]:
             lo2, hi2 = self.concrete(*q)
             if lo == lo2 == "0":  # both start at 0: the union is [0, max)
-                hi = self.tmp(f"tl.maximum({hi}, {hi2})", clipped=True)
+                hi = self.tmp(self.max(hi, hi2), clipped=True)
                 continue
-            if hi == hi2 == self.size:
-                lo = self.tmp(f"tl.minimum({lo}, {lo2})", clipped=True)
+            if hi == hi2 == self.size:  # both end at size: the union is [min, size)
+                lo = self.tmp(self.min(lo, lo2), clipped=True)
                 continue
-            joined = self.tmp(f"tl.maximum({lo}, {lo2}) <= tl.minimum({hi}, {hi2})")
+            joined = self.tmp(f"{self.max(lo, lo2)} <= {self.min(hi, hi2)}")
             larger = self.tmp(f"{_minus(hi, lo)} >= {_minus(hi2, lo2)}")
-            new_lo = self.tmp(f"tl.where({joined}, tl.minimum({lo}, {lo2}), tl.where({larger}, {lo}, {lo2}))", True)
-            hi = self.tmp(f"tl.where({joined}, tl.maximum({hi}, {hi2}), tl.where({larger}, {hi}, {hi2}))", True)
+            new_lo = self.tmp(f"tl.where({joined}, {self.min(lo, lo2)}, tl.where({larger}, {lo}, {lo2}))", True)
+            hi = self.tmp(f"tl.where({joined}, {self.max(hi, hi2)}, tl.where({larger}, {hi}, {hi2}))", True)
             lo = new_lo
         return lo, hi
+
+    # min / max of two values within [0, size], simplified where one side is 0 or size
+    def min(self, x: str, y: str) -> str:
+        if "0" in (x, y):
+            return "0"
+        if x == self.size or x == y:
+            return y
+        return x if y == self.size else f"tl.minimum({x}, {y})"
+
+    def max(self, x: str, y: str) -> str:
+        if self.size in (x, y):
+            return self.size
+        if x == "0" or x == y:
+            return y
+        return x if y == "0" else f"tl.maximum({x}, {y})"
 
     def concrete(self, lo: Optional[str], hi: Optional[str]) -> tuple[str, str]:
         """Both sides as expressions within [0, size] (named when they need clipping)."""
@@ -436,8 +451,13 @@ class _Bounds:
         if x is None:
             return default
         if x in self.clipped:
-            return x
+            return x if _simple(x) else self.tmp(x, clipped=True)
         return self.tmp(f"tl.minimum(tl.maximum({x}, 0), {self.size})", clipped=True)
+
+
+def _simple(x: str) -> bool:
+    """A name or a number (worth no temporary of its own)."""
+    return re.fullmatch(r"-?\w+", x) is not None
 
 
 def _minus(x: str, y: str) -> str:
@@ -457,6 +477,7 @@ def _fold(fn: str, xs: list[Optional[str]]) -> Optional[str]:
 def render_bounds(
     pred: tuple,
     *,
+    hull: bool = True,
     first: str = "i_first",
     last: str = "i_last",
     size: str = "N_K",
@@ -473,17 +494,20 @@ def render_bounds(
 
     Uses ``tl.minimum``, ``tl.maximum``, ``tl.where`` and, where :func:`needs_floordiv`,
     ``_floordiv`` (:data:`FLOORDIV_HELPER`): valid Python on ints with those substituted
-    (:func:`eval_bounds`). Temporaries are named ``tmp`` + a number."""
+    (:func:`eval_bounds`). Temporaries are named ``tmp`` + a number. ``hull=False`` leaves out
+    ``lo``, ``hi`` (for kernels that visit every key anyway: a finite fill)."""
     pred = simplify(pred)
     cnames = list(consts) if consts is not None else [f"PC{k}" for k in range(n_consts(pred))]
     b = _Bounds(first, last, size, cnames, tmp)
     lines = []
     for (lo_name, hi_name), full in (((names[0], names[1]), False), ((names[2], names[3]), True)):
+        if not full and not hull:
+            continue
         lo, hi = b.node(pred, full)
         lines += b.lines
         b.lines = []
-        lines.append(f"{lo_name} = " + ("0" if lo is None or lo == "0" else f"tl.maximum({lo}, 0)"))
-        lines.append(f"{hi_name} = " + (hi if hi is not None and hi in b.clipped else size if hi is None else f"tl.minimum({hi}, {size})"))
+        lines.append(f"{lo_name} = " + ("0" if lo is None else lo if lo in b.clipped else f"tl.maximum({lo}, 0)"))
+        lines.append(f"{hi_name} = " + (size if hi is None else hi if hi in b.clipped else f"tl.minimum({hi}, {size})"))
     return lines
 
 
