@@ -18,12 +18,28 @@ float32 holds (``finfo.min`` added to a ``finfo.min`` mask entry) saturates at `
 float64 (float32 eager would hide that entry).
 
 Two-part statistics: where a row's maximum can be a huge finite value (an additive mask, a
-finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking;
-:func:`two_part_stats`), ``m₂ + log₂ l`` cannot hold ``log₂ l`` beside ``|m₂| ~ 3e38``. Those
-variants store ``stats`` ``[B, Hq, 2, Nq]`` float32: ``stats[:, :, 0]`` the row max ``m₂``,
-``stats[:, :, 1]`` ``log₂ l`` (``+inf`` and ``0`` for a row whose scores are all ``-inf``), and
-the backward computes ``P = exp2((s' − m₂) − log₂ l)``: exact on a fully filled row (``1/Nk``).
-The other variants keep the single ``LSE₂`` ``[B, Hq, Nq]``.
+finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking, a
+finite ``pred_fill`` with a predicate; :func:`two_part_stats`), ``m₂ + log₂ l`` cannot hold
+``log₂ l`` beside ``|m₂| ~ 3e38``. Those variants store ``stats`` ``[B, Hq, 2, Nq]``
+float32: ``stats[:, :, 0]`` the row max ``m₂``, ``stats[:, :, 1]`` ``log₂ l`` (``+inf`` and
+``0`` for a row whose scores are all ``-inf``), and the backward computes ``P = exp2((s' −
+m₂) − log₂ l)``: exact on a fully filled row (``1/Nk``). The other variants keep the single
+``LSE₂`` ``[B, Hq, Nq]``.
+
+Index predicates (``mask_pred``, :mod:`~fuser.codegen.predicate`): a formula over query i and
+key j (``and``/``or`` of atoms ``a*i + b*j + C[k] >= 0``; sliding windows, prefix-LM, ``j < L``)
+evaluated in the kernels, with the constants ``C`` as runtime integer arguments (``PC0``, ...,
+never specialised: a new length or window width does not recompile). A key the predicate drops
+for a row scores ``pred_fill`` (``pred_fill_mode="replace"``, no gradient to q.k there) or ``s +
+pred_fill`` (``"add"``); ``-inf`` (the default) hides it. Applied after the masks (additive,
+then boolean); with causal masking it is an error (the analysis folds causal into the
+predicate). Per block of query rows (dK/dV: per block of keys, roles swapped) interval
+reasoning gives loop bounds: the key range outside of which every row drops every key (never
+visited when hidden) and the range every row keeps entirely (tiles there skip the per-element
+test); the other tiles test the predicate per element. A finite ``pred_fill`` visits every tile
+and uses the two-part statistics. Kernel names carry ``_pred_<digest>`` (``_predfill_``,
+``_predadd_`` for finite fills) of the predicate's canonical text. Rows the predicate hides
+entirely give ``out = 0`` and zero gradients.
 
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
@@ -32,10 +48,11 @@ B·Hq), deterministic — or ``bwd_mode="atomic_dq"`` — one ``attention_bwd_dk
 ``atomic_add``s dQ into a float32 accumulator.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, LSE
-stored or not, fills -inf or finite (and the causal fill mode), bwd mode, interpreter or GPU);
-sizes and fill values are runtime arguments (sequence lengths are ``do_not_specialize``, floats
-are never specialised, so one compiled kernel serves every length and fill value). Block sizes and warps come
-from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
+stored or not, fills -inf or finite (and the causal fill mode), the predicate's formula and fill
+kind, bwd mode, interpreter or GPU); sizes, fill values and predicate constants are runtime
+arguments (sequence lengths and predicate constants are ``do_not_specialize``, floats are never
+specialised, so one compiled kernel serves every length and fill value). Block sizes and warps
+come from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
 copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), D and Dv in
