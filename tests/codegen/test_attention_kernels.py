@@ -808,6 +808,57 @@ def test_kernels_for_renders_fill_variants():
             "attention_fwd_maskkeepfill"} <= names
 
 
+PRED_VARIANTS = [
+    # predicate, pred_fill, mode
+    (("and", ("atom", 1, -1, 0), ("atom", -1, 1, 1)), -math.inf, "replace"),
+    (("or", ("atom", 1, -1, 0), ("atom", 0, -1, 1)), -1e4, "replace"),
+    (("and", ("atom", 1, -2, 0), ("atom", 0, 0, 1)), -1e9, "add"),
+    (("false",), -math.inf, "replace"),
+]
+
+
+def test_kernels_for_renders_predicate_variants():
+    from fuser.codegen import predicate
+
+    names = set()
+    for mask_kind in attention.MASK_KINDS:
+        for pred, fill, mode in PRED_VARIANTS:
+            for bwd_mode in attention.BWD_MODES:
+                kw = dict(mask_pred=pred, pred_fill=fill, pred_fill_mode=mode)
+                ks = attention.kernels_for(causal="none", mask_kind=mask_kind, mask_row_broadcast=False,
+                                           bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True, **kw)
+                text = predicate.serialize(pred)
+                ks_text = attention.kernels_for(causal="none", mask_kind=mask_kind, mask_row_broadcast=False,
+                                                bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True,
+                                                **dict(kw, mask_pred=text))
+                assert ks == ks_text  # the tuple and its text are the same variant
+                two_part = attention.two_part_stats(causal="none", mask_kind=mask_kind, **kw)
+                assert two_part == (mask_kind == "additive" or fill != -math.inf)
+                for kern in ks:
+                    src = kern.source
+                    if kern.name not in names:
+                        names.add(kern.name)
+                        compile(src, kern.path, "exec")
+                    kind = "pred" if fill == -math.inf else "predfill" if mode == "replace" else "predadd"
+                    assert f"_{kind}_{predicate.digest(pred)}" in kern.name
+                    # the header says in words which predicate the kernel evaluates
+                    assert f"#   keep:    {predicate.describe(pred)}\n" in src
+                    assert "1e4" not in src and "10000" not in src and "1e9" not in src
+                    assert "launched first" not in src and "CAUSAL_OFFSET + 1" not in src
+                    assert ("pred_fill" in src) == (fill != -math.inf)
+                    assert ("Stats" in src) == two_part
+                    assert ("_floordiv" in src) == predicate.needs_floordiv(pred)
+                    n = predicate.n_consts(pred)
+                    if n:  # the constants are runtime arguments, never specialised
+                        assert '"CAUSAL_OFFSET", "PC0"' in src and f"PC{n - 1}" in src and f"PC{n}" not in src
+    assert any(n.startswith("attention_fwd_predfill_") and n.endswith("_maskkeep") for n in names)
+    k = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                             interpret=False, mask_pred=PRED_VARIANTS[0][0])
+    # a window: key tiles outside [lo, hi) of the block are never visited; three stages
+    assert "lo = tl.maximum(i_first - PC1, 0)" in k.source and "hi = tl.minimum(i_last + PC0 + 1, N_K)" in k.source
+    assert k.source.count("= _attn_fwd_inner(") == 3
+
+
 def test_config_table():
     check_table(attention._FWD_TABLE, attention._BWD_TABLE)
     for key, cands in attention._FWD_CAUSAL_TABLE.items():
@@ -971,6 +1022,59 @@ def test_gpu_one_compile_for_every_fill_value():
         attention.forward(q, k, v, scale=0.125, causal="bottom_right", causal_fill=fill, causal_fill_mode="add")
         counts.append(len(compiled_keys(fn)))
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each fill: {counts}"
+
+
+GPU_PRED_CASES = [
+    # id, dtype, Nq, Nk, predicate, constants, pred_fill, mode
+    ("bf16_window_256", torch.bfloat16, 2048, 2048, "and(ge(1,-1,0),ge(-1,1,1))", (0, 255), -math.inf, "replace"),
+    ("fp16_window_bottom_right_q>k", torch.float16, 1100, 777, "and(ge(1,-1,0),ge(-1,1,1))",
+     (777 - 1100, 99 - (777 - 1100)), -math.inf, "replace"),
+    ("bf16_prefix_lm", torch.bfloat16, 1024, 1024, "or(ge(1,-1,0),ge(0,-1,1))", (0, 299), -math.inf, "replace"),
+    ("bf16_window_fill", torch.bfloat16, 1024, 1000, "and(ge(1,-1,0),ge(-1,1,1))", (0, 127), -1e4, "replace"),
+    ("bf16_keylimit_add_finfo_min", torch.bfloat16, 777, 1024, "ge(0,-1,0)", (900,), torch.finfo(torch.float32).min,
+     "add"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_PRED_CASES, ids=[c[0] for c in GPU_PRED_CASES])
+def test_gpu_predicates(case):
+    # compiled predicate variants in 16-bit against the float64 reference
+    _, dtype, n_q, n_k, pred, consts, fill, mode = case
+    dev = torch.device("cuda")
+    b, hq, hkv, d = 2, 8, 2, 128
+    q, k, v = _qkv(121, b, hq, hkv, n_q, n_k, d, d, dtype=dtype, device=dev)
+    kw = dict(scale=d ** -0.5, mask_pred=pred, pred_consts=consts, pred_fill=fill, pred_fill_mode=mode)
+    dout = _rand(torch.Generator().manual_seed(122), b, hq, n_q, d, dtype=dtype, device=dev)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*leaves, **kw)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, **kw)
+    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
+    for mode_ in BWD_MODES:
+        with launch.poison_outputs():
+            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
+            e = _rel(g, r)
+            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_one_compile_for_every_window():
+    dev = torch.device("cuda")
+    pred = "and(ge(1,-1,0),ge(-1,1,1))"
+    kern = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                interpret=False, mask_pred=pred)
+    fn = launch.kernel_module(kern, False).attention_fwd_kernel
+    compiled_keys(fn)
+    counts = []
+    for n, w in ((1000, 1), (1100, 16), (1234, 33), (77, 1000)):
+        q, k, v = _qkv(123, 1, 2, 2, n, n + 7, 64, 64, dtype=torch.bfloat16, device=dev)
+        attention.forward(q, k, v, scale=0.125, mask_pred=pred, pred_consts=(7, w - 1 - 7))
+        counts.append(len(compiled_keys(fn)))
+    assert counts[1:] == counts[:1] * 3, f"compiled variants after each window: {counts}"
 
 
 @pytest.mark.gpu
