@@ -18,12 +18,28 @@ float32 holds (``finfo.min`` added to a ``finfo.min`` mask entry) saturates at `
 float64 (float32 eager would hide that entry).
 
 Two-part statistics: where a row's maximum can be a huge finite value (an additive mask, a
-finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking;
-:func:`two_part_stats`), ``m₂ + log₂ l`` cannot hold ``log₂ l`` beside ``|m₂| ~ 3e38``. Those
-variants store ``stats`` ``[B, Hq, 2, Nq]`` float32: ``stats[:, :, 0]`` the row max ``m₂``,
-``stats[:, :, 1]`` ``log₂ l`` (``+inf`` and ``0`` for a row whose scores are all ``-inf``), and
-the backward computes ``P = exp2((s' − m₂) − log₂ l)``: exact on a fully filled row (``1/Nk``).
-The other variants keep the single ``LSE₂`` ``[B, Hq, Nq]``.
+finite ``mask_fill`` with a boolean mask, a finite ``causal_fill`` with causal masking, a
+finite ``pred_fill`` with a predicate; :func:`two_part_stats`), ``m₂ + log₂ l`` cannot hold
+``log₂ l`` beside ``|m₂| ~ 3e38``. Those variants store ``stats`` ``[B, Hq, 2, Nq]``
+float32: ``stats[:, :, 0]`` the row max ``m₂``, ``stats[:, :, 1]`` ``log₂ l`` (``+inf`` and
+``0`` for a row whose scores are all ``-inf``), and the backward computes ``P = exp2((s' −
+m₂) − log₂ l)``: exact on a fully filled row (``1/Nk``). The other variants keep the single
+``LSE₂`` ``[B, Hq, Nq]``.
+
+Index predicates (``mask_pred``, :mod:`~fuser.codegen.predicate`): a formula over query i and
+key j (``and``/``or`` of atoms ``a*i + b*j + C[k] >= 0``; sliding windows, prefix-LM, ``j < L``)
+evaluated in the kernels, with the constants ``C`` as runtime integer arguments (``PC0``, ...,
+never specialised: a new length or window width does not recompile). A key the predicate drops
+for a row scores ``pred_fill`` (``pred_fill_mode="replace"``, no gradient to q.k there) or ``s +
+pred_fill`` (``"add"``); ``-inf`` (the default) hides it. Applied after the masks (additive,
+then boolean); with causal masking it is an error (the analysis folds causal into the
+predicate). Per block of query rows (dK/dV: per block of keys, roles swapped) interval
+reasoning gives loop bounds: the key range outside of which every row drops every key (never
+visited when hidden) and the range every row keeps entirely (tiles there skip the per-element
+test); the other tiles test the predicate per element. A finite ``pred_fill`` visits every tile
+and uses the two-part statistics. Kernel names carry ``_pred_<digest>`` (``_predfill_``,
+``_predadd_`` for finite fills) of the predicate's canonical text. Rows the predicate hides
+entirely give ``out = 0`` and zero gradients.
 
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
@@ -32,10 +48,11 @@ B·Hq), deterministic — or ``bwd_mode="atomic_dq"`` — one ``attention_bwd_dk
 ``atomic_add``s dQ into a float32 accumulator.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, LSE
-stored or not, fills -inf or finite (and the causal fill mode), bwd mode, interpreter or GPU);
-sizes and fill values are runtime arguments (sequence lengths are ``do_not_specialize``, floats
-are never specialised, so one compiled kernel serves every length and fill value). Block sizes and warps come
-from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
+stored or not, fills -inf or finite (and the causal fill mode), the predicate's formula and fill
+kind, bwd mode, interpreter or GPU); sizes, fill values and predicate constants are runtime
+arguments (sequence lengths and predicate constants are ``do_not_specialize``, floats are never
+specialised, so one compiled kernel serves every length and fill value). Block sizes and warps
+come from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
 copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), D and Dv in
@@ -57,7 +74,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import launch
+from . import launch, predicate
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -66,6 +83,7 @@ __all__ = [
     "alloc_out",
     "alloc_lse",
     "two_part_stats",
+    "as_predicate",
     "alloc_grads",
     "kernels_for",
     "fwd_kernel",
@@ -104,60 +122,130 @@ def _fill_kinds(causal, mask_kind: str, mask_fill: float, causal_fill: float, ca
             launch.causal_fill_kind(causal, causal_fill, causal_fill_mode))
 
 
+def as_predicate(mask_pred) -> Optional[tuple]:
+    """The index predicate of a ``mask_pred`` argument, simplified: ``None`` or ``""`` (no
+    predicate), a :mod:`~fuser.codegen.predicate` tuple or its serialized text. A predicate that
+    simplifies to ``true`` is no predicate (the kernels without one)."""
+    if mask_pred is None or (isinstance(mask_pred, str) and not mask_pred.strip()):
+        return None
+    pred = predicate.parse(mask_pred) if isinstance(mask_pred, str) else predicate.validate(mask_pred)
+    pred = predicate.simplify(pred)
+    return None if pred == predicate.TRUE else pred
+
+
+def _pred_kinds(causal, mask_pred, pred_consts, pred_fill: float, pred_fill_mode: str) -> tuple[Optional[tuple], str]:
+    """(simplified predicate or None, its fill kind ``"hide"``/``"replace"``/``"add"``); raises
+    ``ValueError`` for a predicate with causal masking, too few constants, or a bad fill."""
+    launch.check_fill("pred_fill", pred_fill, pred_fill_mode)
+    if mask_pred is None or (isinstance(mask_pred, str) and not mask_pred.strip()):
+        return None, "hide"
+    raw = predicate.parse(mask_pred) if isinstance(mask_pred, str) else predicate.validate(mask_pred)
+    if launch.is_causal(causal):
+        raise ValueError("an index predicate and causal masking together are not supported: fold the causal "
+                         "condition into the predicate (j <= i + offset)")
+    if pred_consts is not None and len(pred_consts) < predicate.n_consts(raw):
+        raise ValueError(f"the predicate {predicate.serialize(raw)} reads {predicate.n_consts(raw)} constants, "
+                         f"got {len(pred_consts)}")
+    pred = as_predicate(raw)
+    if pred is None:
+        return None, "hide"
+    return pred, launch.fill_kind(True, pred_fill, pred_fill_mode)
+
+
 def two_part_stats(*, causal, mask_kind: str, mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
-                   causal_fill_mode: str = "replace") -> bool:
+                   causal_fill_mode: str = "replace", mask_pred=None, pred_fill: float = NEG_INF,
+                   pred_fill_mode: str = "replace") -> bool:
     """Whether this variant stores two-part softmax statistics (``[B, Hq, 2, Nq]``: row max and
     log2 l) instead of one LSE ``[B, Hq, Nq]``: where a row's max can be a huge finite value (an
-    additive mask, a finite ``mask_fill`` with a boolean mask, a finite ``causal_fill``)."""
+    additive mask, a finite ``mask_fill`` with a boolean mask, a finite ``causal_fill``, a finite
+    ``pred_fill`` with a predicate)."""
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
-    return mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
+    _, pred_fill_k = _pred_kinds(causal, mask_pred, None, pred_fill, pred_fill_mode)
+    return mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide" or pred_fill_k != "hide"
 
 
 def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: bool,
-            mask_fill_k: str = "hide", causal_fill_k: str = "hide") -> tuple[str, str]:
+            mask_fill_k: str = "hide", causal_fill_k: str = "hide", pred: Optional[tuple] = None,
+            pred_fill_k: str = "hide") -> tuple[str, str]:
     # fills: _causalfill / _causaladd (finite causal_fill), _maskkeepfill / _maskdropfill (finite mask_fill)
+    # predicates: _pred_<digest> (dropped keys hidden), _predfill_<digest>, _predadd_<digest>
     causal_part = {"hide": "_causal", "replace": "_causalfill", "add": "_causaladd"}[causal_fill_k] if causal else ""
+    if pred is not None:
+        causal_part = {"hide": "_pred", "replace": "_predfill", "add": "_predadd"}[pred_fill_k] + "_" + predicate.digest(pred)
     head = causal_part + launch.MASK_SUFFIX[mask_kind] + ("fill" if mask_fill_k != "hide" else "")
     if mask_kind != "none" and mask_row_broadcast:
         head += "_rowbcast"
     return head, ("_interp" if interpret else "")
 
 
+def _pred_params(pred: Optional[tuple], pred_fill_k: str, backward: bool) -> dict:
+    """The template parameters of a predicate (none without one: today's renders unchanged):
+    the tuple, its fill kind, and its rendered pieces (words, tile expressions, loop bounds)."""
+    if pred is None:
+        return {}
+    consts = tuple(f"PC{k}" for k in range(predicate.n_consts(pred)))
+    hull = pred_fill_k == "hide"  # with a finite fill every tile is visited: no [lo, hi) needed
+    params = dict(
+        mask_pred=pred,
+        pred_fill=pred_fill_k,
+        pred_text=predicate.describe(pred, consts),
+        pred_keep=predicate.render_elementwise(pred, consts=consts),
+        pred_bounds=tuple(predicate.render_bounds(pred, consts=consts, hull=hull)),
+        pred_consts=consts,
+        pred_helpers=predicate.FLOORDIV_HELPER if predicate.needs_floordiv(pred) else "",
+    )
+    if backward:
+        # the dK/dV kernel: a block of keys [n_first, n_last], ranges of queries (roles swapped)
+        params["pred_keep_t"] = predicate.render_elementwise(pred, i="offs_m[None, :]", j="offs_n[:, None]",
+                                                             consts=consts)
+        params["pred_bounds_t"] = tuple(predicate.render_bounds(predicate.swap(pred), first="n_first", last="n_last",
+                                                                size="N_Q", consts=consts, hull=hull))
+    return params
+
+
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool,
                mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
-               causal_fill_mode: str = "replace") -> RenderedKernel:
+               causal_fill_mode: str = "replace", mask_pred=None, pred_consts: Sequence[int] = (),
+               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace") -> RenderedKernel:
     """Render the forward kernel module of one static variant (``causal``: a mode or a bool).
 
-    The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments)."""
+    The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments);
+    ``mask_pred`` (see :func:`as_predicate`) renders its formula, ``pred_consts`` are runtime
+    (only their number is checked, when given)."""
     launch.check_variant(causal, mask_kind)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
+    pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k)
+    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
     name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         need_lse=bool(need_lse), interpret=bool(interpret),
         causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
+        **_pred_params(pred, pred_fill_k, backward=False),
     )
 
 
 def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, interpret: bool,
                mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
-               causal_fill_mode: str = "replace") -> RenderedKernel:
+               causal_fill_mode: str = "replace", mask_pred=None, pred_consts: Sequence[int] = (),
+               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace") -> RenderedKernel:
     """Render the backward kernel module (preprocess, dK/dV and, for two_kernel, dQ kernels)."""
     launch.check_variant(causal, mask_kind, bwd_mode)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
+    pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k)
+    head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
     name = "attention_bwd" + head + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + tail
     return render(
         BWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         atomic_dq=bwd_mode == "atomic_dq", interpret=bool(interpret),
         causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
+        **_pred_params(pred, pred_fill_k, backward=True),
     )
 
 
@@ -173,12 +261,17 @@ def kernels_for(
     mask_fill: float = NEG_INF,
     causal_fill: float = NEG_INF,
     causal_fill_mode: str = "replace",
+    mask_pred=None,
+    pred_consts: Sequence[int] = (),
+    pred_fill: float = NEG_INF,
+    pred_fill_mode: str = "replace",
 ) -> list[RenderedKernel]:
     """The kernel modules a call of this static variant uses, rendered but not launched.
 
     ``training`` adds the backward module (and forces the statistics the backward needs).
     """
-    fills = dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+    fills = dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode,
+                 mask_pred=mask_pred, pred_consts=pred_consts, pred_fill=pred_fill, pred_fill_mode=pred_fill_mode)
     kernels = [
         fwd_kernel(
             causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
@@ -400,38 +493,57 @@ def _fill_key(kind: str) -> float:
     return NEG_INF if kind == "hide" else _FINITE
 
 
+def _pred_key(pred: Optional[tuple], pred_fill_k: str) -> dict:
+    """A predicate variant as kernel arguments for the module caches (values are runtime)."""
+    if pred is None:
+        return {}
+    return dict(mask_pred=pred, pred_fill=_fill_key(pred_fill_k),
+                pred_fill_mode="replace" if pred_fill_k == "hide" else pred_fill_k)
+
+
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool,
-                mask_fill_k: str = "hide", causal_fill_k: str = "hide"):
+                mask_fill_k: str = "hide", causal_fill_k: str = "hide", pred: Optional[tuple] = None,
+                pred_fill_k: str = "hide"):
     """The imported forward module of one static variant (rendered once per process; keeps
     rendering and imports off the per-call path)."""
     kernel = fwd_kernel(
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret,
         mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
         causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
+        **_pred_key(pred, pred_fill_k),
     )
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, interpret: bool,
-                mask_fill_k: str = "hide", causal_fill_k: str = "hide"):
+                mask_fill_k: str = "hide", causal_fill_k: str = "hide", pred: Optional[tuple] = None,
+                pred_fill_k: str = "hide"):
     """The imported backward module of one static variant (see :func:`_fwd_module`)."""
     kernel = bwd_kernel(
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode, interpret=interpret,
         mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
         causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
+        **_pred_key(pred, pred_fill_k),
     )
     return kernel, launch.kernel_module(kernel, interpret)
 
 
-def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fill: float) -> dict:
-    """The runtime fill arguments of a variant's launcher, in base 2 (none for -inf fills)."""
+def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fill: float,
+               pred: Optional[tuple] = None, pred_fill_k: str = "hide", pred_fill: float = NEG_INF,
+               pred_consts: Sequence[int] = ()) -> dict:
+    """The runtime fill arguments of a variant's launcher, in base 2 (none for -inf fills), and
+    the predicate's constants (as many as it reads)."""
     args = {}
     if mask_fill_k != "hide":
         args["mask_fill"] = launch.fill_base2(mask_fill)
     if causal_fill_k != "hide":
         args["causal_fill"] = launch.fill_base2(causal_fill)
+    if pred is not None:
+        if pred_fill_k != "hide":
+            args["pred_fill"] = launch.fill_base2(pred_fill)
+        args["pred_consts"] = tuple(int(c) for c in pred_consts[: predicate.n_consts(pred)])
     return args
 
 
@@ -452,9 +564,20 @@ def forward(
     mask_fill: float = NEG_INF,
     causal_fill: float = NEG_INF,
     causal_fill_mode: str = "replace",
+    mask_pred=None,
+    pred_consts: Sequence[int] = (),
+    pred_fill: float = NEG_INF,
+    pred_fill_mode: str = "replace",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill semantics
-    (those of :func:`fuser.patterns.attention.reference`).
+    """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill/predicate
+    semantics (those of :func:`fuser.patterns.attention.reference`).
+
+    ``mask_pred``: an index predicate (:mod:`~fuser.codegen.predicate` tuple or text, see
+    :func:`as_predicate`) over query i and key j with runtime constants ``pred_consts``; a key it
+    drops for a row scores ``pred_fill`` (``pred_fill_mode="replace"``) or ``s + pred_fill``
+    (``"add"``), ``-inf`` hiding it (key tiles dropped by a whole query block are then skipped).
+    Applied after the masks (additive, then boolean); not with ``causal`` (fold it into the
+    predicate).
 
     Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer); ``lse`` the
     softmax statistics from :func:`alloc_lse` (or the given buffer) — ``[B, Hq, Nq]`` float32
@@ -464,7 +587,8 @@ def forward(
     """
     _check_inputs(q, k, v, causal, mask, mask_kind)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
-    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
+    pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts, pred_fill, pred_fill_mode)
+    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide" or pred_fill_k != "hide"
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if out is None:
@@ -488,8 +612,8 @@ def forward(
     mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
-                                 mask_fill_k, causal_fill_k)
-    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill)
+                                 mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
+    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -534,6 +658,10 @@ def backward(
     mask_fill: float = NEG_INF,
     causal_fill: float = NEG_INF,
     causal_fill_mode: str = "replace",
+    mask_pred=None,
+    pred_consts: Sequence[int] = (),
+    pred_fill: float = NEG_INF,
+    pred_fill_mode: str = "replace",
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients ``(dq, dk, dv)`` of :func:`forward` for upstream ``dout``; ``None`` for each
     one ``needs_grad`` turns off. ``out`` and ``lse`` are the forward's (its statistics, base 2:
@@ -545,7 +673,8 @@ def backward(
     _check_inputs(q, k, v, causal, mask, mask_kind)
     launch.check_variant(causal, mask_kind, bwd_mode)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
-    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide"
+    pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts, pred_fill, pred_fill_mode)
+    two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide" or pred_fill_k != "hide"
     need_dq, need_dk, need_dv = (bool(x) for x in needs_grad)
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
@@ -577,8 +706,8 @@ def backward(
     mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "bwd")
     kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret,
-                                 mask_fill_k, causal_fill_k)
-    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill)
+                                 mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
+    fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:

@@ -5,7 +5,7 @@ and Inductor treat them as opaque kernels with known output shapes and strides; 
 registers its autograd formula, which calls the backward op. Neither op mutates or aliases
 its inputs. The kernels themselves are in ``codegen/attention.py``.
 
-``torch.ops.fuser.attention(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode) -> (out, lse)``
+``torch.ops.fuser.attention(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode, pred, pred_consts, pred_fill, pred_fill_mode) -> (out, lse)``
     q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides; GQA when
     ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
     ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
@@ -14,13 +14,19 @@ its inputs. The kernels themselves are in ``codegen/attention.py``.
     ``autotune=0|1``); ``mask_fill`` the score of a boolean mask's hidden entries (ignored by
     other mask kinds); ``causal_fill`` with ``causal_fill_mode`` ``"replace"|"add"`` the score of
     (or what is added to) the entries above the causal diagonal (ignored without causal); ``-inf``
-    fills hide the entries (the kernels without fills). Returns ``out`` ``[B, Hq, Nq, Dv]`` in q's
+    fills hide the entries (the kernels without fills); ``pred`` an index predicate over query i
+    and key j in ``codegen/predicate.py``'s text (e.g. ``and(ge(1,-1,0),ge(-1,1,1))``: ``i - j +
+    C0 >= 0 and j - i + C1 >= 0``), ``""`` for none, with its integer constants ``pred_consts``
+    (SymInts: sizes, window widths; runtime kernel arguments) — a key it drops for a row scores
+    ``pred_fill`` (``pred_fill_mode="replace"``) or ``s + pred_fill`` (``"add"``), ``-inf``
+    hiding it (key tiles that a whole query block drops are skipped); applied after the masks;
+    not with ``causal != "none"``. Returns ``out`` ``[B, Hq, Nq, Dv]`` in q's
     dtype (memory laid out ``[B, Nq, Hq, Dv]``) and the softmax statistics float32, contiguous:
     the base-2 ``lse`` ``[B, Hq, Nq]``, or where a row's max can be a huge finite value (an
     additive mask, a finite fill that applies: ``codegen.attention.two_part_stats``) the two-part
     statistics ``[B, Hq, 2, Nq]`` (row max m2, then log2 l).
 
-``torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode) -> (dq, dk, dv)``
+``torch.ops.fuser.attention_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode, pred, pred_consts, pred_fill, pred_fill_mode) -> (dq, dk, dv)``
     gradients for the inputs flagged in ``needs`` (empty tensors for the others).
 """
 
@@ -31,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..codegen import attention as kernels
-from ..codegen import launch
+from ..codegen import launch, predicate
 
 
 def parse_plan(plan: str) -> dict:
@@ -49,10 +55,16 @@ def _none_tensor(like: torch.Tensor) -> torch.Tensor:
 
 
 def _fill_tag(causal: str, mask_kind: str, fills: dict) -> str:
-    """The fill kinds of a variant for tuning keys ("" without finite fills: keys as before)."""
+    """The fill kinds and predicate of a variant for tuning keys ("" without finite fills or a
+    predicate: keys as before)."""
     mask_k = launch.mask_fill_kind(mask_kind, fills["mask_fill"])
     causal_k = launch.causal_fill_kind(causal, fills["causal_fill"], fills["causal_fill_mode"])
-    return "" if mask_k == causal_k == "hide" else f"|fill:{mask_k}/{causal_k}"
+    tag = "" if mask_k == causal_k == "hide" else f"|fill:{mask_k}/{causal_k}"
+    pred = kernels.as_predicate(fills.get("mask_pred"))
+    if pred is not None:
+        pred_k = launch.fill_kind(True, fills["pred_fill"], fills["pred_fill_mode"])
+        tag += f"|pred:{predicate.serialize(pred)}/{pred_k}"
+    return tag
 
 
 def _tune_key(kind: str, q, k, v, mask, causal: str, mask_kind: str, extra: str = "") -> str:
@@ -65,8 +77,12 @@ def _tune_key(kind: str, q, k, v, mask, causal: str, mask_kind: str, extra: str 
     )
 
 
-def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"), causal_fill_mode: str = "replace") -> dict:
-    return dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"), causal_fill_mode: str = "replace",
+           pred: str = "", pred_consts=(), pred_fill: float = float("-inf"), pred_fill_mode: str = "replace") -> dict:
+    """The kernels' fill and predicate keyword arguments (``pred_consts`` as plain ints)."""
+    return dict(mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode,
+                mask_pred=pred or None, pred_consts=tuple(int(c) for c in pred_consts), pred_fill=pred_fill,
+                pred_fill_mode=pred_fill_mode)
 
 
 def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optional[dict] = None) -> dict:
@@ -129,9 +145,13 @@ def attention(
     mask_fill: float,
     causal_fill: float,
     causal_fill_mode: str,
+    pred: str,
+    pred_consts: list[int],
+    pred_fill: float,
+    pred_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p = parse_plan(plan)
-    fills = _fills(mask_fill, causal_fill, causal_fill_mode)
+    fills = _fills(mask_fill, causal_fill, causal_fill_mode, pred, pred_consts, pred_fill, pred_fill_mode)
     out, lse = kernels.forward(
         q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=need_lse,
         config=tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills) if p.get("autotune") == "1" else None,
@@ -141,12 +161,14 @@ def attention(
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode):
+def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode,
+                    pred, pred_consts, pred_fill, pred_fill_mode):
     out = kernels.alloc_out(q, v)
     if not need_lse:
         return out, _none_tensor(q)
     two_part = kernels.two_part_stats(causal=causal, mask_kind=mask_kind, mask_fill=mask_fill,
-                                      causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+                                      causal_fill=causal_fill, causal_fill_mode=causal_fill_mode,
+                                      mask_pred=pred or None, pred_fill=pred_fill, pred_fill_mode=pred_fill_mode)
     return out, kernels.alloc_lse(q, two_part)
 
 
@@ -167,6 +189,10 @@ def attention_backward(
     mask_fill: float,
     causal_fill: float,
     causal_fill_mode: str,
+    pred: str,
+    pred_consts: list[int],
+    pred_fill: float,
+    pred_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if lse.numel() == 0 and q.numel() != 0:
         raise RuntimeError(
@@ -174,7 +200,7 @@ def attention_backward(
             "inference); this is a fuser bug, please report it"
         )
     p = parse_plan(plan)
-    fills = _fills(mask_fill, causal_fill, causal_fill_mode)
+    fills = _fills(mask_fill, causal_fill, causal_fill_mode, pred, pred_consts, pred_fill, pred_fill_mode)
     mode = p.get("backward", "two_kernel")
     config = None
     if mode == "autotune" or p.get("autotune") == "1":
@@ -192,7 +218,7 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs,
-                             mask_fill, causal_fill, causal_fill_mode):
+                             mask_fill, causal_fill, causal_fill_mode, pred, pred_consts, pred_fill, pred_fill_mode):
     dq, dk, dv = kernels.alloc_grads(q, k, v, tuple(needs))
     return (
         dq if dq is not None else _none_tensor(q),
@@ -201,24 +227,30 @@ def _attention_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, mask_
     )
 
 
-_N_INPUTS = 12  # q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode
+# q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode,
+# pred, pred_consts, pred_fill, pred_fill_mode
+_N_INPUTS = 16
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode = inputs
+    (q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode,
+     pred, pred_consts, pred_fill, pred_fill_mode) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
-    ctx.params = (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode)
+    ctx.params = (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode,
+                  pred, list(pred_consts), pred_fill, pred_fill_mode)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask = ctx.saved_tensors
-    scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode = ctx.params
+    (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode,
+     pred, pred_consts, pred_fill, pred_fill_mode) = ctx.params
     needs = [bool(x) for x in ctx.needs_input_grad[:3]]
     if not any(needs):
         return (None,) * _N_INPUTS
     dq, dk, dv = torch.ops.fuser.attention_backward(
-        dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode
+        dout, q, k, v, out, lse, mask, scale, causal, mask_kind, plan, needs, mask_fill, causal_fill, causal_fill_mode,
+        pred, pred_consts, pred_fill, pred_fill_mode,
     )
     return (
         dq if needs[0] else None,

@@ -235,7 +235,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
             op = e.node(
                 "call_function", torch.ops.fuser.attention.default,
                 (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params),
-                 b["mask_fill"], b["causal_fill"], b["causal_fill_mode"]),
+                 b["mask_fill"], b["causal_fill"], b["causal_fill_mode"], "", [], float("-inf"), "replace"),
             )
             out = e.node("call_function", operator.getitem, (op, 0))
         elif impl == "sdpa":

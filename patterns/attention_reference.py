@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from ..codegen import predicate as _predicate
 from ..codegen.attention import CAUSAL_MODES, MASK_KINDS, causal_offset
 
 __all__ = ["reference", "CAUSAL_MODES", "MASK_KINDS", "causal_offset"]
@@ -24,6 +25,10 @@ def reference(
     mask_fill: float = -math.inf,
     causal_fill: float = -math.inf,
     causal_fill_mode: str = "replace",
+    mask_pred=None,
+    pred_consts: Sequence[int] = (),
+    pred_fill: float = -math.inf,
+    pred_fill_mode: str = "replace",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in float64, written directly on the materialised scores.
 
@@ -46,9 +51,18 @@ def reference(
             gradient flows to the score as for any additive mask); ``-inf`` hides it.
             Ignored without causal masking.
         causal_fill_mode: ``"replace"`` or ``"add"``.
+        mask_pred: an index predicate over query ``i`` and key ``j`` (a
+            ``codegen/predicate.py`` tuple or its text; ``None`` or ``""``: none): a nested
+            ``("atom", a, b, k)`` = ``a*i + b*j + pred_consts[k] >= 0``, ``("and", ...)``,
+            ``("or", ...)``, ``("true",)``, ``("false",)``. Query i keeps key j iff it holds.
+        pred_consts: the predicate's integer constants.
+        pred_fill: the score of an entry the predicate drops (``pred_fill_mode="replace"``, no
+            gradient there) or what is added to it (``"add"``); ``-inf`` hides it.
+        pred_fill_mode: ``"replace"`` or ``"add"``.
 
     Scores: ``s = scale · q kᵀ`` (``+ mask`` for ``"additive"``), then the boolean mask's fill,
-    then the causal fill, all in float64; the softmax runs over every key of the row.
+    then the causal fill, then the predicate's fill, all in float64; the softmax runs over every
+    key of the row.
 
     Returns:
         ``(out, lse)``: ``out`` ``[B, Hq, Nq, Dv]`` float64; ``lse`` ``[B, Hq, Nq]`` float64,
@@ -60,11 +74,12 @@ def reference(
         ValueError: ``Hq`` is not a multiple of ``Hkv``, an unknown ``mask_kind`` or
             ``causal_fill_mode``, or a NaN or ``+inf`` fill.
     """
-    for name, value in (("mask_fill", mask_fill), ("causal_fill", causal_fill)):
+    for name, value in (("mask_fill", mask_fill), ("causal_fill", causal_fill), ("pred_fill", pred_fill)):
         if math.isnan(value) or value == math.inf:
             raise ValueError(f"{name} must be finite or -inf, got {value!r}")
-    if causal_fill_mode not in ("replace", "add"):
-        raise ValueError(f"causal_fill_mode must be 'replace' or 'add', got {causal_fill_mode!r}")
+    for name, mode in (("causal_fill_mode", causal_fill_mode), ("pred_fill_mode", pred_fill_mode)):
+        if mode not in ("replace", "add"):
+            raise ValueError(f"{name} must be 'replace' or 'add', got {mode!r}")
     q, k, v = q.double(), k.double(), v.double()
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
@@ -88,6 +103,13 @@ def reference(
         above = j > i + off
         filled = torch.full_like(s, causal_fill) if causal_fill_mode == "replace" else s + causal_fill
         s = torch.where(above, filled, s)
+    if mask_pred is not None and not (isinstance(mask_pred, str) and not mask_pred.strip()):
+        pred = _predicate.parse(mask_pred) if isinstance(mask_pred, str) else _predicate.validate(mask_pred)
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        dropped = ~_keep(pred, i, j, [int(c) for c in pred_consts]).expand(n_q, n_k)
+        filled = torch.full_like(s, pred_fill) if pred_fill_mode == "replace" else s + pred_fill
+        s = torch.where(dropped, filled, s)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
@@ -95,3 +117,18 @@ def reference(
     out = (p @ v) / torch.where(l > 0, l, torch.ones_like(l))
     lse = (m + torch.log(l)).squeeze(-1)
     return out, lse
+
+
+def _keep(pred: tuple, i: torch.Tensor, j: torch.Tensor, consts: list) -> torch.Tensor:
+    """The predicate on index grids, written out here (independent of the kernels' rendering)."""
+    op = pred[0]
+    if op == "atom":
+        _, a, b, k = pred
+        return a * i + b * j + consts[k] >= 0
+    if op in ("true", "false"):
+        return torch.full((i.shape[0], j.shape[1]), op == "true", device=i.device)
+    parts = [_keep(p, i, j, consts) for p in pred[1:]]
+    out = parts[0]
+    for p in parts[1:]:
+        out = (out & p) if op == "and" else (out | p)
+    return out

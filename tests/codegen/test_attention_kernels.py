@@ -38,6 +38,7 @@ def _check(
     q, k, v, *, causal="none", mask=None, mask_kind="none", scale=None, need_lse=True,
     grad=True, modes=BWD_MODES, needs_grad=(True, True, True), config=None, bwd_config=None,
     dout=None, tol=None, seed=0, mask_fill=-math.inf, causal_fill=-math.inf, causal_fill_mode="replace",
+    mask_pred=None, pred_consts=(), pred_fill=-math.inf, pred_fill_mode="replace",
 ):
     """Forward (and backward in each mode) against the reference; returns (out, lse, grads by mode)."""
     dtype = q.dtype
@@ -45,6 +46,8 @@ def _check(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kw = dict(scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, mask_fill=mask_fill,
               causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+    if mask_pred is not None:
+        kw.update(mask_pred=mask_pred, pred_consts=pred_consts, pred_fill=pred_fill, pred_fill_mode=pred_fill_mode)
     with launch.poison_outputs():
         out, lse = attention.forward(q, k, v, need_lse=need_lse or grad, config=config, **kw)
     ref_out, ref_lse = reference(q, k, v, **kw)
@@ -60,7 +63,7 @@ def _check(
     else:
         _check_stats(lse, ref_lse, k.shape[2], dtype, attention.two_part_stats(
             causal=causal, mask_kind=mask_kind, mask_fill=mask_fill, causal_fill=causal_fill,
-            causal_fill_mode=causal_fill_mode))
+            causal_fill_mode=causal_fill_mode, mask_pred=mask_pred, pred_fill=pred_fill, pred_fill_mode=pred_fill_mode))
         empty = torch.isneginf(ref_lse)
         assert (out[empty.unsqueeze(-1).expand_as(out)] == 0).all(), "empty rows must give out = 0"
 
@@ -446,6 +449,183 @@ def test_rejects_bad_fills():
         attention.backward(torch.randn_like(out), q, k, v, out, lse, scale=1.0, causal="top_left", causal_fill=-1.0)
 
 
+# --- index predicates (codegen/predicate.py) ----------------------------------------------------
+
+WINDOW = ("and", ("atom", 1, -1, 0), ("atom", -1, 1, 1))  # i - C1 <= j <= i + C0
+PREFIX_LM = ("or", ("atom", 1, -1, 0), ("atom", 0, -1, 1))  # j <= i + C0 or j <= C1
+KEY_LIMIT = ("atom", 0, -1, 0)  # j <= C0 (j < L with C0 = L - 1)
+
+
+def _window(w: int, offset: int = 0) -> tuple:
+    """Sliding window of width w on the diagonal j <= i + offset: i + offset - w < j <= i + offset."""
+    return WINDOW, (offset, w - 1 - offset)
+
+
+@pytest.mark.parametrize("w", [1, 7, 200], ids=["w1", "w7", "wider_than_n"])
+def test_predicate_sliding_window(w):
+    q, k, v = _qkv(70 + w, 1, 2, 2, 45, 37, 32, 24)
+    pred, consts = _window(w)
+    out, lse, _ = _check(q, k, v, mask_pred=pred, pred_consts=consts)
+    assert lse.shape == (1, 2, 45)  # hidden (-inf) drops: one LSE, as today
+    if w == 200:  # the causal kernel's semantics exactly (top-left)
+        ref, _ = reference(q, k, v, scale=32 ** -0.5, causal="top_left")
+        assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("n_q,n_k", [(50, 29), (29, 50)], ids=["q>k", "q<k"])
+def test_predicate_window_bottom_right_gqa(n_q, n_k):
+    # j <= i + Nk - Nq and j > i + Nk - Nq - w: constants from the sizes; rows with no key give 0
+    q, k, v = _qkv(72, 2, 4, 2, n_q, n_k, 32, 32)
+    pred, consts = _window(6, offset=n_k - n_q)
+    out, lse, grads = _check(q, k, v, mask_pred=pred, pred_consts=consts)
+    if n_q > n_k:
+        assert (out[:, :, : n_q - n_k] == 0).all() and torch.isposinf(lse[:, :, : n_q - n_k]).all()
+        for dq, _, _ in grads.values():
+            assert (dq[:, :, : n_q - n_k] == 0).all()
+
+
+def test_predicate_prefix_lm_and_band():
+    q, k, v = _qkv(73, 1, 2, 1, 53, 53, 32, 32)
+    _check(q, k, v, mask_pred=PREFIX_LM, pred_consts=(0, 19))  # bidirectional prefix of 20 keys
+    # |i - j| <= 5 as two atoms: i - j + 5 >= 0 and j - i + 5 >= 0
+    _check(q, k, v, mask_pred=WINDOW, pred_consts=(5, 5), modes=("atomic_dq",))
+
+
+def test_predicate_key_limit_and_strided_atoms():
+    # j < L with L < Nk; 2 j <= i + 3 (|b| = 2: floor division on negative bounds)
+    q, k, v = _qkv(74, 2, 2, 2, 37, 45, 16, 16)
+    _check(q, k, v, mask_pred=KEY_LIMIT, pred_consts=(30,))
+    _check(q, k, v, mask_pred=("and", ("atom", 1, -2, 0), ("atom", -1, 2, 1)), pred_consts=(3, 20))
+
+
+def test_predicate_always_false_rows_give_zero():
+    q, k, v = _qkv(75, 1, 2, 2, 29, 33, 32, 32)
+    for pred, consts in ((("false",), ()), (("atom", 0, 0, 0), (-1,))):  # false, and false at run time
+        out, lse, grads = _check(q, k, v, mask_pred=pred, pred_consts=consts, modes=("two_kernel",))
+        assert (out == 0).all() and torch.isposinf(lse).all()
+        assert all((g == 0).all() for g in grads["two_kernel"])
+
+
+def test_predicate_with_masks():
+    # order: additive mask, boolean mask (with its fill), then the predicate
+    b, h, n_q, n_k = 2, 2, 41, 35
+    q, k, v = _qkv(76, b, h, h, n_q, n_k, 32, 32)
+    gen = torch.Generator().manual_seed(77)
+    keep = torch.rand(b, 1, 1, n_k, generator=gen) > 0.2
+    pred, consts = _window(9)
+    _check(q, k, v, mask=keep, mask_kind="bool_keep", mask_pred=pred, pred_consts=consts)
+    _check(q, k, v, mask=~keep, mask_kind="bool_drop", mask_fill=-2.0, mask_pred=pred, pred_consts=consts,
+           pred_fill=-1.0, modes=("atomic_dq",))
+    bias = torch.randn(b, h, n_q, n_k, generator=gen)
+    _check(q, k, v, mask=bias, mask_kind="additive", mask_pred=PREFIX_LM, pred_consts=(0, 4), modes=("two_kernel",))
+
+
+@pytest.mark.parametrize("mode", ["replace", "add"])
+def test_predicate_finite_fill(mode):
+    # a finite pred_fill: every tile visited, the fill applied per element, two-part statistics;
+    # rows past the window's end (Nq > Nk, bottom-right) have every key filled: uniform average
+    q, k, v = _qkv(78, 2, 4, 2, 45, 29, 32, 24)
+    pred, consts = _window(5, offset=29 - 45)
+    fill = -2.0 if mode == "replace" else F32_MIN
+    out, lse, grads = _check(q, k, v, mask_pred=pred, pred_consts=consts, pred_fill=fill, pred_fill_mode=mode,
+                             scale=0.5)
+    assert lse.shape == (2, 4, 2, 45)
+    rows = out[:, :, : 45 - 29].double()
+    want = v.double().mean(2, keepdim=True).repeat_interleave(2, 1)
+    assert _rel(rows, want.expand_as(rows)) < 1e-5
+    if mode == "replace":  # constant scores in those rows: no gradient to q there
+        for dq, _, _ in grads.values():
+            assert dq[:, :, : 45 - 29].abs().max() < 1e-6
+
+
+def test_predicate_fill_wins_over_lower_scores():
+    # scores around -2e4, pred_fill = -1e4: the dropped keys carry the whole softmax (what eager
+    # gives for torch.where(window, s, -1e4)); hiding them instead would be far off
+    b, h, n_q, n_k = 1, 2, 37, 45
+    q, k, v = _near_scores(79, b, h, n_q, n_k, 32, 24, center=-20.0)
+    pred, consts = _window(4)
+    out, _, grads = _check(q, k, v, scale=1000.0, mask_pred=pred, pred_consts=consts, pred_fill=-1e4)
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    dropped = ~((j <= i) & (j > i - 4))
+    want = (dropped.double() @ v.double()) / dropped.sum(-1, keepdim=True)
+    assert _rel(out, want) < 1e-5
+    skip, _ = reference(q, k, v, scale=1000.0, mask_pred=pred, pred_consts=consts)
+    assert _rel(skip, want) > 0.5
+
+
+def test_predicate_fp16():
+    q, k, v = _qkv(80, 2, 4, 2, 67, 53, 64, 48, dtype=torch.float16)
+    pred, consts = _window(13, offset=53 - 67)
+    _check(q, k, v, mask_pred=pred, pred_consts=consts)
+    _check(q, k, v, mask_pred=PREFIX_LM, pred_consts=(0, 9), pred_fill=-3.0, pred_fill_mode="add", modes=("two_kernel",))
+
+
+def test_predicate_reference_matches_eager():
+    # the reference's predicate semantics are what users write in eager PyTorch (float64)
+    g = torch.Generator().manual_seed(81)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for n in (23, 31, 31))
+    s = q @ k.mT * 0.4
+    i, j = torch.arange(23)[:, None], torch.arange(31)[None, :]
+    window = (j <= i + 8) & (j > i + 8 - 5)  # bottom-right window of 5
+    for fill in (-math.inf, -1e4, F32_MIN):
+        eager = torch.softmax(s.masked_fill(~window, fill), -1) @ v
+        if fill == -math.inf:
+            eager = torch.nan_to_num(eager)  # rows with no key: eager NaN, the reference 0
+        ref, _ = reference(q, k, v, scale=0.4, mask_pred="and(ge(1,-1,0),ge(-1,1,1))", pred_consts=(8, 4 - 8),
+                           pred_fill=fill)
+        assert _rel(ref, eager) < 1e-12
+    eager = torch.softmax(s + torch.where(j < 20, 0.0, -3.0), -1) @ v
+    ref, _ = reference(q, k, v, scale=0.4, mask_pred=KEY_LIMIT, pred_consts=(19,), pred_fill=-3.0, pred_fill_mode="add")
+    assert _rel(ref, eager) < 1e-12
+
+
+def test_predicate_rejects_bad_arguments():
+    q, k, v = _qkv(82, 1, 2, 2, 8, 8, 16, 16)
+    for kw in (dict(causal="top_left", mask_pred=WINDOW, pred_consts=(0, 2)),  # fold causal into the predicate
+               dict(mask_pred=WINDOW, pred_consts=(0,)),  # too few constants
+               dict(mask_pred=WINDOW, pred_consts=(0, 2), pred_fill=math.nan),
+               dict(mask_pred=WINDOW, pred_consts=(0, 2), pred_fill=-1.0, pred_fill_mode="multiply"),
+               dict(mask_pred="and(ge(1,-1,0)", pred_consts=(0,)),
+               dict(mask_pred=("not", ("true",)), pred_consts=())):
+        with pytest.raises(ValueError):
+            attention.forward(q, k, v, scale=1.0, **kw)
+
+
+def test_predicate_true_is_no_predicate():
+    a = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True, interpret=True)
+    for pred in (None, "", "true", ("or", ("true",), ("atom", 1, -1, 0))):
+        b = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                 interpret=True, mask_pred=pred)
+        assert b is a
+
+
+@pytest.mark.parametrize("target", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("mutation", ["hi = hi - 16", "lo = lo + 16", "full_hi = full_hi + 16", "full_lo = full_lo - 16"])
+def test_predicate_bounds_mutations_are_caught(monkeypatch, target, mutation):
+    # the kernel tests catch wrong loop bounds: a too-small [lo, hi) or a too-large full range in
+    # one kernel (forward, dQ, or dK/dV: roles swapped) makes the comparison fail
+    real = attention._pred_params
+
+    def mutated(pred, pred_fill_k, backward):
+        params = real(pred, pred_fill_k, backward)
+        key = {"fwd": "pred_bounds", "dq": "pred_bounds", "dkdv": "pred_bounds_t"}[target]
+        if backward == (target != "fwd"):
+            params[key] = params[key] + (mutation,)
+        return params
+
+    q, k, v = _qkv(83, 1, 2, 2, 64, 64, 16, 16)
+    pred, consts = _window(40)  # wider than the blocks: some tiles are fully kept, some skipped
+    monkeypatch.setattr(attention, "_pred_params", mutated)
+    attention._fwd_module.cache_clear()
+    attention._bwd_module.cache_clear()
+    try:
+        with pytest.raises(AssertionError):
+            _check(q, k, v, mask_pred=pred, pred_consts=consts, modes=("two_kernel",))
+    finally:
+        attention._fwd_module.cache_clear()
+        attention._bwd_module.cache_clear()
+
+
 # --- layouts, options ------------------------------------------------------------------------
 
 
@@ -628,6 +808,57 @@ def test_kernels_for_renders_fill_variants():
             "attention_fwd_maskkeepfill"} <= names
 
 
+PRED_VARIANTS = [
+    # predicate, pred_fill, mode
+    (("and", ("atom", 1, -1, 0), ("atom", -1, 1, 1)), -math.inf, "replace"),
+    (("or", ("atom", 1, -1, 0), ("atom", 0, -1, 1)), -1e4, "replace"),
+    (("and", ("atom", 1, -2, 0), ("atom", 0, 0, 1)), -1e9, "add"),
+    (("false",), -math.inf, "replace"),
+]
+
+
+def test_kernels_for_renders_predicate_variants():
+    from fuser.codegen import predicate
+
+    names = set()
+    for mask_kind in attention.MASK_KINDS:
+        for pred, fill, mode in PRED_VARIANTS:
+            for bwd_mode in attention.BWD_MODES:
+                kw = dict(mask_pred=pred, pred_fill=fill, pred_fill_mode=mode)
+                ks = attention.kernels_for(causal="none", mask_kind=mask_kind, mask_row_broadcast=False,
+                                           bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True, **kw)
+                text = predicate.serialize(pred)
+                ks_text = attention.kernels_for(causal="none", mask_kind=mask_kind, mask_row_broadcast=False,
+                                                bwd_mode=bwd_mode, interpret=False, need_lse=True, training=True,
+                                                **dict(kw, mask_pred=text))
+                assert ks == ks_text  # the tuple and its text are the same variant
+                two_part = attention.two_part_stats(causal="none", mask_kind=mask_kind, **kw)
+                assert two_part == (mask_kind == "additive" or fill != -math.inf)
+                for kern in ks:
+                    src = kern.source
+                    if kern.name not in names:
+                        names.add(kern.name)
+                        compile(src, kern.path, "exec")
+                    kind = "pred" if fill == -math.inf else "predfill" if mode == "replace" else "predadd"
+                    assert f"_{kind}_{predicate.digest(pred)}" in kern.name
+                    # the header says in words which predicate the kernel evaluates
+                    assert f"#   keep:    {predicate.describe(pred)}\n" in src
+                    assert "1e4" not in src and "10000" not in src and "1e9" not in src
+                    assert "launched first" not in src and "CAUSAL_OFFSET + 1" not in src
+                    assert ("pred_fill" in src) == (fill != -math.inf)
+                    assert ("Stats" in src) == two_part
+                    assert ("_floordiv" in src) == predicate.needs_floordiv(pred)
+                    n = predicate.n_consts(pred)
+                    if n:  # the constants are runtime arguments, never specialised
+                        assert '"CAUSAL_OFFSET", "PC0"' in src and f"PC{n - 1}" in src and f"PC{n}" not in src
+    assert any(n.startswith("attention_fwd_predfill_") and n.endswith("_maskkeep") for n in names)
+    k = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                             interpret=False, mask_pred=PRED_VARIANTS[0][0])
+    # a window: key tiles outside [lo, hi) of the block are never visited; three stages
+    assert "lo = tl.maximum(i_first - PC1, 0)" in k.source and "hi = tl.minimum(i_last + PC0 + 1, N_K)" in k.source
+    assert k.source.count("= _attn_fwd_inner(") == 3
+
+
 def test_config_table():
     check_table(attention._FWD_TABLE, attention._BWD_TABLE)
     for key, cands in attention._FWD_CAUSAL_TABLE.items():
@@ -791,6 +1022,59 @@ def test_gpu_one_compile_for_every_fill_value():
         attention.forward(q, k, v, scale=0.125, causal="bottom_right", causal_fill=fill, causal_fill_mode="add")
         counts.append(len(compiled_keys(fn)))
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each fill: {counts}"
+
+
+GPU_PRED_CASES = [
+    # id, dtype, Nq, Nk, predicate, constants, pred_fill, mode
+    ("bf16_window_256", torch.bfloat16, 2048, 2048, "and(ge(1,-1,0),ge(-1,1,1))", (0, 255), -math.inf, "replace"),
+    ("fp16_window_bottom_right_q>k", torch.float16, 1100, 777, "and(ge(1,-1,0),ge(-1,1,1))",
+     (777 - 1100, 99 - (777 - 1100)), -math.inf, "replace"),
+    ("bf16_prefix_lm", torch.bfloat16, 1024, 1024, "or(ge(1,-1,0),ge(0,-1,1))", (0, 299), -math.inf, "replace"),
+    ("bf16_window_fill", torch.bfloat16, 1024, 1000, "and(ge(1,-1,0),ge(-1,1,1))", (0, 127), -1e4, "replace"),
+    ("bf16_keylimit_add_finfo_min", torch.bfloat16, 777, 1024, "ge(0,-1,0)", (900,), torch.finfo(torch.float32).min,
+     "add"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_PRED_CASES, ids=[c[0] for c in GPU_PRED_CASES])
+def test_gpu_predicates(case):
+    # compiled predicate variants in 16-bit against the float64 reference
+    _, dtype, n_q, n_k, pred, consts, fill, mode = case
+    dev = torch.device("cuda")
+    b, hq, hkv, d = 2, 8, 2, 128
+    q, k, v = _qkv(121, b, hq, hkv, n_q, n_k, d, d, dtype=dtype, device=dev)
+    kw = dict(scale=d ** -0.5, mask_pred=pred, pred_consts=consts, pred_fill=fill, pred_fill_mode=mode)
+    dout = _rand(torch.Generator().manual_seed(122), b, hq, n_q, d, dtype=dtype, device=dev)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*leaves, **kw)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, **kw)
+    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
+    for mode_ in BWD_MODES:
+        with launch.poison_outputs():
+            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
+            e = _rel(g, r)
+            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_one_compile_for_every_window():
+    dev = torch.device("cuda")
+    pred = "and(ge(1,-1,0),ge(-1,1,1))"
+    kern = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                interpret=False, mask_pred=pred)
+    fn = launch.kernel_module(kern, False).attention_fwd_kernel
+    compiled_keys(fn)
+    counts = []
+    for n, w in ((1000, 1), (1100, 16), (1234, 33), (77, 1000)):
+        q, k, v = _qkv(123, 1, 2, 2, n, n + 7, 64, 64, dtype=torch.bfloat16, device=dev)
+        attention.forward(q, k, v, scale=0.125, mask_pred=pred, pred_consts=(7, w - 1 - 7))
+        counts.append(len(compiled_keys(fn)))
+    assert counts[1:] == counts[:1] * 3, f"compiled variants after each window: {counts}"
 
 
 @pytest.mark.gpu

@@ -11,8 +11,15 @@ from fuser.patterns import attention_ops  # noqa: F401
 
 PLAN = "backward=two_kernel;autotune=0"
 NEG_INF = float("-inf")
-HIDE = (NEG_INF, NEG_INF, "replace")  # mask_fill, causal_fill, causal_fill_mode: today's kernels
+NO_PRED = ("", [], NEG_INF, "replace")  # pred, pred_consts, pred_fill, pred_fill_mode: no predicate
+# mask_fill, causal_fill, causal_fill_mode, then the predicate's arguments: today's kernels
+HIDE = (NEG_INF, NEG_INF, "replace") + NO_PRED
 F32_MIN = torch.finfo(torch.float32).min
+WINDOW = "and(ge(1,-1,0),ge(-1,1,1))"  # i - C1 <= j <= i + C0
+
+
+def _fills(mask_fill=NEG_INF, causal_fill=NEG_INF, causal_fill_mode="replace", pred=NO_PRED):
+    return (mask_fill, causal_fill, causal_fill_mode) + tuple(pred)
 
 
 def _qkv(strided: bool, hq=4, hkv=2, n=24, d=16, requires_grad=True):
@@ -43,11 +50,16 @@ def _mask(mask_kind):
 # fill variants (two-part statistics [B, H, 2, Nq])
 VARIANTS = [
     ("none", "none", HIDE), ("top_left", "none", HIDE), ("none", "additive", HIDE), ("bottom_right", "bool_keep", HIDE),
-    ("none", "bool_drop", (-1e4, NEG_INF, "replace")),
-    ("top_left", "none", (NEG_INF, F32_MIN, "add")),
-    ("bottom_right", "bool_keep", (-2.0, -3.0, "replace")),
+    ("none", "bool_drop", _fills(-1e4)),
+    ("top_left", "none", _fills(NEG_INF, F32_MIN, "add")),
+    ("bottom_right", "bool_keep", _fills(-2.0, -3.0, "replace")),
+    # index predicates: a sliding window (hidden), with a finite fill, with a boolean mask
+    ("none", "none", _fills(pred=(WINDOW, [0, 5], NEG_INF, "replace"))),
+    ("none", "none", _fills(pred=(WINDOW, [2, 7], -1.5, "replace"))),
+    ("none", "bool_keep", _fills(-2.0, pred=("or(ge(1,-1,0),ge(0,-1,1))", [0, 3], F32_MIN, "add"))),
 ]
-VARIANT_IDS = ["none", "causal", "additive", "bool_keep", "maskfill", "causaladd", "maskfill_causalfill"]
+VARIANT_IDS = ["none", "causal", "additive", "bool_keep", "maskfill", "causaladd", "maskfill_causalfill",
+               "pred", "predfill", "maskfill_predadd"]
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
@@ -57,13 +69,13 @@ def test_opcheck_forward(strided, causal, mask_kind, fills):
     args = (q, k, v, _mask(mask_kind), 0.25, causal, mask_kind, True, PLAN, *fills)
     torch.library.opcheck(torch.ops.fuser.attention.default, args)
     out, lse = torch.ops.fuser.attention(*args)
-    two_part = mask_kind == "additive" or fills != HIDE
+    two_part = mask_kind == "additive" or fills[:3] != HIDE[:3] or fills[5] != NEG_INF
     assert lse.shape == ((2, 4, 2, 24) if two_part else (2, 4, 24)) and lse.is_contiguous()
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("causal,mask_kind,fills", [VARIANTS[1], VARIANTS[2], VARIANTS[6]],
-                         ids=["causal", "additive", "maskfill_causalfill"])
+@pytest.mark.parametrize("causal,mask_kind,fills", [VARIANTS[1], VARIANTS[2], VARIANTS[6], VARIANTS[7], VARIANTS[9]],
+                         ids=["causal", "additive", "maskfill_causalfill", "pred", "maskfill_predadd"])
 def test_opcheck_backward(strided, causal, mask_kind, fills):
     q, k, v = _qkv(strided, requires_grad=False)
     mask = _mask(mask_kind)
@@ -77,7 +89,7 @@ def test_opcheck_backward(strided, causal, mask_kind, fills):
     )
 
 
-@pytest.mark.parametrize("fills", [HIDE, (-2.0, -3.0, "add")], ids=["hide", "fills"])
+@pytest.mark.parametrize("fills", [HIDE, _fills(-2.0, -3.0, "add")], ids=["hide", "fills"])
 def test_autograd_through_the_op(fills):
     # gradients flow to q, k, v only (None for the mask and every non-tensor argument)
     q, k, v = _qkv(False)
@@ -93,3 +105,27 @@ def test_inference_forward_returns_empty_lse():
     assert lse.numel() == 0 and out.shape == (2, 4, 24, 16)
     # output laid out [B, N, H, D] in memory, so out.transpose(1, 2) is contiguous
     assert out.transpose(1, 2).is_contiguous()
+
+
+def test_predicate_through_the_op_matches_reference():
+    # the op's text predicate and SymInt constants reach the kernels; gradients through autograd
+    from fuser.patterns.attention_reference import reference
+
+    q, k, v = _qkv(False)
+    fills = _fills(pred=(WINDOW, [0, 3], NEG_INF, "replace"))
+    out, lse = torch.ops.fuser.attention(q, k, v, None, 0.25, "none", "none", True, PLAN, *fills)
+    assert lse.shape == (2, 4, 24)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*leaves, scale=0.25, mask_pred=WINDOW, pred_consts=[0, 3])
+    assert (out.double() - ref).abs().max() < 1e-5
+    out.sum().backward()
+    want = torch.autograd.grad(ref.sum(), leaves)
+    for t, w in zip((q, k, v), want):
+        assert (t.grad.double() - w).abs().max() < 1e-4
+
+
+def test_predicate_with_causal_is_rejected():
+    q, k, v = _qkv(False, requires_grad=False)
+    with pytest.raises(ValueError):
+        torch.ops.fuser.attention(q, k, v, None, 0.25, "top_left", "none", True, PLAN,
+                                  *_fills(pred=(WINDOW, [0, 3], NEG_INF, "replace")))
