@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from fuser.codegen import predicate
 from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
 from fuser.names import user_name
 from fuser.matcher import match
@@ -95,7 +96,7 @@ class AttentionPattern(Pattern):
     def _analyze(self, b, anchor: fx.Node, pv: fx.Node, p_nodes: list, ctx: MatchContext) -> Match:
         view = ctx.view
         sm = view.canon(anchor)
-        sc = analyze_scores(b, ctx)
+        sc = analyze_scores(b, ctx, predicates=True)
         rank = sc.rank
         if sm.op == "softmax":
             if sm.attrs["dim"] != rank - 1:
@@ -123,7 +124,7 @@ class AttentionPattern(Pattern):
                             "hand-written" if sm.op == "div" else "softmax", anchor, out_p=pv_c.attrs.get("po"))
 
     def _analyze_sdpa(self, node: fx.Node, ctx: MatchContext) -> Match:
-        sc = analyze_sdpa(node, ctx)
+        sc = analyze_sdpa(node, ctx, predicates=True)
         return self._finish(sc, ctx.view.canon(node).args[2], None, node, frozenset({node}), sc.detached, ctx,
                             "scaled_dot_product_attention", node)
 
@@ -161,6 +162,8 @@ class AttentionPattern(Pattern):
             mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group, rank=rank,
             in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, out_dtype=dtype(pv), need_lse=need_lse,
             device=sc.device, detach_qk=detached, sdpa=softmax == "scaled_dot_product_attention",
+            pred=sc.pred, pred_consts=sc.pred_consts, pred_fill=sc.pred_fill, pred_fill_mode=sc.pred_fill_mode,
+            size_sources=sc.size_sources,
         )
         summary = {
             "q": user_name(q), "k": user_name(k), "v": user_name(v),
@@ -177,6 +180,10 @@ class AttentionPattern(Pattern):
             summary["causal_fill"] = f"{sc.causal_fill:g} ({sc.causal_fill_mode})"
         if sc.mask_fill != float("-inf"):
             summary["mask_fill"] = f"{sc.mask_fill:g}"
+        if sc.pred is not None:
+            words = predicate.describe(sc.pred, consts=tuple(str(c) for c in sc.pred_consts)).replace(" + 0", "")
+            summary["keep"] = words + ("" if sc.pred_fill == float("-inf")
+                                       else f" (others {sc.pred_fill:g}, {sc.pred_fill_mode})")
         if sc.buffers:
             summary["assumes_constant"] = sorted(set(sc.buffers))
         inputs = tuple(sc.inputs) + (v,)
@@ -203,7 +210,8 @@ class AttentionPattern(Pattern):
                 causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row_bcast),
                 bwd_mode=bwd_mode, interpret=b["device"].type == "cpu",
                 need_lse=b["need_lse"], training=b["need_lse"], mask_fill=b["mask_fill"],
-                causal_fill=b["causal_fill"], causal_fill_mode=b["causal_fill_mode"],
+                causal_fill=b["causal_fill"], causal_fill_mode=b["causal_fill_mode"], mask_pred=b["pred"],
+                pred_fill=b["pred_fill"], pred_fill_mode=b["pred_fill_mode"],
             ):
                 if k not in out:
                     out.append(k)

@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fuser import costmodel as cm
-from fuser.codegen import launch
+from fuser.codegen import launch, predicate
 from fuser.graph import permuted, shape, val
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
@@ -198,6 +198,8 @@ def _sdpa_exact(m: Match) -> bool:
         return False
     if b["causal"] != "none" and b["causal_fill"] != NEG_INF:
         return False  # SDPA's is_causal hides the keys; a finite fill is a value
+    if b["pred"] is not None:
+        return False
     subs = _shape_subs(m)
     d, dv = subs[cm.D], subs[cm.DV]
     if d != dv or d % 8 or d > 256:
@@ -231,11 +233,13 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         scale = e.scale(b["factors"])
         mask = e.mask(b["mask_terms"], b["mask_shape"])
         impl = plan.params["impl"]
+        pred_text = predicate.serialize(b["pred"]) if b["pred"] is not None else ""
         if impl == "fuser":
             op = e.node(
                 "call_function", torch.ops.fuser.attention.default,
                 (q, k, v, mask, scale, b["causal"], b["mask_kind"], b["need_lse"], plan_string(plan.params),
-                 b["mask_fill"], b["causal_fill"], b["causal_fill_mode"], "", [], float("-inf"), "replace"),
+                 b["mask_fill"], b["causal_fill"], b["causal_fill_mode"], pred_text,
+                 [e.size_expr(c, b["size_sources"]) for c in b["pred_consts"]], b["pred_fill"], b["pred_fill_mode"]),
             )
             out = e.node("call_function", operator.getitem, (op, 0))
         elif impl == "sdpa":

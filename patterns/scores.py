@@ -442,11 +442,13 @@ def _commutes(later: tuple, earlier: tuple) -> bool:
     return True
 
 
-def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
+def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bool = False) -> Scores:
     """Analyse the bindings of :func:`scores_rule` (``tag`` as given there): the scale, the
     masks (classified by value, for every size the graph serves), the operands and their
-    layout. Raises :class:`Decline` with the reason when the scores cannot be computed exactly
-    by fuser's kernels."""
+    layout. With ``predicates``, masks built from indices that are neither causal nor empty
+    become a predicate the kernels evaluate (else they are loaded as data). Raises
+    :class:`Decline` with the reason when the scores cannot be computed exactly by fuser's
+    kernels."""
     view = ctx.view
     scores = b[f"S{tag}"]
     rank = ndim(scores)
@@ -540,7 +542,7 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "") -> Scores:
     if not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):
         raise Decline("q and k batch dims differ (broadcasting batched matmul)")
 
-    masks = analyze_masks(terms, score_scales, tuple(shape(scores)[-2:]), rank, dtype(scores), ctx)
+    masks = analyze_masks(terms, score_scales, tuple(shape(scores)[-2:]), rank, dtype(scores), ctx, predicates)
     return Scores(
         node=scores, qk=qk, rank=rank, q=q, k=k, q_p=q_p, k_p=k_p, k_ungrouped=k0, group=group,
         factors=factors, in_dtype=in_dtype, compute_dtype=compute_dtype, device=dev, detached=detached, **masks,
@@ -729,7 +731,7 @@ def _size_sources(view: GraphView, consts: list) -> dict:
 
 
 
-def analyze_sdpa(node: fx.Node, ctx: MatchContext) -> Scores:
+def analyze_sdpa(node: fx.Node, ctx: MatchContext, predicates: bool = False) -> Scores:
     """The scores of an ``F.scaled_dot_product_attention`` call, as :func:`analyze_scores`
     gives them for a written-out softmax: ``softmax(scale · Q Kᵀ + attn_mask)`` with SDPA's
     conventions (a boolean ``attn_mask`` is True where the key is visible, ``is_causal`` is
@@ -801,7 +803,7 @@ def analyze_sdpa(node: fx.Node, ctx: MatchContext) -> Scores:
                 raise Decline(f"attn_mask {tuple(shape(attn_mask))} broadcasts beyond q's batch and heads")
         elif attn_mask is not None:
             raise Decline("attn_mask is not a tensor")
-    masks = causal or analyze_masks(terms, factors, (sq[-2], sk[-2]), rank, in_dtype, ctx)
+    masks = causal or analyze_masks(terms, factors, (sq[-2], sk[-2]), rank, in_dtype, ctx, predicates)
     detached = bool(ctx.grad_enabled and not val(node).requires_grad
                     and (val(q).requires_grad or val(k).requires_grad))
     return Scores(

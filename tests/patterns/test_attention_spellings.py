@@ -94,6 +94,16 @@ def _einsum_bnhd_letters(q, k, v):
     return torch.einsum("bhnm,bmhd->bnhd", s.softmax(-1), vb)
 
 
+def _window(q, k, v):
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    return torch.softmax((q @ k.mT).masked_fill((j > i) | (j < i - 3), float("-inf")), -1) @ v
+
+
+def _prefix(q, k, v):
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    return torch.softmax(torch.where((j <= i) | (j < 5), q @ k.mT, float("-inf")), -1) @ v
+
+
 def _bnhd(q, k, v):
     qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))  # [B, N, H, D] tensors
     o = torch.softmax(qb.transpose(1, 2) @ kb.transpose(1, 2).transpose(-1, -2) * 0.3, -1) @ vb.transpose(1, 2)
@@ -113,6 +123,9 @@ POSITIVE = [
     ("einsum", lambda q, k, v: torch.einsum("bhqk,bhkd->bhqd", torch.einsum("bhqd,bhkd->bhqk", q * 0.25, k).softmax(-1), v),
      dict(scale="0.25")),
     ("einsum_bnhd", _einsum_bnhd, dict(scale="0.3")),
+    # masks from indices that are not causal: evaluated inside the kernels
+    ("sliding_window", _window, dict(causal="none", mask="none", keep="j <= i and j >= i - 3")),
+    ("prefix_lm", _prefix, dict(causal="none", mask="none", keep="j <= i or j <= 4")),
     ("einsum_bnhd_letters", _einsum_bnhd_letters, dict(scale="0.3")),
     ("softmax_method", lambda q, k, v: (q @ k.mT).softmax(dim=-1) @ v, dict(softmax="softmax")),
     ("torch_softmax_fp32_to", lambda q, k, v: torch.softmax(q.half() @ k.half().mT, -1, dtype=torch.float32).to(torch.float16) @ v.half(),
