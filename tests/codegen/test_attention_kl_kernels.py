@@ -40,9 +40,10 @@ def _grads_ref(q1, k1, q2, k2, g, **kw):
 def _check(
     q1, k1, q2, k2, *, causal="none", mask=None, mask_kind="none", scale1=None, scale2=None,
     split_k=1, grad=True, modes=BWD_MODES, needs=(ALL, FROZEN), g=None, tol=None,
-    config=None, bwd_config=None, seed=0,
+    config=None, bwd_config=None, seed=0, fills=None,
 ):
-    """Forward (and the backward per mode and needs_grad) against the reference.
+    """Forward (and the backward per mode and needs_grad) against the reference; ``fills``:
+    the fill keyword arguments (mask_fill1, ..., causal_fill_mode) of forward/backward/reference.
 
     Returns ``(rows, (lse1, lse2, delta), {(mode, needs): grads})``.
     """
@@ -50,7 +51,7 @@ def _check(
     tol = TOL[dtype] if tol is None else tol
     scale1 = q1.shape[-1] ** -0.5 if scale1 is None else scale1
     scale2 = q2.shape[-1] ** -0.5 if scale2 is None else scale2
-    kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind)
+    kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind, **(fills or {}))
     with launch.poison_outputs():
         rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split_k, config=config, **kw)
     ref = reference(q1, k1, q2, k2, **kw)
@@ -62,7 +63,11 @@ def _check(
     empty = torch.isneginf(ref["lse1"])
     assert (rows[empty] == 0).all(), "rows with no visible key must give L = 0"
     stat_tol = 1e-4 if dtype == torch.float32 else 2e-3
-    for name, got, want in (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
+    two_part = attention_kl.two_part_stats(mask_kind, **attention_kl.fill_variant(causal, mask_kind, **(fills or {})))
+    assert lse1.dim() == lse2.dim() == (4 if two_part else 3)
+    if two_part:
+        _check_two_part_stats(ref, lse1, lse2, delta, empty, stat_tol)
+    for name, got, want in () if two_part else (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         assert not got.isnan().any()
         assert torch.isposinf(got[empty]).all(), f"{name}: empty rows must store +inf"
@@ -76,8 +81,9 @@ def _check(
             e = (got[normal].double() / LOG2E - want[normal]).abs().max().item()
             assert e < stat_tol * (1 + want[normal].abs().max().item()), f"{name} error {e:.3g}"
     assert not delta.isnan().any() and (delta[empty] == 0).all()
-    e = (delta.double() * LN2 - ref["delta"]).abs().max().item()
-    assert e < stat_tol * (1 + ref["delta"].abs().max().item()), f"delta error {e:.3g}"
+    if not two_part:
+        e = (delta.double() * LN2 - ref["delta"]).abs().max().item()
+        assert e < stat_tol * (1 + ref["delta"].abs().max().item()), f"delta error {e:.3g}"
 
     grads = {}
     if grad:
@@ -101,6 +107,30 @@ def _check(
                     e = _rel(gr, rg)
                     assert e < tol, f"{name} ({mode}, {need}): relative error {e:.3g} >= {tol}"
     return rows, (lse1, lse2, delta), grads
+
+
+def _check_two_part_stats(ref, stats1, stats2, delta, empty, stat_tol):
+    """Two-part statistics against the reference: per side plane 0 the row max (base 2), plane 1
+    log2 of the row sum; DELTA offset-free. Empty rows store (0, +inf) and DELTA 0."""
+    for side, stats in ((1, stats1), (2, stats2)):
+        assert stats.shape == (2, *ref["rows"].shape) and stats.dtype == torch.float32 and stats.is_contiguous()
+        m, log2l = stats[0], stats[1]
+        assert not stats.isnan().any()
+        assert (m[empty] == 0).all() and torch.isposinf(log2l[empty]).all(), f"side {side}: empty rows"
+        want_m, want_logl = ref[f"max{side}"][~empty], ref[f"logl{side}"][~empty]
+        # log l is exact whatever the max (the point of keeping it apart)
+        e = (log2l[~empty].double() * LN2 - want_logl).abs().max().item() if want_logl.numel() else 0.0
+        assert e < stat_tol * (1 + want_logl.abs().max().item()), f"log l{side} error {e:.3g}"
+        # the max in base 2, relative; a max beyond float32's base-2 range saturates near -FLT_MAX
+        got_m = m[~empty].double() / LOG2E
+        saturated = want_m < -2.3e38
+        assert (got_m[saturated] < -2.3e38).all(), f"max{side}: saturated rows"
+        ok = ~saturated
+        if ok.any():
+            e = ((got_m[ok] - want_m[ok]).abs() / (1 + want_m[ok].abs())).max().item()
+            assert e < stat_tol, f"max{side} error {e:.3g}"
+    e = (delta.double() * LN2 - ref["mean"]).abs().max().item()
+    assert e < stat_tol * (1 + ref["mean"].abs().max().item()), f"offset-free delta error {e:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,7 +513,8 @@ def test_kernels_for_renders_every_variant():
                                     assert ks[0].name.startswith("attention_kl_fwd")
                                     assert "def attention_kl_fwd_kernel" in fwd and "def launch_fwd" in fwd
                                     assert ("def attention_kl_fwd_merge" in fwd) == split
-                                    assert ("tl.store(LSE1" in fwd) == training
+                                    assert ("tl.store(LSE1" in fwd) == (training and mask_kind != "additive")
+                                    assert ("tl.store(STATS1" in fwd) == (training and mask_kind == "additive")
                                     if training:
                                         src = ks[1].source
                                         assert "def attention_kl_bwd_dk(" in src and "def launch_bwd" in src
@@ -496,7 +527,7 @@ def test_kernels_for_renders_every_variant():
                                     need_stats=True, split_k=False, interpret=True)
     assert k_gpu.name == "attention_kl_fwd_causal_maskadd" and k_cpu.path != k_gpu.path
     assert "tl.float32)" not in k_gpu.source.split("tl.dot(")[1].split("\n")[0]
-    for word in ("CAUSAL_OFFSET", "BLOCK_M", "BLOCK_N", "GROUP1", "GROUP2", "LSE1", "DELTA"):
+    for word in ("CAUSAL_OFFSET", "BLOCK_M", "BLOCK_N", "GROUP1", "GROUP2", "STATS1", "DELTA"):
         assert word in k_gpu.source
 
 
