@@ -22,9 +22,28 @@ teacher (``needs_grad`` false for q1 and k1) a variant without any side-1 gradie
 (``Hkv1 != Hkv2``) and both dK are wanted, the dK kernel is launched once per side.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, stats
-stored or not, split-K or not, bwd mode, teacher trainable or frozen, interpreter or GPU); sizes
-are runtime arguments (sequence lengths are ``do_not_specialize``). Block sizes come from one
-table via :func:`candidate_configs`.
+stored or not, split-K or not, bwd mode, teacher trainable or frozen, interpreter or GPU, the fill
+flags below); sizes are runtime arguments (sequence lengths are ``do_not_specialize``). Block
+sizes come from one table via :func:`candidate_configs`.
+
+Fills (hidden entries with finite scores, as eager gives ``masked_fill(m, -1e4)`` or a
+``finfo.min`` mask): per side, a boolean mask's hidden entry takes ``mask_fill1`` / ``mask_fill2``
+(replace: no gradient to its score) and an entry above the causal diagonal takes, or gets added,
+``causal_fill1`` / ``causal_fill2`` (``causal_fill_mode`` "replace" / "add"; "add" passes the
+gradient). The values are runtime float arguments (base 2 inside, clamped to ±FLT_MAX); ``-inf``
+means hidden and renders today's variants unchanged (causal tile skipping included). A finite
+causal fill visits every key tile. :func:`fill_variant` maps the values to the render flags
+``mask_fill_finite`` and ``causal_fill`` ("hide" | "replace" | "add"). The backward treats
+replaced entries as hidden (they pass no gradient; their share of the softmax is in the
+statistics) and so keeps the tile skipping except for "add".
+
+Two-part statistics: where a row max can be a huge finite value (finite fills, additive masks;
+:func:`two_part_stats`), ``LSE = m + log2 l`` cannot hold ``log2 l`` next to ``|m| ~ 3e38``, and
+``DELTA = acc/l1 + m1 − m2`` cancels catastrophically. Those variants store per side
+``[2, B, H, Nq]`` (plane 0 the row max m, plane 1 log2 l; ``(0, +inf)`` for an empty row) and the
+offset-free ``DELTA = acc/l1 = E_P1[(s1 − m1) − (s2 − m2)]``; the backward computes
+``a = s − m``, ``P = exp2(a − log2 l)`` and ``dS1 ∝ P1 ((a1 − a2) − DELTA)``. Other variants keep
+``LSE1, LSE2, DELTA`` ``[B, H, Nq]`` and their code.
 
 Shapes: q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2
 ``[B, Hkv2, Nk, D2]`` (any strides, never copied); ``H % Hkv1 == H % Hkv2 == 0`` (query head h
@@ -35,6 +54,9 @@ Limits:
 - A row whose visible scores all carry a huge finite bias (``finfo.min``) is uniform on both
   sides (the scores' O(1) parts are lost, as in eager and in the float64 reference): L = 0 and
   zero gradients there, exactly as the reference computes.
+- Rows whose every entry is ``-inf`` on side 1 give L = 0 and zero gradient (eager: NaN).
+- Fills under which side 1 keeps mass where side 2's score is ~1e38 lower (e.g. a moderate fill
+  on one side, ``finfo.min`` on the other) have a KL of ~1e38: the kernels saturate (float32).
 - ``B·H`` (and ``B·Hkv``) must stay below 65536 (the second grid axis).
 """
 
