@@ -601,8 +601,9 @@ def test_atomic_dq_chunks_cover_every_head_once():
     assert chunk(1, 4, 2, 2, 100, budget=10) == [(slice(0, 1), slice(0, 2)), (slice(0, 1), slice(2, 4))]
 
 
-@pytest.mark.parametrize("need", [ALL, FROZEN], ids=["both", "frozen"])
-def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need):
+@pytest.mark.parametrize("need,fills", [(ALL, None), (FROZEN, None), (ALL, "causal_add")],
+                         ids=["both", "frozen", "both_two_part_stats"])
+def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need, fills):
     # fp16 (float32 inputs accumulate in place, no chunks); a budget of one kv-head group of
     # side 2 per chunk: 3 batches x 2 chunks, GQA groups 2 and 1 (lcm 2)
     b, h, n_q, n_k, d1, d2 = 3, 4, 33, 40, 32, 16
@@ -610,7 +611,9 @@ def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need):
     row_bytes = 4 * ((d1 if need[0] else 0) + d2)
     monkeypatch.setattr(attention_kl, "ATOMIC_DQ_WORKSPACE_BYTES", 2 * n_q * row_bytes)
     assert len(attention_kl.atomic_dq_chunks(b, h, 2, 1, n_q * row_bytes)) == 6
-    _check(q1, k1, q2, k2, causal="bottom_right", modes=("atomic_dq",), needs=(need,))
+    # two-part statistics ([2, B, H, Nq]) are sliced per chunk with both planes
+    fills = dict(causal_fill1=-1.0, causal_fill2=-2.0, causal_fill_mode="add") if fills else None
+    _check(q1, k1, q2, k2, causal="bottom_right", modes=("atomic_dq",), needs=(need,), fills=fills)
 
 
 def test_frozen_teacher_needs_no_delta():
