@@ -22,9 +22,28 @@ teacher (``needs_grad`` false for q1 and k1) a variant without any side-1 gradie
 (``Hkv1 != Hkv2``) and both dK are wanted, the dK kernel is launched once per side.
 
 Static variants are chosen at render time (causal or not, mask kind, row-broadcast mask, stats
-stored or not, split-K or not, bwd mode, teacher trainable or frozen, interpreter or GPU); sizes
-are runtime arguments (sequence lengths are ``do_not_specialize``). Block sizes come from one
-table via :func:`candidate_configs`.
+stored or not, split-K or not, bwd mode, teacher trainable or frozen, interpreter or GPU, the fill
+flags below); sizes are runtime arguments (sequence lengths are ``do_not_specialize``). Block
+sizes come from one table via :func:`candidate_configs`.
+
+Fills (hidden entries with finite scores, as eager gives ``masked_fill(m, -1e4)`` or a
+``finfo.min`` mask): per side, a boolean mask's hidden entry takes ``mask_fill1`` / ``mask_fill2``
+(replace: no gradient to its score) and an entry above the causal diagonal takes, or gets added,
+``causal_fill1`` / ``causal_fill2`` (``causal_fill_mode`` "replace" / "add"; "add" passes the
+gradient). The values are runtime float arguments (base 2 inside, clamped to ±FLT_MAX); ``-inf``
+means hidden and renders today's variants unchanged (causal tile skipping included). A finite
+causal fill visits every key tile. :func:`fill_variant` maps the values to the render flags
+``mask_fill_finite`` and ``causal_fill`` ("hide" | "replace" | "add"). The backward treats
+replaced entries as hidden (they pass no gradient; their share of the softmax is in the
+statistics) and so keeps the tile skipping except for "add".
+
+Two-part statistics: where a row max can be a huge finite value (finite fills, additive masks;
+:func:`two_part_stats`), ``LSE = m + log2 l`` cannot hold ``log2 l`` next to ``|m| ~ 3e38``, and
+``DELTA = acc/l1 + m1 − m2`` cancels catastrophically. Those variants store per side
+``[2, B, H, Nq]`` (plane 0 the row max m, plane 1 log2 l; ``(0, +inf)`` for an empty row) and the
+offset-free ``DELTA = acc/l1 = E_P1[(s1 − m1) − (s2 − m2)]``; the backward computes
+``a = s − m``, ``P = exp2(a − log2 l)`` and ``dS1 ∝ P1 ((a1 − a2) − DELTA)``. Other variants keep
+``LSE1, LSE2, DELTA`` ``[B, H, Nq]`` and their code.
 
 Shapes: q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2
 ``[B, Hkv2, Nk, D2]`` (any strides, never copied); ``H % Hkv1 == H % Hkv2 == 0`` (query head h
@@ -35,6 +54,9 @@ Limits:
 - A row whose visible scores all carry a huge finite bias (``finfo.min``) is uniform on both
   sides (the scores' O(1) parts are lost, as in eager and in the float64 reference): L = 0 and
   zero gradients there, exactly as the reference computes.
+- Rows whose every entry is ``-inf`` on side 1 give L = 0 and zero gradient (eager: NaN).
+- Fills under which side 1 keeps mass where side 2's score is ~1e38 lower (e.g. a moderate fill
+  on one side, ``finfo.min`` on the other) have a KL of ~1e38: the kernels saturate (float32).
 - ``B·H`` (and ``B·Hkv``) must stay below 65536 (the second grid axis).
 """
 
@@ -60,6 +82,8 @@ __all__ = [
     "kernels_for",
     "fwd_kernel",
     "bwd_kernel",
+    "fill_variant",
+    "two_part_stats",
     "candidate_configs",
     "default_split_k",
     "atomic_dq_chunks",
@@ -67,6 +91,8 @@ __all__ = [
     "CAUSAL_MODES",
     "MASK_KINDS",
     "BWD_MODES",
+    "CAUSAL_FILLS",
+    "CAUSAL_FILL_MODES",
 ]
 
 # the kernel families' shared vocabulary, re-exported for callers of this family
@@ -79,6 +105,13 @@ MAX_SPLIT_K = 16
 # problems run the backward in head/batch chunks (see atomic_dq_chunks).
 ATOMIC_DQ_WORKSPACE_BYTES = 32 * 2**20
 
+# How a causal variant treats the entries above the diagonal (render time): "hide" (-inf, tiles
+# skipped), "replace" (a runtime fill value per side), "add" (a runtime value per side added)
+CAUSAL_FILLS = ("hide", "replace", "add")
+CAUSAL_FILL_MODES = ("replace", "add")
+_CAUSAL_FILL_SUFFIX = {"hide": "", "replace": "_causalfill", "add": "_causaladd"}
+FLT_MAX = 3.4028234663852886e38
+
 FWD_TEMPLATE = "attention_kl_fwd.py.jinja"
 BWD_TEMPLATE = "attention_kl_bwd.py.jinja"
 
@@ -90,38 +123,61 @@ BWD_TEMPLATE = "attention_kl_bwd.py.jinja"
 
 
 
-def _head(causal: bool, mask_kind: str, row: bool) -> str:
+def _fill_flags(causal: bool, mask_kind: str, mask_fill_finite: bool, causal_fill: str) -> tuple[bool, str]:
+    """The render-time fill flags, normalised: a mask fill only exists for boolean masks, a
+    causal fill only for causal variants (so no variant is rendered twice under two names)."""
+    if causal_fill not in CAUSAL_FILLS:
+        raise ValueError(f"causal_fill must be one of {CAUSAL_FILLS}, got {causal_fill!r}")
+    return (bool(mask_fill_finite) and mask_kind in ("bool_keep", "bool_drop"),
+            causal_fill if causal else "hide")
+
+
+def _head(causal: bool, mask_kind: str, row: bool, mask_fill: bool = False, causal_fill: str = "hide") -> str:
     head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
-    return head + ("_rowbcast" if mask_kind != "none" and row else "")
+    head += "_rowbcast" if mask_kind != "none" and row else ""
+    return head + ("_maskfill" if mask_fill else "") + _CAUSAL_FILL_SUFFIX[causal_fill]
 
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: bool, split_k: bool,
-               interpret: bool) -> RenderedKernel:
-    """Render the forward module of one static variant (``causal``: a mode or a bool)."""
+               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide") -> RenderedKernel:
+    """Render the forward module of one static variant (``causal``: a mode or a bool).
+
+    ``mask_fill_finite``: a boolean mask's hidden entries take runtime fill values instead of
+    being skipped; ``causal_fill``: ``"hide"`` (entries above the diagonal skipped, tiles
+    skipped), ``"replace"`` or ``"add"`` (runtime fill values, every tile visited); see
+    :func:`fill_variant`. The defaults render today's variants.
+    """
     launch.check_variant(causal, mask_kind)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    name = ("attention_kl_fwd" + _head(causal, mask_kind, row) + ("" if need_stats else "_nostats")
-            + ("_splitk" if split_k else "") + ("_interp" if interpret else ""))
+    mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
+    name = ("attention_kl_fwd" + _head(causal, mask_kind, row, mask_fill, causal_fill)
+            + ("" if need_stats else "_nostats") + ("_splitk" if split_k else "") + ("_interp" if interpret else ""))
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         need_stats=bool(need_stats), split_k=bool(split_k), interpret=bool(interpret),
+        mask_fill_finite=mask_fill, causal_fill=causal_fill,
     )
 
 
 def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, teacher_grad: bool,
-               interpret: bool) -> RenderedKernel:
-    """Render the backward module (dK kernel and, for two_kernel, the dQ kernel)."""
+               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide") -> RenderedKernel:
+    """Render the backward module (dK kernel and, for two_kernel, the dQ kernel); the fill
+    flags as for :func:`fwd_kernel` (they pick the statistics layout and, for ``"add"``, the
+    per-element causal bias and no tile skipping)."""
     launch.check_variant(causal, mask_kind, bwd_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    name = ("attention_kl_bwd" + _head(causal, mask_kind, row) + ("" if teacher_grad else "_frozen")
-            + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + ("_interp" if interpret else ""))
+    mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
+    name = ("attention_kl_bwd" + _head(causal, mask_kind, row, mask_fill, causal_fill)
+            + ("" if teacher_grad else "_frozen") + ("_atomicdq" if bwd_mode == "atomic_dq" else "")
+            + ("_interp" if interpret else ""))
     return render(
         BWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         atomic_dq=bwd_mode == "atomic_dq", teacher_grad=bool(teacher_grad), interpret=bool(interpret),
+        mask_fill_finite=mask_fill, causal_fill=causal_fill,
     )
 
 
@@ -135,38 +191,92 @@ def kernels_for(
     interpret: bool,
     training: bool,
     teacher_grad: bool,
+    mask_fill_finite: bool = False,
+    causal_fill: str = "hide",
 ) -> list[RenderedKernel]:
     """The kernel modules a call of this static variant uses, rendered but not launched.
 
     ``training`` adds the backward module and makes the forward store the statistics
-    (LSE1, LSE2, DELTA) the backward reads; ``teacher_grad`` picks the backward with side-1
-    gradients (else the frozen-teacher one).
+    (LSE1, LSE2, DELTA, or the two-part ones) the backward reads; ``teacher_grad`` picks the
+    backward with side-1 gradients (else the frozen-teacher one). ``mask_fill_finite``,
+    ``causal_fill``: the fill flags, from the fill values by :func:`fill_variant`.
     """
+    fills = dict(mask_fill_finite=mask_fill_finite, causal_fill=causal_fill)
     kernels = [
         fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
-                   need_stats=training, split_k=split_k, interpret=interpret)
+                   need_stats=training, split_k=split_k, interpret=interpret, **fills)
     ]
     if training:
         kernels.append(
             bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
-                       bwd_mode=bwd_mode, teacher_grad=teacher_grad, interpret=interpret)
+                       bwd_mode=bwd_mode, teacher_grad=teacher_grad, interpret=interpret, **fills)
         )
     return kernels
 
 
+def fill_variant(causal, mask_kind: str, mask_fill1: float = -math.inf, mask_fill2: float = -math.inf,
+                 causal_fill1: float = -math.inf, causal_fill2: float = -math.inf,
+                 causal_fill_mode: str = "replace") -> dict:
+    """The render-time fill flags ``{"mask_fill_finite", "causal_fill"}`` of a call with these
+    fill values (natural-log units, the scores each side's softmax sees).
+
+    A boolean mask's hidden entries are replaced by ``mask_fill1`` (teacher) / ``mask_fill2``
+    (student); entries above the causal diagonal get ``causal_fill1`` / ``causal_fill2`` by
+    ``causal_fill_mode`` (``"replace"`` or ``"add"``). ``-inf`` hides (today's behaviour, tile
+    skipping for causal); a finite value on either side makes the variant a fill variant (a
+    side may still be ``-inf``: its entries are then hidden, per element). Raises
+    ``ValueError`` for NaN or ``+inf`` fills, an unknown mode, or a finite fill without the
+    mask or causal structure it belongs to.
+    """
+    launch.check_variant(causal, mask_kind)
+    if causal_fill_mode not in CAUSAL_FILL_MODES:
+        raise ValueError(f"causal_fill_mode must be one of {CAUSAL_FILL_MODES}, got {causal_fill_mode!r}")
+    fills = dict(mask_fill1=mask_fill1, mask_fill2=mask_fill2, causal_fill1=causal_fill1, causal_fill2=causal_fill2)
+    for name, value in fills.items():
+        value = float(value)
+        if math.isnan(value) or value == math.inf:
+            raise ValueError(f"{name} must be finite or -inf, got {value}")
+    mask_finite = mask_fill1 != -math.inf or mask_fill2 != -math.inf
+    causal_finite = causal_fill1 != -math.inf or causal_fill2 != -math.inf
+    if mask_finite and mask_kind not in ("bool_keep", "bool_drop"):
+        raise ValueError(f"a finite mask_fill needs a boolean mask, got mask_kind {mask_kind!r}")
+    if causal_finite and not launch.is_causal(causal):
+        raise ValueError("a finite causal_fill needs a causal mode")
+    return {"mask_fill_finite": mask_finite, "causal_fill": causal_fill_mode if causal_finite else "hide"}
+
+
+def two_part_stats(mask_kind: str, mask_fill_finite: bool = False, causal_fill: str = "hide") -> bool:
+    """Whether a variant keeps two-part statistics (per side the row max and log2 l, plus the
+    offset-free DELTA): an additive mask or a finite fill can make a row max a huge finite value."""
+    return (mask_kind == "additive" or (bool(mask_fill_finite) and mask_kind in ("bool_keep", "bool_drop"))
+            or causal_fill != "hide")
+
+
+def _base2_fill(value: float) -> float:
+    """A fill in natural units as the kernels' base-2 score, kept finite (finfo.min * log2(e)
+    would overflow float32; -inf stays -inf)."""
+    if value == -math.inf:
+        return value
+    return min(max(float(value) * LOG2E, -FLT_MAX), FLT_MAX)
+
+
 @functools.lru_cache(maxsize=None)
-def _fwd_module(causal, mask_kind: str, row: bool, need_stats: bool, split_k: bool, interpret: bool):
+def _fwd_module(causal, mask_kind: str, row: bool, need_stats: bool, split_k: bool, interpret: bool,
+                mask_fill_finite: bool = False, causal_fill: str = "hide"):
     """The imported forward module of one static variant (rendered once per process)."""
     kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_stats=need_stats,
-                        split_k=split_k, interpret=interpret)
+                        split_k=split_k, interpret=interpret, mask_fill_finite=mask_fill_finite,
+                        causal_fill=causal_fill)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, teacher_grad: bool, interpret: bool):
+def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, teacher_grad: bool, interpret: bool,
+                mask_fill_finite: bool = False, causal_fill: str = "hide"):
     """The imported backward module of one static variant (rendered once per process)."""
     kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode,
-                        teacher_grad=teacher_grad, interpret=interpret)
+                        teacher_grad=teacher_grad, interpret=interpret, mask_fill_finite=mask_fill_finite,
+                        causal_fill=causal_fill)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -219,10 +329,12 @@ def alloc_rows(q1: torch.Tensor) -> torch.Tensor:
     return launch.empty((b, h, n), torch.float32, q1.device)
 
 
-def alloc_stats(q1: torch.Tensor) -> torch.Tensor:
-    """One statistic (LSE1, LSE2 or DELTA): ``[B, H, Nq]`` float32, contiguous, base 2."""
+def alloc_stats(q1: torch.Tensor, two_part: bool = False) -> torch.Tensor:
+    """One statistic, float32, contiguous, base 2: ``[B, H, Nq]`` (LSE1, LSE2 or DELTA), or with
+    ``two_part`` one side's two-part statistics ``[2, B, H, Nq]`` (plane 0 the row max, plane 1
+    log2 of the row sum)."""
     b, h, n, _ = q1.shape
-    return launch.empty((b, h, n), torch.float32, q1.device)
+    return launch.empty((2, b, h, n) if two_part else (b, h, n), torch.float32, q1.device)
 
 
 def alloc_grads(q1, k1, q2, k2, needs_grad: Sequence[bool] = (True, True, True, True)):
@@ -268,6 +380,27 @@ def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
     launch.check_mask(mask, mask_kind)
 
 
+def _check_stats(q1, lse1, lse2, delta, two_part: bool) -> None:
+    """Raise ``ValueError`` unless the statistics have the layout of this variant."""
+    b, h, n, _ = q1.shape
+    want = (2, b, h, n) if two_part else (b, h, n)
+    for name, t, shape in (("lse1", lse1, want), ("lse2", lse2, want), ("delta", delta, (b, h, n))):
+        if t is not None and tuple(t.shape) != shape:
+            layout = "two-part [2, B, H, Nq]" if two_part and name != "delta" else "[B, H, Nq]"
+            raise ValueError(f"{name} must be {layout} = {shape} for this variant, got {tuple(t.shape)}")
+
+
+def _fill_args(fills: dict, mask_fill1, mask_fill2, causal_fill1, causal_fill2, backward: bool = False) -> dict:
+    """The runtime fill arguments (base 2) of a fill variant's launcher. The backward needs only
+    an added causal fill (replaced entries pass no gradient and are hidden there)."""
+    args = {}
+    if fills["mask_fill_finite"] and not backward:
+        args.update(mask_fill1=_base2_fill(mask_fill1), mask_fill2=_base2_fill(mask_fill2))
+    if fills["causal_fill"] == "add" or (fills["causal_fill"] == "replace" and not backward):
+        args.update(causal_fill1=_base2_fill(causal_fill1), causal_fill2=_base2_fill(causal_fill2))
+    return args
+
+
 def forward(
     q1: torch.Tensor,
     k1: torch.Tensor,
@@ -286,8 +419,13 @@ def forward(
     lse1: Optional[torch.Tensor] = None,
     lse2: Optional[torch.Tensor] = None,
     delta: Optional[torch.Tensor] = None,
+    mask_fill1: float = -math.inf,
+    mask_fill2: float = -math.inf,
+    causal_fill1: float = -math.inf,
+    causal_fill2: float = -math.inf,
+    causal_fill_mode: str = "replace",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Per-row ``KL(P1 ‖ P2)`` with the given causal/mask semantics (those of
+    """Per-row ``KL(P1 ‖ P2)`` with the given causal/mask/fill semantics (those of
     :func:`fuser.patterns.attention_kl_reference.reference`).
 
     Args:
@@ -296,29 +434,45 @@ def forward(
         config: launch config (missing keys from the table's default); ``None``: the table's
             candidates, the first that fits the device.
         rows, lse1, lse2, delta: output buffers to write (else allocated).
+        mask_fill1, mask_fill2: the score (natural units, what each side's softmax sees) a
+            boolean mask's hidden entry takes, per side (``-inf``: hidden, skipped).
+        causal_fill1, causal_fill2, causal_fill_mode: the score an entry above the causal
+            diagonal takes (``"replace"``) or gets added (``"add"``), per side (``-inf``: hidden,
+            tiles above the diagonal skipped). See :func:`fill_variant`.
 
     Returns:
         ``(rows, lse1, lse2, delta)``: ``rows`` ``[B, H, Nq]`` float32, L in nats (0 for a row
-        with no visible key); ``lse1, lse2`` (base 2, ``+inf`` for an empty row) and ``delta``
-        (``E_P1[s1 − s2]`` in base-2 units, 0 for an empty row) ``[B, H, Nq]`` float32, or
-        ``None`` each when ``need_stats`` is false.
+        with no visible key). Without finite fills or an additive mask: ``lse1, lse2`` (base 2,
+        ``+inf`` for an empty row) and ``delta`` (``E_P1[s1 − s2]`` in base-2 units, 0 for an
+        empty row) ``[B, H, Nq]`` float32. With them (:func:`two_part_stats`): ``lse1, lse2``
+        are each side's two-part statistics ``[2, B, H, Nq]`` (row max m and log2 l, base 2;
+        ``(0, +inf)`` for an empty row) and ``delta`` is offset-free,
+        ``E_P1[(s1 − m1) − (s2 − m2)]`` (0 for an empty row). ``None`` each when
+        ``need_stats`` is false.
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
+    fills = fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
+    two_part = two_part_stats(mask_kind, **fills)
     b, h, n_q, d1 = q1.shape
     n_k = k1.shape[2]
     if rows is None:
         rows = alloc_rows(q1)
     if need_stats:
-        lse1 = alloc_stats(q1) if lse1 is None else lse1
-        lse2 = alloc_stats(q1) if lse2 is None else lse2
+        lse1 = alloc_stats(q1, two_part) if lse1 is None else lse1
+        lse2 = alloc_stats(q1, two_part) if lse2 is None else lse2
         delta = alloc_stats(q1) if delta is None else delta
+        _check_stats(q1, lse1, lse2, delta, two_part)
     else:
         lse1 = lse2 = delta = None
     if rows.numel() == 0 or n_k == 0:  # nothing to compute, or every row empty
         rows.zero_()
         if need_stats:
-            lse1.fill_(math.inf)
-            lse2.fill_(math.inf)
+            for stat in (lse1, lse2):
+                if two_part:
+                    stat[0].zero_()
+                    stat[1].fill_(math.inf)
+                else:
+                    stat.fill_(math.inf)
             delta.zero_()
         return rows, lse1, lse2, delta
     interpret = launch.interpreted(q1.device)
@@ -327,10 +481,12 @@ def forward(
     configs = _configs(config, q1, q2, causal, "fwd")
     precision = launch.dot_precision(q1.dtype)
     split_k = max(1, int(split_k))
+    fill_args = _fill_args(fills, mask_fill1, mask_fill2, causal_fill1, causal_fill2)
 
     def run(cfg):
         splits = min(split_k, launch.cdiv(n_k, cfg["BLOCK_N"]))
-        kernel, module = _fwd_module(causal, mask_kind, row, bool(need_stats), splits > 1, interpret)
+        kernel, module = _fwd_module(causal, mask_kind, row, bool(need_stats), splits > 1, interpret,
+                                     fills["mask_fill_finite"], fills["causal_fill"])
         args = [q1, k1, q2, k2, rows]
         if need_stats:
             args += [lse1, lse2, delta]
@@ -346,10 +502,12 @@ def forward(
                 causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
+                **fill_args,
             )
 
     key = ("attention_kl_fwd", causal, mask_kind, row, bool(need_stats), split_k > 1, interpret, q1.dtype,
-           d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision)
+           d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision, fills["mask_fill_finite"],
+           fills["causal_fill"])
     launch.launch_first_fitting(key, configs, run)
     return rows, lse1, lse2, delta
 
@@ -372,12 +530,20 @@ def backward(
     needs_grad: Sequence[bool] = (True, True, True, True),
     bwd_mode: str = "two_kernel",
     config: Optional[dict] = None,
+    mask_fill1: float = -math.inf,
+    mask_fill2: float = -math.inf,
+    causal_fill1: float = -math.inf,
+    causal_fill2: float = -math.inf,
+    causal_fill_mode: str = "replace",
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients ``(dq1, dk1, dq2, dk2)`` of ``Σ_i g_rows_i · L_i``; ``None`` for each one
     ``needs_grad`` turns off.
 
     ``g_rows`` ``[B, H, Nq]`` (any strides, any float dtype); ``lse1, lse2, delta``: the
-    forward's statistics (base 2; ``delta`` may be ``None`` when no side-1 gradient is wanted).
+    forward's statistics (base 2; ``delta`` may be ``None`` when no side-1 gradient is wanted),
+    in the layout the forward stored for the same mask kind and fills (two-part ``[2, B, H,
+    Nq]`` per side where :func:`two_part_stats`). Entries a fill replaced pass no gradient to
+    their scores; entries a causal ``"add"`` fill shifted do.
     ``bwd_mode``: ``"two_kernel"`` (deterministic: a dK kernel and a dQ kernel) or
     ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast; for 16-bit
     inputs the accumulators are bounded by :data:`ATOMIC_DQ_WORKSPACE_BYTES`, larger problems
@@ -386,6 +552,8 @@ def backward(
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
     launch.check_variant(causal, mask_kind, bwd_mode)
+    fills = fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
+    two_part = two_part_stats(mask_kind, **fills)
     need = tuple(bool(x) for x in needs_grad)
     if len(need) != 4:
         raise ValueError(f"needs_grad must have 4 entries (q1, k1, q2, k2), got {needs_grad!r}")
@@ -404,6 +572,7 @@ def backward(
     teacher_grad = need[0] or need[1]
     if teacher_grad and delta is None:
         raise ValueError("side-1 gradients need the forward's delta")
+    _check_stats(q1, lse1, lse2, delta, two_part)
     lse1, lse2 = lse1.contiguous(), lse2.contiguous()
     if delta is not None:
         delta = delta.contiguous()
@@ -413,7 +582,9 @@ def backward(
     mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
-    kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret)
+    kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret,
+                                 fills["mask_fill_finite"], fills["causal_fill"])
+    fill_args = _fill_args(fills, mask_fill1, mask_fill2, causal_fill1, causal_fill2, backward=True)
     precision = launch.dot_precision(q1.dtype)
     outs = (dq1, dk1, dq2, dk2)
     group1, group2 = h // k1.shape[1], h // k2.shape[1]  # query heads per kv head, per side
@@ -433,7 +604,9 @@ def backward(
             hs2 = slice(hs.start // group2, hs.stop // group2) if hs != slice(None) else hs
             sub = lambda t, heads: None if t is None else t[bs, heads]  # noqa: E731
             cq1, ck1, cq2, ck2, g = sub(q1, hs), sub(k1, hs1), sub(q2, hs), sub(k2, hs2), g_rows[bs, hs]
-            stats = [None if t is None else t[bs, hs].contiguous() for t in (lse1, lse2, delta)]
+            # two-part statistics are [2, B, H, Nq]: the chunk keeps both planes
+            stats = [None if t is None else (t[:, bs, hs] if t.dim() == 4 else t[bs, hs]).contiguous()
+                     for t in (lse1, lse2, delta)]
             grads = [sub(dq1, hs), sub(dk1, hs1), sub(dq2, hs), sub(dk2, hs2)]
             cmask = sub(mask4, hs)
         args = [g, cq1, ck1, cq2, ck2, *stats, *grads]
@@ -459,6 +632,7 @@ def backward(
                 causal_offset=launch.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
+                **fill_args,
             )
         for dq, acc in zip((grads[0], grads[2]), accs):
             if acc is not None and acc is not dq:

@@ -1,15 +1,22 @@
 """The fused attention-KL ops: ``torch.ops.fuser.attention_kl`` and its backward.
 
-``torch.ops.fuser.attention_kl(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan) -> (rows, lse1, lse2, delta)``
+``torch.ops.fuser.attention_kl(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> (rows, lse1, lse2, delta)``
     Side 1 is the target distribution P1 (the teacher), side 2 the student P2.
     q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2 ``[B, Hkv2, Nk, D2]``
     (any strides; GQA per side); ``mask`` broadcastable to ``[B, H, Nq, Nk]`` (shared by both
-    sides) or None. Returns ``rows`` ``[B, H, Nq]`` float32, ``L_i = Σ_j P1 (log P1 − log P2)``
-    in nats (0 for a row with no visible key), and the per-row statistics the backward needs
-    (``[B, H, Nq]`` float32, base 2; empty tensors when ``need_stats`` is false).
+    sides) or None. ``mask_fill1``/``mask_fill2``: the score (natural units, what each side's
+    softmax sees) a boolean mask's hidden entry takes on each side (``-inf``: hidden);
+    ``causal_fill1``/``causal_fill2`` with ``causal_fill_mode`` ``"replace"`` or ``"add"``: the
+    score an entry above the causal diagonal takes, or gets added (``-inf``: hidden). All
+    ``-inf`` is the behaviour without fills. Returns ``rows`` ``[B, H, Nq]`` float32,
+    ``L_i = Σ_j P1 (log P1 − log P2)`` in nats (0 for a row with no visible key), and the
+    per-row statistics the backward needs, float32, base 2: ``lse1, lse2, delta`` ``[B, H, Nq]``;
+    or, for an additive mask or a finite fill (``kernels.two_part_stats``), ``lse1, lse2``
+    ``[2, B, H, Nq]`` (per side the row max and log2 of the row sum) and the offset-free
+    ``delta`` ``[B, H, Nq]``; empty tensors when ``need_stats`` is false.
     ``plan``: ``"split_k=<n>;backward=two_kernel|atomic_dq"``.
 
-``torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs) -> (dq1, dk1, dq2, dk2)``
+``torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> (dq1, dk1, dq2, dk2)``
     gradients for the inputs flagged in ``needs`` (empty tensors for the others), given the
     upstream gradient ``g`` of ``rows``.
 
@@ -44,25 +51,38 @@ def attention_kl(
     mask_kind: str,
     need_stats: bool,
     plan: str,
+    mask_fill1: float,
+    mask_fill2: float,
+    causal_fill1: float,
+    causal_fill2: float,
+    causal_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p = parse_plan(plan)
     split = p.get("split_k", "1")
     split_k = kernels.default_split_k(q1.shape[0], q1.shape[1], q1.shape[2], k1.shape[2], q1.device) if split == "auto" else int(split)
     rows, lse1, lse2, delta = kernels.forward(
         q1, k1, q2, k2, scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind,
-        need_stats=need_stats, split_k=split_k,
+        need_stats=need_stats, split_k=split_k, mask_fill1=mask_fill1, mask_fill2=mask_fill2,
+        causal_fill1=causal_fill1, causal_fill2=causal_fill2, causal_fill_mode=causal_fill_mode,
     )
     if not need_stats:  # three distinct tensors: custom-op outputs may not alias each other
         lse1, lse2, delta = _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
     return rows, lse1, lse2, delta
 
 
+def _two_part(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> bool:
+    fills = kernels.fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
+    return kernels.two_part_stats(mask_kind, **fills)
+
+
 @attention_kl.register_fake
-def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan):
+def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan,
+                       mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode):
     rows = kernels.alloc_rows(q1)
     if not need_stats:
         return rows, _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
-    return rows, kernels.alloc_stats(q1), kernels.alloc_stats(q1), kernels.alloc_stats(q1)
+    two = _two_part(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
+    return rows, kernels.alloc_stats(q1, two), kernels.alloc_stats(q1, two), kernels.alloc_stats(q1)
 
 
 @torch.library.custom_op("fuser::attention_kl_backward", mutates_args=())
@@ -82,6 +102,11 @@ def attention_kl_backward(
     mask_kind: str,
     plan: str,
     needs: list[bool],
+    mask_fill1: float,
+    mask_fill2: float,
+    causal_fill1: float,
+    causal_fill2: float,
+    causal_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if lse1.numel() == 0 and q1.numel() != 0:
         raise RuntimeError("fuser: attention_kl backward on a forward that stored no statistics; a fuser bug")
@@ -89,23 +114,30 @@ def attention_kl_backward(
     grads = kernels.backward(
         g, q1, k1, q2, k2, lse1, lse2, delta, scale1=scale1, scale2=scale2, causal=causal, mask=mask,
         mask_kind=mask_kind, needs_grad=tuple(needs), bwd_mode=p.get("backward", "two_kernel"),
+        mask_fill1=mask_fill1, mask_fill2=mask_fill2, causal_fill1=causal_fill1, causal_fill2=causal_fill2,
+        causal_fill_mode=causal_fill_mode,
     )
     likes = (q1, k1, q2, k2)
     return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
 
 
 @attention_kl_backward.register_fake
-def _attention_kl_backward_fake(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs):
+def _attention_kl_backward_fake(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs,
+                                mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode):
     grads = kernels.alloc_grads(q1, k1, q2, k2, tuple(needs))
     likes = (q1, k1, q2, k2)
     return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
 
 
 def _setup_context(ctx, inputs, output):
-    q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan = inputs
+    q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan, *fills = inputs
     _, lse1, lse2, delta = output
     ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, delta, mask)
     ctx.params = (scale1, scale2, causal, mask_kind, plan)
+    ctx.fills = tuple(fills)  # mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode
+
+
+_N_INPUTS = 16
 
 
 def _backward(ctx, g_rows, g_lse1, g_lse2, g_delta):
@@ -113,11 +145,11 @@ def _backward(ctx, g_rows, g_lse1, g_lse2, g_delta):
     scale1, scale2, causal, mask_kind, plan = ctx.params
     needs = [bool(x) for x in ctx.needs_input_grad[:4]]
     if not any(needs) or g_rows is None:
-        return (None,) * 11
+        return (None,) * _N_INPUTS
     grads = torch.ops.fuser.attention_kl_backward(
-        g_rows, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs
+        g_rows, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs, *ctx.fills
     )
-    return tuple(gr if need else None for gr, need in zip(grads, needs)) + (None,) * 7
+    return tuple(gr if need else None for gr, need in zip(grads, needs)) + (None,) * (_N_INPUTS - 4)
 
 
 attention_kl.register_autograd(_backward, setup_context=_setup_context)

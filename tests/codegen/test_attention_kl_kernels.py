@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch.nn.functional as F
 from _kernel_checks import check_table, compiled_keys, rel_err as _rel
 import torch
 
@@ -40,17 +41,20 @@ def _grads_ref(q1, k1, q2, k2, g, **kw):
 def _check(
     q1, k1, q2, k2, *, causal="none", mask=None, mask_kind="none", scale1=None, scale2=None,
     split_k=1, grad=True, modes=BWD_MODES, needs=(ALL, FROZEN), g=None, tol=None,
-    config=None, bwd_config=None, seed=0,
+    config=None, bwd_config=None, seed=0, fills=None,
 ):
-    """Forward (and the backward per mode and needs_grad) against the reference.
+    """Forward (and the backward per mode and needs_grad) against the reference; ``fills``:
+    the fill keyword arguments (mask_fill1, ..., causal_fill_mode) of forward/backward/reference.
 
     Returns ``(rows, (lse1, lse2, delta), {(mode, needs): grads})``.
     """
     dtype = q1.dtype
+    stat_tol = 1e-4 if dtype == torch.float32 else 2e-3
+    stat_tol = stat_tol if tol is None else max(stat_tol, tol)  # a looser tolerance given for hard inputs
     tol = TOL[dtype] if tol is None else tol
     scale1 = q1.shape[-1] ** -0.5 if scale1 is None else scale1
     scale2 = q2.shape[-1] ** -0.5 if scale2 is None else scale2
-    kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind)
+    kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind, **(fills or {}))
     with launch.poison_outputs():
         rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split_k, config=config, **kw)
     ref = reference(q1, k1, q2, k2, **kw)
@@ -61,8 +65,11 @@ def _check(
     assert err < tol, f"rows: relative error {err:.3g} >= {tol}"
     empty = torch.isneginf(ref["lse1"])
     assert (rows[empty] == 0).all(), "rows with no visible key must give L = 0"
-    stat_tol = 1e-4 if dtype == torch.float32 else 2e-3
-    for name, got, want in (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
+    two_part = attention_kl.two_part_stats(mask_kind, **attention_kl.fill_variant(causal, mask_kind, **(fills or {})))
+    assert lse1.dim() == lse2.dim() == (4 if two_part else 3)
+    if two_part:
+        _check_two_part_stats(ref, lse1, lse2, delta, empty, stat_tol)
+    for name, got, want in () if two_part else (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         assert not got.isnan().any()
         assert torch.isposinf(got[empty]).all(), f"{name}: empty rows must store +inf"
@@ -76,8 +83,9 @@ def _check(
             e = (got[normal].double() / LOG2E - want[normal]).abs().max().item()
             assert e < stat_tol * (1 + want[normal].abs().max().item()), f"{name} error {e:.3g}"
     assert not delta.isnan().any() and (delta[empty] == 0).all()
-    e = (delta.double() * LN2 - ref["delta"]).abs().max().item()
-    assert e < stat_tol * (1 + ref["delta"].abs().max().item()), f"delta error {e:.3g}"
+    if not two_part:
+        e = (delta.double() * LN2 - ref["delta"]).abs().max().item()
+        assert e < stat_tol * (1 + ref["delta"].abs().max().item()), f"delta error {e:.3g}"
 
     grads = {}
     if grad:
@@ -101,6 +109,30 @@ def _check(
                     e = _rel(gr, rg)
                     assert e < tol, f"{name} ({mode}, {need}): relative error {e:.3g} >= {tol}"
     return rows, (lse1, lse2, delta), grads
+
+
+def _check_two_part_stats(ref, stats1, stats2, delta, empty, stat_tol):
+    """Two-part statistics against the reference: per side plane 0 the row max (base 2), plane 1
+    log2 of the row sum; DELTA offset-free. Empty rows store (0, +inf) and DELTA 0."""
+    for side, stats in ((1, stats1), (2, stats2)):
+        assert stats.shape == (2, *ref["rows"].shape) and stats.dtype == torch.float32 and stats.is_contiguous()
+        m, log2l = stats[0], stats[1]
+        assert not stats.isnan().any()
+        assert (m[empty] == 0).all() and torch.isposinf(log2l[empty]).all(), f"side {side}: empty rows"
+        want_m, want_logl = ref[f"max{side}"][~empty], ref[f"logl{side}"][~empty]
+        # log l is exact whatever the max (the point of keeping it apart)
+        e = (log2l[~empty].double() * LN2 - want_logl).abs().max().item() if want_logl.numel() else 0.0
+        assert e < stat_tol * (1 + want_logl.abs().max().item()), f"log l{side} error {e:.3g}"
+        # the max in base 2, relative; a max beyond float32's base-2 range saturates near -FLT_MAX
+        got_m = m[~empty].double() / LOG2E
+        saturated = want_m < -2.3e38
+        assert (got_m[saturated] < -2.3e38).all(), f"max{side}: saturated rows"
+        ok = ~saturated
+        if ok.any():
+            e = ((got_m[ok] - want_m[ok]).abs() / (1 + want_m[ok].abs())).max().item()
+            assert e < stat_tol, f"max{side} error {e:.3g}"
+    e = (delta.double() * LN2 - ref["mean"]).abs().max().item()
+    assert e < stat_tol * (1 + ref["mean"].abs().max().item()), f"offset-free delta error {e:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +289,278 @@ def test_additive_key_padding_low_precision_mask_causal():
     _check(q1, k1, q2, k2, mask=bias, mask_kind="additive", causal="bottom_right", split_k=2)
 
 
+# --- fills: hidden entries with finite scores, two-part statistics ----------------------------
+
+MIN32 = torch.finfo(torch.float32).min
+
+
+def _fills(mask_fill1=-math.inf, mask_fill2=-math.inf, causal_fill1=-math.inf, causal_fill2=-math.inf, mode="replace"):
+    return dict(mask_fill1=mask_fill1, mask_fill2=mask_fill2, causal_fill1=causal_fill1, causal_fill2=causal_fill2,
+                causal_fill_mode=mode)
+
+
+def _near_fill_inputs(seed, b, h, n_q, n_k, d):
+    """Adversarial scores: q.k = -10 + O(1e-3) (a constant last feature plus small noise), so
+    with scale 1000 every score lies within a few units of -1e4 and a -1e4 fill is not
+    negligible. Side 2 reads one kv head (GQA)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def side(hkv):
+        q = 5e-4 * torch.randn(b, h, n_q, d, generator=gen)
+        q[..., -1] = -10.0
+        k = torch.randn(b, hkv, n_k, d, generator=gen)
+        k[..., -1] = 1.0
+        return q, k
+
+    return (*side(h), *side(1))
+
+
+NEAR_FILL_CASES = {
+    # id: (causal, mask spec, fills, split_k)
+    "bool_drop_full": ("none", "full", _fills(-1e4, -1e4 + 2.0), 1),
+    "bool_keep_row_split": ("none", "row", _fills(-1e4 - 1.0, -1e4), 3),
+    "causal_replace_bottom_right": ("bottom_right", None, _fills(causal_fill1=-1e4, causal_fill2=-1e4 + 3.0), 1),
+    "causal_add_top_left_split": ("top_left", None, _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add"), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(NEAR_FILL_CASES))
+def test_fill_near_the_scores_is_not_negligible(case):
+    # scores ~ -1e4 +- a few units (scale 1000) and fills of the same size: the filled entries
+    # carry much of each row's mass, so treating them as hidden would be far off
+    causal, spec, fills, split = NEAR_FILL_CASES[case]
+    b, h, n_q, n_k = 2, 2, 37, 45
+    q1, k1, q2, k2 = _near_fill_inputs(61, b, h, n_q, n_k, 16)
+    gen = torch.Generator().manual_seed(62)
+    mask, kind = None, "none"
+    if spec == "full":
+        mask, kind = torch.rand(1, h, n_q, n_k, generator=gen) > 0.5, "bool_drop"
+    elif spec == "row":
+        mask, kind = torch.rand(b, 1, 1, n_k, generator=gen) > 0.4, "bool_keep"
+    kw = dict(scale1=1000.0, scale2=1000.0, causal=causal, mask=mask, mask_kind=kind)
+    # fp32 scores of magnitude 1e4 carry ~1e-3 absolute rounding (as in eager fp32)
+    rows, _, _ = _check(q1, k1, q2, k2, fills=fills, split_k=split, tol=2e-3, needs=(ALL,), **kw)
+    hidden = reference(q1, k1, q2, k2, **kw)["rows"]  # the same with every hidden entry skipped
+    assert _rel(rows, hidden) > 0.05
+
+
+@pytest.mark.parametrize("fill", [(-1e4, -2e4), (MIN32, MIN32 * 0.25)], ids=["finite", "finfo_min"])
+def test_fully_filled_rows_are_uniform(fill):
+    # rows whose every key is hidden take the fill everywhere: uniform on both sides, L = 0, no
+    # gradient into those queries (the fill replaced their scores); the statistics hold
+    # log2 l = log2 Nk exactly even where the max is about -FLT_MAX
+    b, h, n_q, n_k = 2, 2, 29, 37
+    q1, k1, q2, k2 = _inputs(63, b, h, 2, 1, n_q, n_k, 16, 24)
+    keep = torch.rand(1, h, n_q, n_k, generator=torch.Generator().manual_seed(64)) > 0.4
+    keep[0, 0, 7] = False
+    keep[0, 1, 20:] = False
+    rows, (s1, s2, _), grads = _check(q1, k1, q2, k2, mask=keep, mask_kind="bool_keep", causal="top_left",
+                                      fills=_fills(*fill), modes=("two_kernel",))
+    n_visible = (torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None]).sum(-1)  # top-left causal
+    for hh, r in ((0, 7), (1, 25)):
+        assert rows[:, hh, r].abs().max() < 1e-6
+        for stats in (s1, s2):
+            assert torch.allclose(stats[1][:, hh, r], torch.full((b,), math.log2(n_visible[r].item())))
+        for gr in grads.values():
+            assert (gr[0] is None or (gr[0][:, hh, r] == 0).all()) and (gr[2][:, hh, r] == 0).all()
+
+
+CAUSAL_FILL_CASES = [
+    # id, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mode, fill1, fill2, split_k
+    ("replace_q>k_bottom_right", 2, 2, 1, 2, 45, 29, 16, 24, "bottom_right", "replace", -2.0, -3.0, 1),
+    ("add_q>k_bottom_right_split", 1, 4, 2, 1, 45, 29, 16, 16, "bottom_right", "add", -1.5, -0.5, 3),
+    ("replace_q<k_top_left_gqa_split", 1, 4, 1, 2, 29, 50, 24, 16, "top_left", "replace", -1.0, -1.0, 2),
+    ("add_q<k_top_left", 2, 2, 2, 1, 29, 50, 16, 32, "top_left", "add", -4.0, -2.0, 1),
+    ("add_finfo_min_q>k", 1, 2, 1, 1, 40, 23, 16, 16, "bottom_right", "add", MIN32, MIN32 * 0.5, 1),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_FILL_CASES, ids=[c[0] for c in CAUSAL_FILL_CASES])
+def test_causal_fill(case):
+    name, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, mode, f1, f2, split = case
+    q1, k1, q2, k2 = _inputs(CAUSAL_FILL_CASES.index(case) + 70, b, h, hkv1, hkv2, n_q, n_k, d1, d2)
+    fills = _fills(causal_fill1=f1, causal_fill2=f2, mode=mode)
+    rows, _, grads = _check(q1, k1, q2, k2, causal=causal, fills=fills, split_k=split, scale1=0.4, scale2=0.3)
+    if n_q > n_k:  # the first Nq - Nk rows have no key below the diagonal: not empty with a fill
+        e = n_q - n_k
+        if mode == "add" and f1 > -1e30:  # softmax(s + fill) = softmax(s): a real KL and gradient
+            assert rows[:, :, :e].abs().min() > 1e-4
+            assert all(gr[2][:, :, :e].abs().amax(-1).min() > 0 for gr in grads.values())
+        else:  # uniform on both sides (replace, or a fill that swallows the scores)
+            assert rows[:, :, :e].abs().max() < 1e-6
+
+
+def test_huge_fills_with_key_padding_gqa():
+    # finfo.min fills, scaled differently per side (a fill written before each side's scale),
+    # on a key-padding mask (one batch fully padded) and the causal diagonal
+    b, h, n_q, n_k = 2, 4, 33, 41
+    q1, k1, q2, k2 = _inputs(80, b, h, 1, 2, n_q, n_k, 24, 16)
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., 30:] = False
+    keep[1] = False
+    fills = _fills(MIN32 * 0.2, MIN32 * 0.25, MIN32 * 0.2, MIN32 * 0.25)
+    rows, (s1, s2, delta), _ = _check(q1, k1, q2, k2, mask=keep, mask_kind="bool_keep", causal="bottom_right",
+                                      scale1=0.2, scale2=0.25, fills=fills, split_k=2, modes=("atomic_dq",))
+    assert (rows[1].abs() < 1e-6).all() and torch.allclose(s1[1][1], torch.full_like(s1[1][1], math.log2(n_k)))
+    # the maxima are huge, DELTA is not (offset-free)
+    assert (s1[0][1] < -1e37).all() and (s2[0][1] < -1e37).all() and delta.abs().max() < 100
+
+
+def test_mixed_sides_teacher_hidden_student_filled():
+    # teacher masked with -inf, student with a finite fill: the student's softmax gives the
+    # hidden keys mass, the teacher's none; rows the teacher hides entirely give L = 0
+    b, h, n_q, n_k = 1, 2, 31, 40
+    q1, k1, q2, k2 = _inputs(81, b, h, 2, 2, n_q, n_k, 16, 16)
+    drop = torch.rand(1, h, n_q, n_k, generator=torch.Generator().manual_seed(82)) > 0.6
+    drop[0, 1, 4] = True
+    rows, _, grads = _check(q1, k1, q2, k2, mask=drop, mask_kind="bool_drop", fills=_fills(-math.inf, -0.5),
+                            scale1=0.3, scale2=0.3, needs=(ALL,), modes=("two_kernel",))
+    assert (rows[:, 1, 4] == 0).all()
+    assert all((gr[i][:, 1, 4] == 0).all() for gr in grads.values() for i in (0, 2))
+
+
+def test_additive_finfo_min_mask_rows_without_key_get_eager_gradients():
+    # transformers' causal mask as an additive finfo.min tensor with Nq > Nk (bottom-right): the
+    # first rows see only finfo.min entries, a uniform average in eager; with a nonzero upstream
+    # gradient there, the gradients are eager's (two-part statistics)
+    b, h, n_q, n_k = 1, 2, 40, 25
+    q1, k1, q2, k2 = _inputs(83, b, h, 1, 2, n_q, n_k, 16, 16)
+    keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+    bias = torch.where(keep, 0.0, MIN32)[None, None]
+    g = torch.ones(b, h, n_q)
+    rows, (s1, _, _), _ = _check(q1, k1, q2, k2, mask=bias, mask_kind="additive", g=g, split_k=2)
+    e = n_q - n_k
+    assert (rows[:, :, :e].abs() < 1e-6).all() and torch.allclose(s1[1][:, :, :e], torch.tensor(math.log2(n_k)))
+
+
+def test_fills_fp16():
+    q1, k1, q2, k2 = _inputs(84, 1, 2, 1, 2, 37, 45, 32, 16, dtype=torch.float16)
+    drop = torch.rand(1, 1, 1, 45, generator=torch.Generator().manual_seed(85)) > 0.7
+    _check(q1, k1, q2, k2, mask=drop, mask_kind="bool_drop", causal="bottom_right", needs=(ALL,),
+           fills=_fills(-3.0, -2.0, -1.0, -1.5, "add"), modes=("atomic_dq",))
+
+
+def test_neg_inf_fills_are_todays_kernels():
+    q1, k1, q2, k2 = _inputs(86, 1, 2, 2, 1, 29, 37, 16, 16)
+    keep = torch.rand(1, 1, 29, 37, generator=torch.Generator().manual_seed(87)) > 0.3
+    kw = dict(scale1=0.3, scale2=0.2, causal="top_left", mask=keep, mask_kind="bool_keep")
+    inf = _fills(mode="add")
+    assert attention_kl.fill_variant("top_left", "bool_keep", **inf) == {"mask_fill_finite": False, "causal_fill": "hide"}
+    a = attention_kl.forward(q1, k1, q2, k2, **kw)
+    b = attention_kl.forward(q1, k1, q2, k2, **kw, **inf)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and a[1].shape == (1, 2, 29)
+    g = torch.randn(a[0].shape)
+    ga = attention_kl.backward(g, q1, k1, q2, k2, *a[1:], **kw)
+    gb = attention_kl.backward(g, q1, k1, q2, k2, *b[1:], **kw, **inf)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+def test_fill_arguments_are_checked():
+    fv = attention_kl.fill_variant
+    assert fv("none", "bool_drop", -1e4, -1e4) == {"mask_fill_finite": True, "causal_fill": "hide"}
+    assert fv("bottom_right", "none", causal_fill2=-1.0, causal_fill_mode="add") == {"mask_fill_finite": False,
+                                                                                     "causal_fill": "add"}
+    for bad in (dict(mask_fill1=math.nan), dict(mask_fill2=math.inf), dict(causal_fill1=math.nan)):
+        with pytest.raises(ValueError):
+            fv("top_left", "bool_keep", **bad)
+    with pytest.raises(ValueError):
+        fv("top_left", "additive", mask_fill1=-1.0)  # a fill belongs to a boolean mask
+    with pytest.raises(ValueError):
+        fv("none", "none", causal_fill1=-1.0)  # ... and a causal fill to a causal mode
+    with pytest.raises(ValueError):
+        fv("top_left", "none", causal_fill_mode="multiply")
+    # the backward refuses statistics of the other layout
+    q1, k1, q2, k2 = _inputs(88, 1, 2, 2, 2, 9, 11, 16, 16)
+    kw = dict(scale1=0.3, scale2=0.3, causal="top_left")
+    rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, **kw)
+    with pytest.raises(ValueError, match="two-part"):
+        attention_kl.backward(torch.ones(rows.shape), q1, k1, q2, k2, lse1, lse2, delta, **kw, causal_fill1=-1.0,
+                              causal_fill2=-1.0)
+
+
+def test_fill_variants_render():
+    for causal in (False, True):
+        for kind in attention_kl.MASK_KINDS:
+            for mask_fill in (False, True):
+                for cfill in attention_kl.CAUSAL_FILLS:
+                    fills = dict(mask_fill_finite=mask_fill, causal_fill=cfill)
+                    for kern in attention_kl.kernels_for(causal=causal, mask_kind=kind, mask_row_broadcast=False,
+                                                         split_k=True, bwd_mode="two_kernel", interpret=False,
+                                                         training=True, teacher_grad=True, **fills):
+                        compile(kern.source, kern.path, "exec")
+                        code = kern.source.split("import triton.language as tl")[1]
+                        mf = mask_fill and kind in ("bool_keep", "bool_drop")
+                        cf = cfill if causal else "hide"
+                        two_part = attention_kl.two_part_stats(kind, mf, cf)
+                        assert ("_maskfill" in kern.name) == mf and ("_causalfill" in kern.name) == (cf == "replace")
+                        assert ("_causaladd" in kern.name) == (cf == "add")
+                        assert ("STATS1" in code) == two_part and ("LSE1" in code) == (not two_part)
+                        if kern.name.startswith("attention_kl_fwd"):
+                            assert ("mask_fill1" in code) == mf and ("causal_fill1" in code) == (cf != "hide")
+                            assert ("DEFER_SCALE" in code) == (not two_part)
+                            assert ("hi = N_K\n" in code) == (not causal or cf != "hide")  # tile skipping
+                        else:  # replaced entries are hidden in the backward; only "add" needs its fill
+                            assert "mask_fill1" not in code and ("causal_fill1" in code) == (cf == "add")
+    default = attention_kl.fwd_kernel(causal=True, mask_kind="bool_keep", mask_row_broadcast=True, need_stats=True,
+                                      split_k=False, interpret=False)
+    hide = attention_kl.fwd_kernel(causal=True, mask_kind="bool_keep", mask_row_broadcast=True, need_stats=True,
+                                   split_k=False, interpret=False, mask_fill_finite=False, causal_fill="hide")
+    assert default.path == hide.path and default.name == "attention_kl_fwd_causal_maskkeep_rowbcast"
+    # a fill flag without the structure it belongs to renders the plain variant
+    plain = attention_kl.fwd_kernel(causal=False, mask_kind="additive", mask_row_broadcast=False, need_stats=True,
+                                    split_k=False, interpret=False, mask_fill_finite=True, causal_fill="add")
+    assert plain.name == "attention_kl_fwd_maskadd"
+
+
+# --- the reference against eager PyTorch's spellings (float64) --------------------------------
+
+
+def _eager_rows(s1, s2):
+    return F.kl_div(F.log_softmax(s2, -1), F.log_softmax(s1, -1), reduction="none", log_target=True).sum(-1)
+
+
+@pytest.mark.parametrize("case", ["masked_fill_before_scale", "where_causal_replace", "additive_causal_add",
+                                  "bool_and_causal_add"])
+def test_reference_matches_eager_spelling(case):
+    # what users write, in float64, against the reference's fill semantics (forward and gradients)
+    b, h, n_q, n_k, d = 2, 2, 13, 9, 8
+    gen = torch.Generator().manual_seed(90)
+    leaves = [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_()
+              for s in ((b, h, n_q, d), (b, 1, n_k, d), (b, h, n_q, d), (b, h, n_k, d))]
+    q1, k1, q2, k2 = leaves
+    k1r = k1.expand(b, h, n_k, d)
+    above = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + (n_k - n_q)  # bottom-right, Nq > Nk
+    drop = torch.rand(b, 1, 1, n_k, generator=gen) > 0.6
+    drop[1] = True  # batch 1: every key filled
+    if case == "masked_fill_before_scale":  # the fill is scaled with the scores: natural fill * scale per side
+        s1 = (q1 @ k1r.mT).masked_fill(drop, -1e4) * 0.3
+        s2 = (q2 @ k2.mT).masked_fill(drop, -1e4) * 1e-3
+        kw = dict(mask=drop, mask_kind="bool_drop", mask_fill1=-1e4 * 0.3, mask_fill2=-1e4 * 1e-3)
+        sc = (0.3, 1e-3)
+    elif case == "where_causal_replace":
+        s1 = torch.where(above, -2.0, q1 @ k1r.mT * 0.5)
+        s2 = torch.where(above, -1.0, q2 @ k2.mT * 0.25)
+        kw = dict(causal="bottom_right", causal_fill1=-2.0, causal_fill2=-1.0)
+        sc = (0.5, 0.25)
+    elif case == "additive_causal_add":
+        s1 = q1 @ k1r.mT * 0.5 + torch.where(above, -3.0, 0.0)
+        s2 = q2 @ k2.mT * 0.25 + torch.where(above, -3.0, 0.0)
+        kw = dict(causal="bottom_right", causal_fill1=-3.0, causal_fill2=-3.0, causal_fill_mode="add")
+        sc = (0.5, 0.25)
+    else:
+        s1 = (q1 @ k1r.mT * 0.5).masked_fill(drop, -4.0) + torch.where(above, -1.0, 0.0)
+        s2 = (q2 @ k2.mT * 0.25).masked_fill(drop, -5.0) + torch.where(above, -2.0, 0.0)
+        kw = dict(mask=drop, mask_kind="bool_drop", causal="bottom_right", mask_fill1=-4.0, mask_fill2=-5.0,
+                  causal_fill1=-1.0, causal_fill2=-2.0, causal_fill_mode="add")
+        sc = (0.5, 0.25)
+    eager = _eager_rows(s1, s2)
+    ref = reference(q1, k1, q2, k2, scale1=sc[0], scale2=sc[1], **kw)["rows"]
+    assert torch.allclose(ref, eager, rtol=1e-10, atol=1e-12)
+    g = torch.randn(eager.shape, generator=gen, dtype=torch.float64)
+    for a, e in zip(torch.autograd.grad((ref * g).sum(), leaves), torch.autograd.grad((eager * g).sum(), leaves)):
+        assert torch.allclose(a, e, rtol=1e-9, atol=1e-12)
+
+
 # --- layouts, options ------------------------------------------------------------------------
 
 
@@ -297,8 +601,9 @@ def test_atomic_dq_chunks_cover_every_head_once():
     assert chunk(1, 4, 2, 2, 100, budget=10) == [(slice(0, 1), slice(0, 2)), (slice(0, 1), slice(2, 4))]
 
 
-@pytest.mark.parametrize("need", [ALL, FROZEN], ids=["both", "frozen"])
-def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need):
+@pytest.mark.parametrize("need,fills", [(ALL, None), (FROZEN, None), (ALL, "causal_add")],
+                         ids=["both", "frozen", "both_two_part_stats"])
+def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need, fills):
     # fp16 (float32 inputs accumulate in place, no chunks); a budget of one kv-head group of
     # side 2 per chunk: 3 batches x 2 chunks, GQA groups 2 and 1 (lcm 2)
     b, h, n_q, n_k, d1, d2 = 3, 4, 33, 40, 32, 16
@@ -306,7 +611,9 @@ def test_atomic_dq_in_chunks_matches_reference(monkeypatch, need):
     row_bytes = 4 * ((d1 if need[0] else 0) + d2)
     monkeypatch.setattr(attention_kl, "ATOMIC_DQ_WORKSPACE_BYTES", 2 * n_q * row_bytes)
     assert len(attention_kl.atomic_dq_chunks(b, h, 2, 1, n_q * row_bytes)) == 6
-    _check(q1, k1, q2, k2, causal="bottom_right", modes=("atomic_dq",), needs=(need,))
+    # two-part statistics ([2, B, H, Nq]) are sliced per chunk with both planes
+    fills = dict(causal_fill1=-1.0, causal_fill2=-2.0, causal_fill_mode="add") if fills else None
+    _check(q1, k1, q2, k2, causal="bottom_right", modes=("atomic_dq",), needs=(need,), fills=fills)
 
 
 def test_frozen_teacher_needs_no_delta():
@@ -483,7 +790,8 @@ def test_kernels_for_renders_every_variant():
                                     assert ks[0].name.startswith("attention_kl_fwd")
                                     assert "def attention_kl_fwd_kernel" in fwd and "def launch_fwd" in fwd
                                     assert ("def attention_kl_fwd_merge" in fwd) == split
-                                    assert ("tl.store(LSE1" in fwd) == training
+                                    assert ("tl.store(LSE1" in fwd) == (training and mask_kind != "additive")
+                                    assert ("tl.store(STATS1" in fwd) == (training and mask_kind == "additive")
                                     if training:
                                         src = ks[1].source
                                         assert "def attention_kl_bwd_dk(" in src and "def launch_bwd" in src
@@ -496,7 +804,7 @@ def test_kernels_for_renders_every_variant():
                                     need_stats=True, split_k=False, interpret=True)
     assert k_gpu.name == "attention_kl_fwd_causal_maskadd" and k_cpu.path != k_gpu.path
     assert "tl.float32)" not in k_gpu.source.split("tl.dot(")[1].split("\n")[0]
-    for word in ("CAUSAL_OFFSET", "BLOCK_M", "BLOCK_N", "GROUP1", "GROUP2", "LSE1", "DELTA"):
+    for word in ("CAUSAL_OFFSET", "BLOCK_M", "BLOCK_N", "GROUP1", "GROUP2", "STATS1", "DELTA"):
         assert word in k_gpu.source
 
 
@@ -635,3 +943,55 @@ def test_gpu_one_compile_for_many_lengths():
         attention_kl.forward(q1, k1, q2, k2, scale1=0.125, scale2=0.125, causal="bottom_right")
         counts.append(len(compiled()))
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}"
+
+
+GPU_FILL_CASES = [
+    # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
+    ("bf16_keypad_finfo_min_per_side", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
+     _fills(MIN32 * 128 ** -0.5, MIN32 * 64 ** -0.5)),
+    ("bf16_causal_add_q>k", torch.bfloat16, 1, 4, 4, 2, 1280, 1024, 64, 64, "bottom_right", None,
+     _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add")),
+    ("bf16_causal_replace_q>k", torch.bfloat16, 1, 4, 4, 4, 1280, 1024, 128, 64, "bottom_right", None,
+     _fills(causal_fill1=-1e4 * 128 ** -0.5, causal_fill2=-1e4 * 64 ** -0.5)),
+    ("fp16_bool_drop_fill_causal_replace", torch.float16, 1, 4, 2, 2, 1000, 1536, 64, 64, "bottom_right", "drop",
+     _fills(-5.0, -4.0, -3.0, -3.0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_FILL_CASES, ids=[c[0] for c in GPU_FILL_CASES])
+def test_gpu_fills_match_reference(case):
+    _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, spec, fills = case
+    dev = torch.device("cuda")
+    q1, k1, q2, k2 = _inputs(106, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
+    gen = torch.Generator().manual_seed(107)
+    mask, kind = None, "none"
+    if spec == "keypad":  # batch 0: the last 300 keys padded; batch 1: every key padded
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        mask, kind = keep.to(dev), "bool_keep"
+    elif spec == "drop":
+        mask, kind = (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=kind, **fills)
+    g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(108)).to(dev)
+    ref = reference(q1, k1, q2, k2, **kw)
+    ref_grads = _grads_ref(q1, k1, q2, k2, g, **kw)
+    bwd_tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for split in (1, 4):
+        with launch.poison_outputs():
+            rows, s1, s2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        assert s1.shape == (2, b, h, n_q) and not rows.isnan().any() and not s1.isnan().any()
+        e = _rel(rows, ref["rows"])
+        assert e < 1e-3, f"rows error {e:.3g} (split_k={split})"
+        d_err = (delta.double() * LN2 - ref["mean"]).abs().max().item()
+        assert d_err < 1e-3 * (1 + ref["mean"].abs().max().item()), f"delta error {d_err:.3g}"
+    for mode in BWD_MODES:
+        for need in (ALL, FROZEN):
+            with launch.poison_outputs():
+                grads = attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, bwd_mode=mode, needs_grad=need, **kw)
+            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
+                if n:
+                    assert not gr.isnan().any(), f"{name} NaN ({mode})"
+                    e = _rel(gr, r)
+                    assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"

@@ -1,8 +1,11 @@
 """Property test: the attention-KL kernels equal the float64 reference on random shapes and
-variants (ragged sizes, GQA per side, D1 != D2, causal alignments, masks, split-K, both backward
-modes, frozen or trainable teacher), forward rows and statistics-driven gradients."""
+variants (ragged sizes, GQA per side, D1 != D2, causal alignments, masks, fills of hidden entries
+per side, split-K, both backward modes, frozen or trainable teacher), forward rows and
+statistics-driven gradients."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from _kernel_checks import random_mask, rel_err as _rel
@@ -30,7 +33,38 @@ def problems(draw):
         row_mask=draw(st.booleans()), split_k=draw(st.sampled_from([1, 2, 3])),
         bwd_mode=draw(st.sampled_from(["two_kernel", "atomic_dq"])), needs=draw(st.sampled_from([ALL, FROZEN])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        fills=draw(st.sampled_from(FILLS)),
+        causal_fill_mode=draw(st.sampled_from(["replace", "add"])),
     )
+
+
+MIN32 = torch.finfo(torch.float32).min
+# Per-side fills of hidden entries (natural units; -inf hides; finfo.min saturates), as (mask
+# fill, causal fill) pairs (teacher, student). Consistent per side: a fill combination under
+# which side 1 keeps mass where side 2's fill is ~1e38 lower has a KL of ~1e38 (ill-posed).
+FILLS = [
+    (None, None),
+    ((-2.0, -3.0), None),
+    ((-math.inf, -1.0), None),
+    (None, (-1.0, -2.0)),
+    ((-2.0, -3.0), (-1.0, -2.0)),
+    ((-math.inf, -1.0), (-1.0, -2.0)),
+    ((MIN32, MIN32 * 0.5), None),
+    (None, (MIN32 * 0.3, MIN32)),
+    ((MIN32 * 0.5, MIN32 * 0.5), (MIN32, MIN32)),
+]
+
+
+def _fill_kwargs(p) -> dict:
+    """The fills that apply to the drawn variant (a mask fill needs a boolean mask, a causal
+    fill a causal mode)."""
+    kw = {"causal_fill_mode": p["causal_fill_mode"]}
+    mask_fill, causal_fill = p["fills"]
+    if mask_fill is not None and p["mask_kind"] in ("bool_keep", "bool_drop"):
+        kw["mask_fill1"], kw["mask_fill2"] = mask_fill
+    if causal_fill is not None and p["causal"] != "none":
+        kw["causal_fill1"], kw["causal_fill2"] = causal_fill
+    return kw
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -42,7 +76,8 @@ def test_kernels_equal_reference(p):
     q2 = torch.randn(p["b"], p["h"], p["nq"], p["d2"], generator=g)
     k2 = torch.randn(p["b"], p["hkv2"], p["nk"], p["d2"], generator=g)
     mask = random_mask(p["mask_kind"], (p["b"], 1, 1, p["nk"]), (1, p["h"], p["nq"], p["nk"]), p["row_mask"], g)
-    kw = dict(scale1=p["scale1"], scale2=p["scale2"], causal=p["causal"], mask=mask, mask_kind=p["mask_kind"])
+    kw = dict(scale1=p["scale1"], scale2=p["scale2"], causal=p["causal"], mask=mask, mask_kind=p["mask_kind"],
+              **_fill_kwargs(p))
     with launch.poison_outputs():
         rows, lse1, lse2, delta = kernels.forward(q1, k1, q2, k2, split_k=p["split_k"], **kw)
     leaves = [x.double().requires_grad_(need) for x, need in zip((q1, k1, q2, k2), p["needs"])]
