@@ -28,7 +28,7 @@ from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl)
-from .scores import NEG_INF, Emitter
+from .scores import Emitter
 
 BLOCK_M, BLOCK_N = 128, 64  # nominal tiles for tile counts in the cost model
 D1, D2, HKV1, HKV2 = sympy.symbols("D_1 D_2 H_kv1 H_kv2", positive=True, integer=True)
@@ -165,7 +165,14 @@ def kernels(m: Match, plan: Candidate) -> list:
         causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=bool(row),
         split_k=plan.params.get("split_k", "1") != "1", bwd_mode=plan.params.get("backward", "two_kernel"),
         interpret=b["device"].type == "cpu", training=b["need_stats"], teacher_grad=b["grad_teacher"],
+        **attention_kl.fill_variant(b["causal"], b["mask_kind"], *_fills(b)),
     )
+
+
+def _fills(b: dict) -> tuple:
+    """(mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) of a match."""
+    s1, s2 = b["s1"], b["s2"]
+    return s1.mask_fill, s2.mask_fill, s1.causal_fill, s2.causal_fill, s1.causal_fill_mode
 
 
 def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
@@ -175,7 +182,6 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     e1 = Emitter(graph, rank, s1.compute_dtype)
     e2 = Emitter(graph, rank, s2.compute_dtype)
-    _check_fills(b)
     with graph.inserting_before(m.insertion_point):
         q1 = e1.operand(s1.q, s1.q_p, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
         k1 = e1.operand(_k(s1), s1.k_p, s1.in_dtype, detach=not b["grad_teacher"])
@@ -185,7 +191,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         op = e1.node(
             "call_function", torch.ops.fuser.attention_kl.default,
             (q1, k1, q2, k2, mask, e1.scale(s1.factors), e2.scale(s2.factors), b["causal"], b["mask_kind"],
-             b["need_stats"], plan_string(plan.params), float("-inf"), float("-inf"), float("-inf"), float("-inf"), "replace"),
+             b["need_stats"], plan_string(plan.params), *_fills(b)),
         )
         rows = e1.unrank(e1.node("call_function", operator.getitem, (op, 0)))  # [*batch, Nq]
         red = b["reduction"]
@@ -203,13 +209,3 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
             out = e1.node("call_method", "to", (out, b["out_dtype"]))
     return out
 
-
-def _check_fills(b: dict) -> None:
-    """Finite fills need the fill-aware kernels (not wired yet): refuse rather than run -inf
-    semantics on them."""
-    fills = [b.get("causal_fill", NEG_INF), b.get("mask_fill", NEG_INF)]
-    for s in (b.get("s1"), b.get("s2")):
-        if s is not None:
-            fills += [s.causal_fill, s.mask_fill]
-    if any(f != NEG_INF for f in fills):
-        raise NotImplementedError("finite mask fills are not supported by this build's kernels")
