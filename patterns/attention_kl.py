@@ -157,9 +157,7 @@ class AttentionKLPattern(Pattern):
         for t in s1.mask_terms:
             if t["kind"] == "additive" and t["scale"]:
                 raise Decline("an additive mask added before the scale (it would differ per side)")
-        for zkind, cond, reader in zeroing:
-            if not _zeroing_matches(zkind, cond, s1, ctx, at=reader):
-                raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
+        zero_hidden = _zero_hidden(zeroing, s1, s2, ctx)
 
         # A side under torch.no_grad() (or detached) gets no gradient: Dynamo keeps no_grad
         # blocks as grad-mode switches, and the values it recorded tell which nodes carry one.
@@ -171,7 +169,7 @@ class AttentionKLPattern(Pattern):
             s1=s1, s2=s2, rank=rank, reduction=kind, keepdim=keepdim, out_dtype=dtype(root),
             grad_teacher=bool(g1), grad_student=bool(g2), need_stats=bool(g1 or g2),
             causal=s1.causal, mask_terms=s1.mask_terms, mask_kind=s1.mask_kind, mask_shape=s1.mask_shape,
-            causal_fill_mode=s1.causal_fill_mode, device=s1.device, in_dtype=s1.in_dtype,
+            causal_fill_mode=s1.causal_fill_mode, device=s1.device, in_dtype=s1.in_dtype, zero_hidden=zero_hidden,
         )
         spelling = {
             "kl_div": "kl_div(log_target=True)" if view.canon(term).attrs.get("log_target") else "kl_div(probs)",
@@ -195,6 +193,8 @@ class AttentionKLPattern(Pattern):
             summary["causal_fill"] = f"{s1.causal_fill:g}/{s2.causal_fill:g} ({s1.causal_fill_mode})"
         if s1.mask_fill != NEG_INF:
             summary["mask_fill"] = f"{s1.mask_fill:g}/{s2.mask_fill:g}"
+        if zero_hidden:
+            summary["zeroed"] = "the hidden keys' terms (they still count in both softmaxes)"
         buffers = sorted(set(s1.buffers + s2.buffers))
         if buffers:
             summary["assumes_constant"] = buffers
@@ -230,18 +230,39 @@ def _same_masks(s1: Scores, s2: Scores) -> bool:
     return True
 
 
-def _zeroing_matches(kind: str, cond, s: Scores, ctx: MatchContext, at=None) -> bool:
-    """A ``masked_fill(term, cond, 0)``/``where`` on the KL terms changes nothing when it zeroes
-    exactly terms the scores' mask already hides with ``-inf`` (those are 0 in the fused
-    result; with a finite fill they carry mass in rows with no visible key)."""
+def _zeroing_target(kind: str, cond, s: Scores, ctx: MatchContext, at=None):
+    """What a ``masked_fill(term, cond, 0)``/``where`` on the KL terms zeroes: ``"causal"`` (the
+    entries the scores' causal structure hides), ``("mask", node)`` (those the boolean mask term
+    ``node`` hides), ``"nothing"`` (a condition that hides nothing), or None (anything else)."""
     for t in s.mask_terms:
         if t["node"] is cond and t["kind"] == kind:
-            return t["kind"] == "additive" or t["fill"] == NEG_INF
+            return ("mask", cond) if kind != "additive" else None
     try:
         mc = static_class(cond, kind, tuple(shape(s.node)[-2:]), ctx, at=at)
     except NotStatic:
+        return None
+    if mc.cls == "none":
+        return "nothing"
+    return "causal" if mc.cls == s.causal else None
+
+
+def _zero_hidden(zeroing: list, s1: Scores, s2: Scores, ctx: MatchContext) -> bool:
+    """Whether the KL terms are zeroed where the scores' masks hide keys, and the kernels must
+    exclude those terms (``zero_hidden``): only needed with a finite fill (with ``-inf`` the
+    hidden terms are 0 anyway). Raises Decline when the zeroing is not exactly that."""
+    targets = []
+    for zkind, cond, reader in zeroing:
+        t = _zeroing_target(zkind, cond, s1, ctx, at=reader)
+        if t is None:
+            raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
+        targets.append(t)
+    finite = any(f != NEG_INF for s in (s1, s2) for f in (s.mask_fill, s.causal_fill))
+    if not zeroing or not finite:
         return False
-    return mc.cls == "none" or (mc.cls == s.causal and s.causal_fill == NEG_INF)
+    hiding = ({"causal"} if s1.causal != "none" else set()) | {("mask", t["node"]) for t in s1.mask_terms}
+    if any(t["kind"] == "additive" for t in s1.mask_terms) or set(targets) - {"nothing"} != hiding:
+        raise Decline("with a finite fill, the KL terms must be zeroed exactly where the scores' masks hide keys")
+    return True
 
 
 def _detached(b, tag: str, s: Scores) -> bool:

@@ -182,6 +182,8 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     e1 = Emitter(graph, rank, s1.compute_dtype)
     e2 = Emitter(graph, rank, s2.compute_dtype)
+    if b.get("zero_hidden"):
+        raise NotImplementedError("zeroed KL terms under a finite fill need the zero_hidden kernels")
     with graph.inserting_before(m.insertion_point):
         q1 = e1.operand(s1.q, s1.q_p, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
         k1 = e1.operand(_k(s1), s1.k_p, s1.in_dtype, detach=not b["grad_teacher"])
