@@ -1,0 +1,88 @@
+"""Minimal programs of the failure classes the fuzzer found (issue 8), as specs.
+
+Each :class:`Case` is the minimal program of one failure class: shrunk by
+``python -m tests.soundness.fuzz`` from a failing random program (the ``.json`` next to each
+``_min.py`` it writes holds the spec), or, for the classes the issue lists that the random
+runs reached less often, written directly in the grammar. ``render(case.spec).source`` is the
+program; ``test_fuzz.py::test_known_failure`` runs each one against eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .grammar import Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A failure class: a short ``name``, what goes wrong (``note``), and its minimal ``spec``."""
+
+    name: str
+    note: str
+    spec: Spec
+
+
+_TRAIN = dict(grad="train", grad_inputs=("q", "k", "v"))
+
+CASES = [
+    # -- in-place writes between the scores and P V: the fused op reads the written tensor
+    Case("inplace_q_inside", "q.add_(1) after the softmax, before P V: fuser uses the new q",
+         Spec(calls=((4, 4),), inplace=(("inside_late", "q", "add_"),))),
+    Case("inplace_v_inside_gqa", "v.add_(1) after the softmax: fuser reads v un-repeated, after the write",
+         Spec(group=2, gqa="repeat_interleave", inplace=(("inside_late", "v", "add_"),))),
+    Case("inplace_mask_inside", "keep.fill_(True) after the mask was applied: fuser reads the written mask",
+         Spec(mask="padding", polarity="keep", mask_apply="where", empty_row=True, batch=2,
+              inplace=(("inside_late", "mask", "fill_"),))),
+    Case("inplace_kl_inside", "attention-KL: q2.mul_(2) after the scores: fuser uses the new q2",
+         Spec(pattern="attention_kl", inplace=(("inside", "q2", "mul_"),))),
+    Case("inplace_mul_before_counted_as_scale", "k.mul_(2) before the scores: fuser takes it for a scale factor of 2 "
+         "AND reads the written k (factor applied twice)",
+         Spec(inplace=(("before", "k", "mul_"),))),
+    Case("inplace_mul_before_kl", "attention-KL: k1.mul_(2) before the teacher's scores, the same (scale1=2 reported)",
+         Spec(pattern="attention_kl", inplace=(("before", "k1", "mul_"),), calls=((3, 3),))),
+    # -- masks broadcasting beyond q's batch/heads
+    Case("mask_beyond_heads_static", "a static mask expanded to 2 heads when q has 1: RuntimeError (expand); at N=1 a wrong output shape",
+         Spec(mask="prefix", mask_shape="beyond_heads")),
+    Case("mask_beyond_heads_data", "a data mask with 2 heads when q has 1: RuntimeError (expand) at run time",
+         Spec(mask="data_bool", mask_shape="beyond_heads")),
+    Case("mask_beyond_batch_data", "a data bias with batch 2 when q has batch 1: RuntimeError (expand)",
+         Spec(mask="data_bias", mask_shape="beyond_batch")),
+    # -- in-place writes after the region on tensors the fused backward saves
+    Case("inplace_out_after_train", "o.mul_(2) after the region in training: compile fails (saved tensor written)",
+         Spec(inplace=(("after", "out", "mul_"),), **_TRAIN)),
+    Case("inplace_q_after_train", "q.add_(1) after the region, only q needs grad (eager saves k, not q): compile fails",
+         Spec(inplace=(("after", "q", "add_"),), grad="train", grad_inputs=("q",))),
+    Case("inplace_kl_teacher_after", "attention-KL: q1.add_(1) after the loss, teacher without grad: compile fails",
+         Spec(pattern="attention_kl", inplace=(("after", "q1", "add_"),), grad="train", grad_inputs=("q2", "k2"))),
+    # -- grad modes
+    Case("no_grad_block_softmax", "softmax under torch.no_grad(): fuser returns a gradient for k (eager: None)",
+         Spec(no_grad_block="softmax", grad="train", grad_inputs=("k", "v"))),
+    # -- dynamic shapes
+    Case("window_dynamic", "sliding window (w=32) first compiled at N=30 (dynamic=True): classified causal, wrong at N=48",
+         Spec(mask="window", window=32, builder="arange", calls=((30, 30), (48, 48)), dynamic=True)),
+    Case("window_automatic_dynamic", "sliding window, automatic dynamic: dynamic graph compiled at N=31, wrong at N=48",
+         Spec(mask="window", window=32, builder="arange", calls=((30, 30), (31, 31), (48, 48)), dynamic=None)),
+    Case("prefix_lm_dynamic", "prefix-LM (j <= i) | (j < 40) first compiled at N=30: all-visible, wrong at N=48",
+         Spec(mask="prefix", prefix=40, builder="arange", calls=((30, 30), (48, 48)), dynamic=True)),
+    Case("head_dim_257_dynamic", "head dim 257 under dynamic=True: fused anyway, ValueError at run time",
+         Spec(head_dim=257, head_dim_v=257, dynamic=True, calls=((4, 4),))),
+    Case("scale_from_length_recompiles", "scale q.size(-2) ** -0.5 under dynamic=True: a recompile per length",
+         Spec(scale="pow_n", dynamic=True, calls=((16, 16), (24, 24)))),
+    # -- values assumed constant
+    Case("data_mask_named_buffers", "an argument named cache_buffers_mask is evaluated as a constant buffer",
+         Spec(mask="data_bool", mask_name="cache_buffers_mask", data_values="visible_first", calls=((16, 16), (16, 16)))),
+    Case("param_in_rel_buffers_train", "a learned bias in a submodule named rel_buffers: no gradient for it",
+         Spec(mask="param_bias", module_name="rel_buffers", data_values="visible_first", grad="train",
+              grad_inputs=("q",), between="param_bias_update", calls=((16, 16), (16, 16)))),
+    Case("param_in_rel_buffers_update", "... and its update between calls is not seen (inference)",
+         Spec(mask="param_bias", module_name="rel_buffers", data_values="visible_first", grad="no_grad",
+              grad_inputs=("q",), between="param_bias_update", calls=((16, 16), (16, 16)))),
+    Case("temperature_buffer_baked", "scores / self.temp (0-dim buffer), temp.fill_(0.5) between calls: not seen",
+         Spec(scale="buffer_temp", between="temp_fill", calls=((16, 16), (16, 16)))),
+    # -- finite fills
+    Case("finite_fill_above_scores", "masked_fill(hide, -1e4) with scores around -2e4: the hidden keys win in eager",
+         Spec(mask="causal_tl", fill="-1e4", shift=-20000.0)),
+    Case("additive_finite_causal_nq_gt_nk", "additive finfo.min bottom-right causal mask, Nq > Nk: fuser 0, eager uniform",
+         Spec(mask="causal_br", mask_apply="additive", fill="finfo_min", calls=((24, 8),))),
+]
