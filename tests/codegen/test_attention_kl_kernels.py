@@ -1313,3 +1313,58 @@ def test_gpu_fills_match_reference(case):
                     assert not gr.isnan().any(), f"{name} NaN ({mode})"
                     e = _rel(gr, r)
                     assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+
+
+GPU_ZERO_CASES = [
+    # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
+    ("bf16_keypad_causal_finfo_min", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
+     _fills(MIN32, MIN32, MIN32, MIN32)),
+    ("bf16_causal_add_q>k", torch.bfloat16, 1, 4, 4, 2, 1280, 1024, 64, 64, "bottom_right", None,
+     _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add")),
+    ("fp16_bool_drop_fill_causal_add", torch.float16, 1, 4, 2, 2, 1000, 1536, 64, 64, "bottom_right", "drop",
+     _fills(-5.0, -4.0, -3.0, -3.0, "add")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_ZERO_CASES, ids=[c[0] for c in GPU_ZERO_CASES])
+def test_gpu_zero_hidden_matches_reference(case):
+    # zero_hidden compiled at realistic sizes (bf16/fp16): rows, the statistics (h1, w1, DELTA)
+    # and both backward modes against the float64 reference
+    _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, spec, fills = case
+    dev = torch.device("cuda")
+    q1, k1, q2, k2 = _inputs(150, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
+    gen = torch.Generator().manual_seed(151)
+    mask, kind = None, "none"
+    if spec == "keypad":  # batch 0: the last 300 keys padded; batch 1: every key padded
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        mask, kind = keep.to(dev), "bool_keep"
+    elif spec == "drop":
+        mask, kind = (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=kind, zero_hidden=True, **fills)
+    g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(152)).to(dev)
+    ref = reference(q1, k1, q2, k2, **kw)
+    ref_grads = _grads_ref(q1, k1, q2, k2, g, **kw)
+    bwd_tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for split in (1, 4):
+        with launch.poison_outputs():
+            rows, s1, s2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        assert s1.shape == (4, b, h, n_q) and s2.shape == (2, b, h, n_q) and not rows.isnan().any()
+        e = _rel(rows, ref["rows"])
+        assert e < 1e-3, f"rows error {e:.3g} (split_k={split})"
+        for plane, name in ((2, "h1"), (3, "w1")):
+            e = (s1[plane].double() - ref[name]).abs().max().item()
+            assert e < 1e-3, f"{name} error {e:.3g} (split_k={split})"
+        d_err = (delta.double() * LN2 - ref["mean_zh"]).abs().max().item()
+        assert d_err < 1e-3 * (1 + ref["mean_zh"].abs().max().item()), f"delta error {d_err:.3g}"
+    for mode in BWD_MODES:
+        for need in (ALL, FROZEN):
+            with launch.poison_outputs():
+                grads = attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, bwd_mode=mode, needs_grad=need, **kw)
+            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
+                if n:
+                    assert not gr.isnan().any(), f"{name} NaN ({mode})"
+                    e = _rel(gr, r)
+                    assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
