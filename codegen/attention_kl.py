@@ -57,8 +57,11 @@ the visible mass ``w1 = lv1 / l1``; ``(0, +inf, 0, 0)`` for an empty row), side 
 Nq]`` as above, and ``DELTA = acc / l1 − h1 (log2(l2 / l1) + log2 e)``. With ``c = log2(l2 / l1) +
 log2 e`` and ``E = DELTA + c`` (0 where ``w1 = 0``) the backward computes, for upstream g,
 visible ``dS1 = g P1 ln2 ((a1 − a2) − DELTA)``, ``dS2 = g (w1 P2 − P1)``; hidden entries a
-causal ``"add"`` shifted ``dS1 = −g P1 ln2 E``, ``dS2 = g w1 P2``; replaced entries none
-(``L_i`` terms and formulas: ``/work/wt/spec/KL_ZEROED.md``).
+causal ``"add"`` shifted ``dS1 = −g P1 ln2 E``, ``dS2 = g w1 P2``; replaced entries none.
+These are ``dL/dS1_k = [k∈V] P1_k (r_k + 1) − P1_k (L + w1)`` and ``dL/dS2_k = −[k∈V] P1_k + w1 P2_k``
+(natural units; with V = all keys, today's formulas). A teacher that fills hidden entries which
+the student hides (``-inf``) has an infinite full KL but a finite zeroed one: the kernels give it
+(side 2 of a row without any finite score stores ``(0, +inf)``).
 
 Shapes: q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2
 ``[B, Hkv2, Nk, D2]`` (any strides, never copied); ``H % Hkv1 == H % Hkv2 == 0`` (query head h
