@@ -45,6 +45,24 @@ offset-free ``DELTA = acc/l1 = E_P1[(s1 − m1) − (s2 − m2)]``; the backward
 ``a = s − m``, ``P = exp2(a − log2 l)`` and ``dS1 ∝ P1 ((a1 − a2) − DELTA)``. Other variants keep
 ``LSE1, LSE2, DELTA`` ``[B, H, Nq]`` and their code.
 
+Zeroed hidden terms (``zero_hidden``; MiniLM-style losses that fill with ``finfo.min`` and then
+``masked_fill(m, 0)`` the KL terms): ``L_i = Σ_{j∈V_i} P1_ij r_ij`` over the visible keys only, the
+hidden ones (the boolean mask or the causal structure hides them, whatever their fill) still
+counting in both softmaxes. Only variants with a finite fill have hidden entries with mass, so
+:func:`zero_hidden_flag` drops the flag elsewhere (``-inf`` hides: nothing to zero; today's
+code). The forward keeps side 1's row sum in two parts, visible ``lv1`` and hidden ``lh1``
+(each summed from its own entries), and ``acc`` over the visible entries; it stores side 1's
+statistics ``[4, B, H, Nq]`` (planes: row max m1, log2 l1, the hidden mass ``h1 = lh1 / l1``,
+the visible mass ``w1 = lv1 / l1``; ``(0, +inf, 0, 0)`` for an empty row), side 2's ``[2, B, H,
+Nq]`` as above, and ``DELTA = acc / l1 − h1 (log2(l2 / l1) + log2 e)``. With ``c = log2(l2 / l1) +
+log2 e`` and ``E = DELTA + c`` (0 where ``w1 = 0``) the backward computes, for upstream g,
+visible ``dS1 = g P1 ln2 ((a1 − a2) − DELTA)``, ``dS2 = g (w1 P2 − P1)``; hidden entries a
+causal ``"add"`` shifted ``dS1 = −g P1 ln2 E``, ``dS2 = g w1 P2``; replaced entries none.
+These are ``dL/dS1_k = [k∈V] P1_k (r_k + 1) − P1_k (L + w1)`` and ``dL/dS2_k = −[k∈V] P1_k + w1 P2_k``
+(natural units; with V = all keys, today's formulas). A teacher that fills hidden entries which
+the student hides (``-inf``) has an infinite full KL but a finite zeroed one: the kernels give it
+(side 2 of a row without any finite score stores ``(0, +inf)``).
+
 Shapes: q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2
 ``[B, Hkv2, Nk, D2]`` (any strides, never copied); ``H % Hkv1 == H % Hkv2 == 0`` (query head h
 reads kv head ``h // (H // Hkv)`` of each side); D1, D2 in 1..256 (padded to powers of two
@@ -84,6 +102,8 @@ __all__ = [
     "bwd_kernel",
     "fill_variant",
     "two_part_stats",
+    "zero_hidden_flag",
+    "stat_planes",
     "candidate_configs",
     "default_split_k",
     "atomic_dq_chunks",
@@ -132,52 +152,79 @@ def _fill_flags(causal: bool, mask_kind: str, mask_fill_finite: bool, causal_fil
             causal_fill if causal else "hide")
 
 
-def _head(causal: bool, mask_kind: str, row: bool, mask_fill: bool = False, causal_fill: str = "hide") -> str:
+def zero_hidden_flag(zero_hidden: bool, mask_kind: str, mask_fill_finite: bool = False,
+                     causal_fill: str = "hide") -> bool:
+    """Whether a variant asked for ``zero_hidden`` really zeroes hidden terms: only where a hidden
+    entry can carry mass (a finite mask fill on a boolean mask, or a finite causal fill). With
+    ``-inf`` fills every hidden entry has P1 = 0 and today's code computes the same."""
+    return bool(zero_hidden) and ((bool(mask_fill_finite) and mask_kind in ("bool_keep", "bool_drop"))
+                                  or causal_fill != "hide")
+
+
+def stat_planes(mask_kind: str, mask_fill_finite: bool = False, causal_fill: str = "hide",
+                zero_hidden: bool = False) -> tuple[int, int]:
+    """The statistics layout of a variant, ``(planes of lse1, planes of lse2)``: ``(0, 0)`` for
+    ``[B, H, Nq]`` each (LSE), ``(2, 2)`` for two-part statistics ``[2, B, H, Nq]`` (row max,
+    log2 l), ``(4, 2)`` with ``zero_hidden`` (side 1 adds the hidden and visible masses h1, w1).
+    ``delta`` is always ``[B, H, Nq]``."""
+    if not two_part_stats(mask_kind, mask_fill_finite, causal_fill):
+        return 0, 0
+    return (4 if zero_hidden_flag(zero_hidden, mask_kind, mask_fill_finite, causal_fill) else 2), 2
+
+
+def _head(causal: bool, mask_kind: str, row: bool, mask_fill: bool = False, causal_fill: str = "hide",
+          zero_hidden: bool = False) -> str:
     head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
     head += "_rowbcast" if mask_kind != "none" and row else ""
-    return head + ("_maskfill" if mask_fill else "") + _CAUSAL_FILL_SUFFIX[causal_fill]
+    head += ("_maskfill" if mask_fill else "") + _CAUSAL_FILL_SUFFIX[causal_fill]
+    return head + ("_zerohidden" if zero_hidden else "")
 
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: bool, split_k: bool,
-               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide") -> RenderedKernel:
+               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide",
+               zero_hidden: bool = False) -> RenderedKernel:
     """Render the forward module of one static variant (``causal``: a mode or a bool).
 
     ``mask_fill_finite``: a boolean mask's hidden entries take runtime fill values instead of
     being skipped; ``causal_fill``: ``"hide"`` (entries above the diagonal skipped, tiles
     skipped), ``"replace"`` or ``"add"`` (runtime fill values, every tile visited); see
-    :func:`fill_variant`. The defaults render today's variants.
+    :func:`fill_variant`. ``zero_hidden``: the KL sums the visible entries only (see
+    :func:`zero_hidden_flag`: ignored without a finite fill). The defaults render today's variants.
     """
     launch.check_variant(causal, mask_kind)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
-    name = ("attention_kl_fwd" + _head(causal, mask_kind, row, mask_fill, causal_fill)
+    zero = zero_hidden_flag(zero_hidden, mask_kind, mask_fill, causal_fill)
+    name = ("attention_kl_fwd" + _head(causal, mask_kind, row, mask_fill, causal_fill, zero)
             + ("" if need_stats else "_nostats") + ("_splitk" if split_k else "") + ("_interp" if interpret else ""))
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         need_stats=bool(need_stats), split_k=bool(split_k), interpret=bool(interpret),
-        mask_fill_finite=mask_fill, causal_fill=causal_fill,
+        mask_fill_finite=mask_fill, causal_fill=causal_fill, zero_hidden=zero,
     )
 
 
 def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: str, teacher_grad: bool,
-               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide") -> RenderedKernel:
+               interpret: bool, mask_fill_finite: bool = False, causal_fill: str = "hide",
+               zero_hidden: bool = False) -> RenderedKernel:
     """Render the backward module (dK kernel and, for two_kernel, the dQ kernel); the fill
     flags as for :func:`fwd_kernel` (they pick the statistics layout and, for ``"add"``, the
-    per-element causal bias and no tile skipping)."""
+    per-element causal bias and no tile skipping); ``zero_hidden`` as there."""
     launch.check_variant(causal, mask_kind, bwd_mode)
     causal = launch.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
-    name = ("attention_kl_bwd" + _head(causal, mask_kind, row, mask_fill, causal_fill)
+    zero = zero_hidden_flag(zero_hidden, mask_kind, mask_fill, causal_fill)
+    name = ("attention_kl_bwd" + _head(causal, mask_kind, row, mask_fill, causal_fill, zero)
             + ("" if teacher_grad else "_frozen") + ("_atomicdq" if bwd_mode == "atomic_dq" else "")
             + ("_interp" if interpret else ""))
     return render(
         BWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         atomic_dq=bwd_mode == "atomic_dq", teacher_grad=bool(teacher_grad), interpret=bool(interpret),
-        mask_fill_finite=mask_fill, causal_fill=causal_fill,
+        mask_fill_finite=mask_fill, causal_fill=causal_fill, zero_hidden=zero,
     )
 
 
@@ -193,15 +240,17 @@ def kernels_for(
     teacher_grad: bool,
     mask_fill_finite: bool = False,
     causal_fill: str = "hide",
+    zero_hidden: bool = False,
 ) -> list[RenderedKernel]:
     """The kernel modules a call of this static variant uses, rendered but not launched.
 
     ``training`` adds the backward module and makes the forward store the statistics
     (LSE1, LSE2, DELTA, or the two-part ones) the backward reads; ``teacher_grad`` picks the
     backward with side-1 gradients (else the frozen-teacher one). ``mask_fill_finite``,
-    ``causal_fill``: the fill flags, from the fill values by :func:`fill_variant`.
+    ``causal_fill``: the fill flags, from the fill values by :func:`fill_variant`;
+    ``zero_hidden``: the hidden entries' KL terms zeroed (:func:`zero_hidden_flag`).
     """
-    fills = dict(mask_fill_finite=mask_fill_finite, causal_fill=causal_fill)
+    fills = dict(mask_fill_finite=mask_fill_finite, causal_fill=causal_fill, zero_hidden=zero_hidden)
     kernels = [
         fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=mask_row_broadcast,
                    need_stats=training, split_k=split_k, interpret=interpret, **fills)
@@ -262,21 +311,21 @@ def _base2_fill(value: float) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal, mask_kind: str, row: bool, need_stats: bool, split_k: bool, interpret: bool,
-                mask_fill_finite: bool = False, causal_fill: str = "hide"):
+                mask_fill_finite: bool = False, causal_fill: str = "hide", zero_hidden: bool = False):
     """The imported forward module of one static variant (rendered once per process)."""
     kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_stats=need_stats,
                         split_k=split_k, interpret=interpret, mask_fill_finite=mask_fill_finite,
-                        causal_fill=causal_fill)
+                        causal_fill=causal_fill, zero_hidden=zero_hidden)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_module(causal, mask_kind: str, row: bool, bwd_mode: str, teacher_grad: bool, interpret: bool,
-                mask_fill_finite: bool = False, causal_fill: str = "hide"):
+                mask_fill_finite: bool = False, causal_fill: str = "hide", zero_hidden: bool = False):
     """The imported backward module of one static variant (rendered once per process)."""
     kernel = bwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, bwd_mode=bwd_mode,
                         teacher_grad=teacher_grad, interpret=interpret, mask_fill_finite=mask_fill_finite,
-                        causal_fill=causal_fill)
+                        causal_fill=causal_fill, zero_hidden=zero_hidden)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -329,12 +378,13 @@ def alloc_rows(q1: torch.Tensor) -> torch.Tensor:
     return launch.empty((b, h, n), torch.float32, q1.device)
 
 
-def alloc_stats(q1: torch.Tensor, two_part: bool = False) -> torch.Tensor:
+def alloc_stats(q1: torch.Tensor, two_part: bool = False, planes: int = 2) -> torch.Tensor:
     """One statistic, float32, contiguous, base 2: ``[B, H, Nq]`` (LSE1, LSE2 or DELTA), or with
-    ``two_part`` one side's two-part statistics ``[2, B, H, Nq]`` (plane 0 the row max, plane 1
-    log2 of the row sum)."""
+    ``two_part`` one side's two-part statistics ``[planes, B, H, Nq]`` (plane 0 the row max,
+    plane 1 log2 of the row sum; side 1 of a ``zero_hidden`` variant has ``planes=4``: plane 2
+    the hidden mass h1, plane 3 the visible mass w1; see :func:`stat_planes`)."""
     b, h, n, _ = q1.shape
-    return launch.empty((2, b, h, n) if two_part else (b, h, n), torch.float32, q1.device)
+    return launch.empty((planes, b, h, n) if two_part else (b, h, n), torch.float32, q1.device)
 
 
 def alloc_grads(q1, k1, q2, k2, needs_grad: Sequence[bool] = (True, True, True, True)):
@@ -380,13 +430,14 @@ def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
     launch.check_mask(mask, mask_kind)
 
 
-def _check_stats(q1, lse1, lse2, delta, two_part: bool) -> None:
-    """Raise ``ValueError`` unless the statistics have the layout of this variant."""
+def _check_stats(q1, lse1, lse2, delta, planes: tuple[int, int]) -> None:
+    """Raise ``ValueError`` unless the statistics have the layout of this variant
+    (``planes``: :func:`stat_planes`)."""
     b, h, n, _ = q1.shape
-    want = (2, b, h, n) if two_part else (b, h, n)
-    for name, t, shape in (("lse1", lse1, want), ("lse2", lse2, want), ("delta", delta, (b, h, n))):
+    want = [(p, b, h, n) if p else (b, h, n) for p in planes]
+    for name, t, shape in (("lse1", lse1, want[0]), ("lse2", lse2, want[1]), ("delta", delta, (b, h, n))):
         if t is not None and tuple(t.shape) != shape:
-            layout = "two-part [2, B, H, Nq]" if two_part and name != "delta" else "[B, H, Nq]"
+            layout = f"two-part [{shape[0]}, B, H, Nq]" if len(shape) == 4 else "[B, H, Nq]"
             raise ValueError(f"{name} must be {layout} = {shape} for this variant, got {tuple(t.shape)}")
 
 
@@ -424,6 +475,7 @@ def forward(
     causal_fill1: float = -math.inf,
     causal_fill2: float = -math.inf,
     causal_fill_mode: str = "replace",
+    zero_hidden: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Per-row ``KL(P1 ‖ P2)`` with the given causal/mask/fill semantics (those of
     :func:`fuser.patterns.attention_kl_reference.reference`).
@@ -439,6 +491,9 @@ def forward(
         causal_fill1, causal_fill2, causal_fill_mode: the score an entry above the causal
             diagonal takes (``"replace"``) or gets added (``"add"``), per side (``-inf``: hidden,
             tiles above the diagonal skipped). See :func:`fill_variant`.
+        zero_hidden: sum the KL terms of the visible entries only (entries the mask or the
+            causal structure hides keep their share of both softmaxes); a no-op without a
+            finite fill (:func:`zero_hidden_flag`).
 
     Returns:
         ``(rows, lse1, lse2, delta)``: ``rows`` ``[B, H, Nq]`` float32, L in nats (0 for a row
@@ -447,21 +502,27 @@ def forward(
         empty row) ``[B, H, Nq]`` float32. With them (:func:`two_part_stats`): ``lse1, lse2``
         are each side's two-part statistics ``[2, B, H, Nq]`` (row max m and log2 l, base 2;
         ``(0, +inf)`` for an empty row) and ``delta`` is offset-free,
-        ``E_P1[(s1 − m1) − (s2 − m2)]`` (0 for an empty row). ``None`` each when
-        ``need_stats`` is false.
+        ``E_P1[(s1 − m1) − (s2 − m2)]`` (0 for an empty row). With an active ``zero_hidden``,
+        ``lse1`` is ``[4, B, H, Nq]`` (adding plane 2 the teacher's hidden mass h1 and plane 3 its
+        visible mass w1; 0 and 0 for an empty row) and ``delta`` is
+        ``acc / l1 − h1 (log2(l2 / l1) + log2 e)`` over the visible entries (0 where w1 = 0);
+        a row whose side 2 has no finite score stores ``(0, +inf)`` for side 2 as well.
+        ``None`` each when ``need_stats`` is false.
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
     fills = fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
     two_part = two_part_stats(mask_kind, **fills)
+    zero = zero_hidden_flag(zero_hidden, mask_kind, **fills)
+    planes = stat_planes(mask_kind, **fills, zero_hidden=zero)
     b, h, n_q, d1 = q1.shape
     n_k = k1.shape[2]
     if rows is None:
         rows = alloc_rows(q1)
     if need_stats:
-        lse1 = alloc_stats(q1, two_part) if lse1 is None else lse1
-        lse2 = alloc_stats(q1, two_part) if lse2 is None else lse2
+        lse1 = alloc_stats(q1, two_part, planes[0]) if lse1 is None else lse1
+        lse2 = alloc_stats(q1, two_part, planes[1]) if lse2 is None else lse2
         delta = alloc_stats(q1) if delta is None else delta
-        _check_stats(q1, lse1, lse2, delta, two_part)
+        _check_stats(q1, lse1, lse2, delta, planes)
     else:
         lse1 = lse2 = delta = None
     if rows.numel() == 0 or n_k == 0:  # nothing to compute, or every row empty
@@ -471,6 +532,7 @@ def forward(
                 if two_part:
                     stat[0].zero_()
                     stat[1].fill_(math.inf)
+                    stat[2:].zero_()  # zero_hidden: h1 = w1 = 0
                 else:
                     stat.fill_(math.inf)
             delta.zero_()
@@ -486,14 +548,15 @@ def forward(
     def run(cfg):
         splits = min(split_k, launch.cdiv(n_k, cfg["BLOCK_N"]))
         kernel, module = _fwd_module(causal, mask_kind, row, bool(need_stats), splits > 1, interpret,
-                                     fills["mask_fill_finite"], fills["causal_fill"])
+                                     fills["mask_fill_finite"], fills["causal_fill"], zero)
         args = [q1, k1, q2, k2, rows]
         if need_stats:
             args += [lse1, lse2, delta]
         if mask4 is not None:
             args.append(mask4)
         if splits > 1:
-            args.append(launch.empty((5, splits, b * h * n_q), torch.float32, q1.device))
+            # partial states: m1, l1, m2, l2, acc (zero_hidden: m1, lv1, lh1, m2, l2, acc)
+            args.append(launch.empty((6 if zero else 5, splits, b * h * n_q), torch.float32, q1.device))
         with launch.launching(interpret):
             module.launch_fwd(
                 *args,
@@ -507,7 +570,7 @@ def forward(
 
     key = ("attention_kl_fwd", causal, mask_kind, row, bool(need_stats), split_k > 1, interpret, q1.dtype,
            d1, q2.shape[-1], None if mask4 is None else mask4.dtype, precision, fills["mask_fill_finite"],
-           fills["causal_fill"])
+           fills["causal_fill"], zero)
     launch.launch_first_fitting(key, configs, run)
     return rows, lse1, lse2, delta
 
@@ -535,6 +598,7 @@ def backward(
     causal_fill1: float = -math.inf,
     causal_fill2: float = -math.inf,
     causal_fill_mode: str = "replace",
+    zero_hidden: bool = False,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients ``(dq1, dk1, dq2, dk2)`` of ``Σ_i g_rows_i · L_i``; ``None`` for each one
     ``needs_grad`` turns off.
@@ -549,11 +613,14 @@ def backward(
     inputs the accumulators are bounded by :data:`ATOMIC_DQ_WORKSPACE_BYTES`, larger problems
     are launched in head/batch chunks, see :func:`atomic_dq_chunks`). Without
     side-1 gradients the frozen-teacher kernels run (no DELTA term, no side-1 products).
+    ``zero_hidden``: gradients of the zeroed-hidden-terms KL (as the forward's; it must match
+    the forward's flag: the statistics differ, side 1's are ``[4, B, H, Nq]``).
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
     launch.check_variant(causal, mask_kind, bwd_mode)
     fills = fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
-    two_part = two_part_stats(mask_kind, **fills)
+    zero = zero_hidden_flag(zero_hidden, mask_kind, **fills)
+    planes = stat_planes(mask_kind, **fills, zero_hidden=zero)
     need = tuple(bool(x) for x in needs_grad)
     if len(need) != 4:
         raise ValueError(f"needs_grad must have 4 entries (q1, k1, q2, k2), got {needs_grad!r}")
@@ -572,7 +639,7 @@ def backward(
     teacher_grad = need[0] or need[1]
     if teacher_grad and delta is None:
         raise ValueError("side-1 gradients need the forward's delta")
-    _check_stats(q1, lse1, lse2, delta, two_part)
+    _check_stats(q1, lse1, lse2, delta, planes)
     lse1, lse2 = lse1.contiguous(), lse2.contiguous()
     if delta is not None:
         delta = delta.contiguous()
@@ -583,7 +650,7 @@ def backward(
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret,
-                                 fills["mask_fill_finite"], fills["causal_fill"])
+                                 fills["mask_fill_finite"], fills["causal_fill"], zero)
     fill_args = _fill_args(fills, mask_fill1, mask_fill2, causal_fill1, causal_fill2, backward=True)
     precision = launch.dot_precision(q1.dtype)
     outs = (dq1, dk1, dq2, dk2)

@@ -1,6 +1,6 @@
 """The fused attention-KL ops: ``torch.ops.fuser.attention_kl`` and its backward.
 
-``torch.ops.fuser.attention_kl(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> (rows, lse1, lse2, delta)``
+``torch.ops.fuser.attention_kl(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode, zero_hidden) -> (rows, lse1, lse2, delta)``
     Side 1 is the target distribution P1 (the teacher), side 2 the student P2.
     q1 ``[B, H, Nq, D1]``, k1 ``[B, Hkv1, Nk, D1]``, q2 ``[B, H, Nq, D2]``, k2 ``[B, Hkv2, Nk, D2]``
     (any strides; GQA per side); ``mask`` broadcastable to ``[B, H, Nq, Nk]`` (shared by both
@@ -15,8 +15,13 @@
     ``[2, B, H, Nq]`` (per side the row max and log2 of the row sum) and the offset-free
     ``delta`` ``[B, H, Nq]``; empty tensors when ``need_stats`` is false.
     ``plan``: ``"split_k=<n>;backward=two_kernel|atomic_dq"``.
+    ``zero_hidden``: the KL terms of the entries the boolean mask or the causal structure hides
+    are zeroed (``kl_div(...).masked_fill(m, 0)``): ``L_i`` sums the visible keys only, the
+    hidden ones still count in both softmaxes. It changes something only with a finite fill
+    (``kernels.zero_hidden_flag``); then ``lse1`` is ``[4, B, H, Nq]`` (adding the teacher's
+    hidden and visible mass) and ``delta`` the zero_hidden form (``kernels.forward``).
 
-``torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> (dq1, dk1, dq2, dk2)``
+``torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode, zero_hidden) -> (dq1, dk1, dq2, dk2)``
     gradients for the inputs flagged in ``needs`` (empty tensors for the others), given the
     upstream gradient ``g`` of ``rows``.
 
@@ -56,6 +61,7 @@ def attention_kl(
     causal_fill1: float,
     causal_fill2: float,
     causal_fill_mode: str,
+    zero_hidden: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p = parse_plan(plan)
     split = p.get("split_k", "1")
@@ -64,25 +70,28 @@ def attention_kl(
         q1, k1, q2, k2, scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind,
         need_stats=need_stats, split_k=split_k, mask_fill1=mask_fill1, mask_fill2=mask_fill2,
         causal_fill1=causal_fill1, causal_fill2=causal_fill2, causal_fill_mode=causal_fill_mode,
+        zero_hidden=zero_hidden,
     )
     if not need_stats:  # three distinct tensors: custom-op outputs may not alias each other
         lse1, lse2, delta = _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
     return rows, lse1, lse2, delta
 
 
-def _two_part(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode) -> bool:
+def _stat_planes(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode,
+                 zero_hidden) -> tuple[int, int]:
     fills = kernels.fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
-    return kernels.two_part_stats(mask_kind, **fills)
+    return kernels.stat_planes(mask_kind, **fills, zero_hidden=zero_hidden)
 
 
 @attention_kl.register_fake
 def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, need_stats, plan,
-                       mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode):
+                       mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode, zero_hidden):
     rows = kernels.alloc_rows(q1)
     if not need_stats:
         return rows, _empty_stat(q1), _empty_stat(q1), _empty_stat(q1)
-    two = _two_part(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
-    return rows, kernels.alloc_stats(q1, two), kernels.alloc_stats(q1, two), kernels.alloc_stats(q1)
+    p1, p2 = _stat_planes(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode,
+                          zero_hidden)
+    return rows, kernels.alloc_stats(q1, p1 > 0, p1), kernels.alloc_stats(q1, p2 > 0, p2), kernels.alloc_stats(q1)
 
 
 @torch.library.custom_op("fuser::attention_kl_backward", mutates_args=())
@@ -107,6 +116,7 @@ def attention_kl_backward(
     causal_fill1: float,
     causal_fill2: float,
     causal_fill_mode: str,
+    zero_hidden: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if lse1.numel() == 0 and q1.numel() != 0:
         raise RuntimeError("fuser: attention_kl backward on a forward that stored no statistics; a fuser bug")
@@ -115,7 +125,7 @@ def attention_kl_backward(
         g, q1, k1, q2, k2, lse1, lse2, delta, scale1=scale1, scale2=scale2, causal=causal, mask=mask,
         mask_kind=mask_kind, needs_grad=tuple(needs), bwd_mode=p.get("backward", "two_kernel"),
         mask_fill1=mask_fill1, mask_fill2=mask_fill2, causal_fill1=causal_fill1, causal_fill2=causal_fill2,
-        causal_fill_mode=causal_fill_mode,
+        causal_fill_mode=causal_fill_mode, zero_hidden=zero_hidden,
     )
     likes = (q1, k1, q2, k2)
     return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
@@ -123,7 +133,7 @@ def attention_kl_backward(
 
 @attention_kl_backward.register_fake
 def _attention_kl_backward_fake(g, q1, k1, q2, k2, lse1, lse2, delta, mask, scale1, scale2, causal, mask_kind, plan, needs,
-                                mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode):
+                                mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode, zero_hidden):
     grads = kernels.alloc_grads(q1, k1, q2, k2, tuple(needs))
     likes = (q1, k1, q2, k2)
     return tuple(x if x is not None else _empty_stat(like) for x, like in zip(grads, likes))
@@ -134,10 +144,10 @@ def _setup_context(ctx, inputs, output):
     _, lse1, lse2, delta = output
     ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, delta, mask)
     ctx.params = (scale1, scale2, causal, mask_kind, plan)
-    ctx.fills = tuple(fills)  # mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode
+    ctx.fills = tuple(fills)  # mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode, zero_hidden
 
 
-_N_INPUTS = 16
+_N_INPUTS = 17
 
 
 def _backward(ctx, g_rows, g_lse1, g_lse2, g_delta):

@@ -193,7 +193,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         op = e1.node(
             "call_function", torch.ops.fuser.attention_kl.default,
             (q1, k1, q2, k2, mask, e1.scale(s1.factors), e2.scale(s2.factors), b["causal"], b["mask_kind"],
-             b["need_stats"], plan_string(plan.params), *_fills(b)),
+             b["need_stats"], plan_string(plan.params), *_fills(b), False),
         )
         rows = e1.unrank(e1.node("call_function", operator.getitem, (op, 0)))  # [*batch, Nq]
         red = b["reduction"]

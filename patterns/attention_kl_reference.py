@@ -16,6 +16,10 @@ gets a score per side — ``-inf`` (hidden: excluded, today's default) or a fini
 ``torch.where`` puts in place of the score (``"replace"``: no gradient reaches the score there)
 or adds to it (causal ``"add"``: an additive causal mask, the gradient flows). Eager PyTorch
 gives exactly this for ``s.masked_fill(m, fill)``, ``torch.where(m, s, fill)`` or ``s + bias``.
+
+``zero_hidden``: the KL terms of the hidden entries (those the boolean mask or the causal
+structure hides, whatever their fill) are zeroed after the KL, as a distillation loss written
+``kl_div(...).masked_fill(m, 0).sum(-1)`` does; the hidden entries still count in both softmaxes.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def reference(
     causal_fill1: float = -math.inf,
     causal_fill2: float = -math.inf,
     causal_fill_mode: str = "replace",
+    zero_hidden: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-row KL divergence of the teacher's attention from the student's, in float64.
 
@@ -112,6 +117,9 @@ def reference(
         causal_fill1, causal_fill2, causal_fill_mode: an entry above the causal diagonal takes
             the fill (``"replace"``) or gets it added (``"add"``: the gradient flows), per side;
             ``-inf`` hides it. Applied after the boolean mask.
+        zero_hidden: zero the KL terms of the entries the boolean mask or the causal structure
+            hides (an additive mask hides nothing here), after the KL:
+            ``L_i = Σ_{j visible} P1_ij (log P1_ij − log P2_ij)``.
 
     Returns:
         A dict of ``[B, H, Nq]`` tensors in ``dtype``, natural log throughout:
@@ -123,7 +131,13 @@ def reference(
         ``E_{P1}[(S1 − max1) − (S2 − max2)]`` (what the kernels' two-part statistics hold).
         A row with no visible key on side 1 gives ``rows = 0``, ``delta = mean = 0``, ``-inf``
         for the lse and its parts, and zero gradients (never NaN): ``-inf`` entries contribute
-        exactly 0. A key visible on side 1 but ``-inf`` on side 2 gives ``rows = +inf``.
+        exactly 0. A key visible on side 1 but ``-inf`` on side 2 gives ``rows = +inf``
+        (unless ``zero_hidden`` zeroes its term).
+        Also ``h1`` — the teacher's hidden mass ``Σ_{j hidden} P1_ij`` (hidden: by the boolean mask
+        or the causal structure), ``w1`` — its visible mass ``Σ_{j visible} P1_ij`` (``1 − h1``; both
+        0 for a row with no key on side 1), and, with ``zero_hidden``, ``mean_zh`` — the
+        kernels' offset-free zero_hidden DELTA in natural units,
+        ``Σ_{j visible} P1 ((S1 − max1) − (S2 − max2)) − h1 (log(l2 / l1) + 1)`` (0 where ``w1 = 0``).
 
     Raises:
         ValueError: a head count is not a multiple of its kv heads, shapes disagree, or an
@@ -168,7 +182,17 @@ def reference(
     # a key with P1 > 0 that side 2 hides has log P2 = -inf (L = +inf); elsewhere log_p2 stays finite
     log_p2 = torch.where(vis2 | ~vis1, log_p2, -math.inf)
     zero = torch.zeros((), dtype=dtype, device=s1.device)
-    rows = torch.where(vis1, p1 * (log_p1 - log_p2), zero).sum(-1)
+    # the entries the boolean mask or the causal structure hides (whatever their fill)
+    structural = torch.zeros(s1.shape, dtype=torch.bool, device=s1.device)
+    for part in (hidden, above):
+        if part is not None:
+            structural = structural | part
+    # the terms kept in L: every key with P1 > 0, or with zero_hidden only those not hidden
+    # (zeroed after the KL, as masked_fill(m, 0) on the terms does; the double where keeps the
+    # gradient NaN-free where a zeroed term would be infinite)
+    keep = vis1 & ~structural if zero_hidden else vis1
+    terms = p1 * (log_p1 - torch.where(keep, log_p2, zero))
+    rows = torch.where(keep, terms, zero).sum(-1)
     # E_P1[S1 - S2]; entries with P1 = 0 (s1 = -inf) are never touched by the product
     diff = torch.where(vis1, s1, zero) - torch.where(vis1, s2, zero)
     delta = torch.where(vis1, p1 * diff, zero).sum(-1)
@@ -176,5 +200,13 @@ def reference(
     fin = lambda m: torch.where(torch.isfinite(m), m, zero)[..., None]  # noqa: E731
     diff0 = torch.where(vis1, s1 - fin(max1), zero) - torch.where(vis1, s2 - fin(max2), zero)
     mean = torch.where(vis1, p1 * diff0, zero).sum(-1)
-    return {"rows": rows, "lse1": lse1, "lse2": lse2, "delta": delta, "max1": max1, "max2": max2,
-            "logl1": logl1, "logl2": logl2, "mean": mean}
+    # the teacher's mass on hidden and on visible entries
+    h1 = torch.where(vis1 & structural, p1, zero).sum(-1)
+    w1 = torch.where(vis1 & ~structural, p1, zero).sum(-1)
+    out = {"rows": rows, "lse1": lse1, "lse2": lse2, "delta": delta, "max1": max1, "max2": max2,
+           "logl1": logl1, "logl2": logl2, "mean": mean, "h1": h1, "w1": w1}
+    if zero_hidden:
+        mean_v = torch.where(keep, p1 * diff0, zero).sum(-1)
+        ratio = torch.where(w1 > 0, logl2 - logl1, zero)  # log(l2 / l1), finite where w1 > 0
+        out["mean_zh"] = torch.where(w1 > 0, mean_v - h1 * (ratio + 1), zero)
+    return out

@@ -41,10 +41,11 @@ def _grads_ref(q1, k1, q2, k2, g, **kw):
 def _check(
     q1, k1, q2, k2, *, causal="none", mask=None, mask_kind="none", scale1=None, scale2=None,
     split_k=1, grad=True, modes=BWD_MODES, needs=(ALL, FROZEN), g=None, tol=None,
-    config=None, bwd_config=None, seed=0, fills=None,
+    config=None, bwd_config=None, seed=0, fills=None, zero_hidden=False,
 ):
     """Forward (and the backward per mode and needs_grad) against the reference; ``fills``:
-    the fill keyword arguments (mask_fill1, ..., causal_fill_mode) of forward/backward/reference.
+    the fill keyword arguments (mask_fill1, ..., causal_fill_mode) of forward/backward/reference;
+    ``zero_hidden``: the hidden entries' KL terms zeroed (also passed to all three).
 
     Returns ``(rows, (lse1, lse2, delta), {(mode, needs): grads})``.
     """
@@ -55,6 +56,8 @@ def _check(
     scale1 = q1.shape[-1] ** -0.5 if scale1 is None else scale1
     scale2 = q2.shape[-1] ** -0.5 if scale2 is None else scale2
     kw = dict(scale1=scale1, scale2=scale2, causal=causal, mask=mask, mask_kind=mask_kind, **(fills or {}))
+    if zero_hidden:
+        kw["zero_hidden"] = True
     with launch.poison_outputs():
         rows, lse1, lse2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split_k, config=config, **kw)
     ref = reference(q1, k1, q2, k2, **kw)
@@ -65,10 +68,12 @@ def _check(
     assert err < tol, f"rows: relative error {err:.3g} >= {tol}"
     empty = torch.isneginf(ref["lse1"])
     assert (rows[empty] == 0).all(), "rows with no visible key must give L = 0"
-    two_part = attention_kl.two_part_stats(mask_kind, **attention_kl.fill_variant(causal, mask_kind, **(fills or {})))
+    variant = attention_kl.fill_variant(causal, mask_kind, **(fills or {}))
+    two_part = attention_kl.two_part_stats(mask_kind, **variant)
+    zero = attention_kl.zero_hidden_flag(zero_hidden, mask_kind, **variant)
     assert lse1.dim() == lse2.dim() == (4 if two_part else 3)
     if two_part:
-        _check_two_part_stats(ref, lse1, lse2, delta, empty, stat_tol)
+        _check_two_part_stats(ref, lse1, lse2, delta, empty, stat_tol, zero)
     for name, got, want in () if two_part else (("lse1", lse1, ref["lse1"]), ("lse2", lse2, ref["lse2"])):
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         assert not got.isnan().any()
@@ -111,12 +116,24 @@ def _check(
     return rows, (lse1, lse2, delta), grads
 
 
-def _check_two_part_stats(ref, stats1, stats2, delta, empty, stat_tol):
+def _check_two_part_stats(ref, stats1, stats2, delta, empty, stat_tol, zero_hidden=False):
     """Two-part statistics against the reference: per side plane 0 the row max (base 2), plane 1
-    log2 of the row sum; DELTA offset-free. Empty rows store (0, +inf) and DELTA 0."""
+    log2 of the row sum; DELTA offset-free. Empty rows store (0, +inf) and DELTA 0. With
+    ``zero_hidden`` side 1 has planes 2, 3 (hidden and visible mass h1, w1) and DELTA is the
+    zero_hidden form (the reference's ``mean_zh``)."""
+    if zero_hidden:
+        assert stats1.shape == (4, *ref["rows"].shape)
+        for plane, name in ((2, "h1"), (3, "w1")):
+            got = stats1[plane]
+            assert not got.isnan().any() and (got[empty] == 0).all(), name
+            e = (got.double() - ref[name]).abs().max().item()
+            assert e < stat_tol, f"{name} error {e:.3g}"
+        stats1 = stats1[:2]
     for side, stats in ((1, stats1), (2, stats2)):
         assert stats.shape == (2, *ref["rows"].shape) and stats.dtype == torch.float32 and stats.is_contiguous()
         m, log2l = stats[0], stats[1]
+        if zero_hidden and side == 2:  # side 2 without any finite score (its mass all hidden): stored as empty
+            empty = empty | torch.isneginf(ref["logl2"])
         assert not stats.isnan().any()
         assert (m[empty] == 0).all() and torch.isposinf(log2l[empty]).all(), f"side {side}: empty rows"
         want_m, want_logl = ref[f"max{side}"][~empty], ref[f"logl{side}"][~empty]
@@ -131,8 +148,9 @@ def _check_two_part_stats(ref, stats1, stats2, delta, empty, stat_tol):
         if ok.any():
             e = ((got_m[ok] - want_m[ok]).abs() / (1 + want_m[ok].abs())).max().item()
             assert e < stat_tol, f"max{side} error {e:.3g}"
-    e = (delta.double() * LN2 - ref["mean"]).abs().max().item()
-    assert e < stat_tol * (1 + ref["mean"].abs().max().item()), f"offset-free delta error {e:.3g}"
+    want = ref["mean_zh"] if zero_hidden else ref["mean"]
+    e = (delta.double() * LN2 - want).abs().max().item()
+    assert e < stat_tol * (1 + want.abs().max().item()), f"offset-free delta error {e:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,6 +579,306 @@ def test_reference_matches_eager_spelling(case):
         assert torch.allclose(a, e, rtol=1e-9, atol=1e-12)
 
 
+# --- zero_hidden: the KL terms of hidden entries zeroed (MiniLM-style losses) ------------------
+
+
+def _eager_zeroed(q1, k1, q2, k2, *, scale1, scale2, causal="none", mask=None, mask_kind="none",
+                  mask_fill1=-math.inf, mask_fill2=-math.inf, causal_fill1=-math.inf, causal_fill2=-math.inf,
+                  causal_fill_mode="replace", **_):
+    """The user's program in float64: each side's scores filled (``masked_fill`` for the mask and a
+    causal "replace", an added ``where(above, fill, 0)`` for "add"), then
+    ``kl_div(log_softmax(s2), log_softmax(s1), log_target=True).masked_fill(hidden, 0).sum(-1)``.
+    Returns ``(rows, leaves)`` (float64 leaves made from the inputs)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
+    h, n_q, n_k = q1.shape[1], q1.shape[2], k1.shape[2]
+    hidden = torch.zeros(n_q, n_k, dtype=torch.bool)
+    drop = None if mask_kind == "none" else (~mask.bool() if mask_kind == "bool_keep" else mask.bool())
+    above = None
+    if causal != "none":
+        above = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + (0 if causal == "top_left" else n_k - n_q)
+        hidden = hidden | above
+    if drop is not None:
+        hidden = hidden | drop
+    s = []
+    for q, k, scale, mf, cf in ((leaves[0], leaves[1], scale1, mask_fill1, causal_fill1),
+                                (leaves[2], leaves[3], scale2, mask_fill2, causal_fill2)):
+        x = q @ k.repeat_interleave(h // k.shape[1], 1).mT * scale
+        if drop is not None:
+            x = x.masked_fill(drop, mf)
+        if above is not None:
+            x = x + torch.where(above, cf, 0.0) if causal_fill_mode == "add" else x.masked_fill(above, cf)
+        s.append(x)
+    kl = F.kl_div(F.log_softmax(s[1], -1), F.log_softmax(s[0], -1), reduction="none", log_target=True)
+    return kl.masked_fill(hidden, 0).sum(-1), leaves
+
+
+def _check_zero_hidden(q1, k1, q2, k2, *, tol=None, eager=True, **kw):
+    """``_check`` with zero_hidden (against the float64 reference), then the kernels' rows and
+    gradients (two_kernel, both sides trainable) against the user's eager spelling in float64.
+    Returns ``_check``'s result and the eager rows."""
+    g = torch.randn(q1.shape[:3], generator=torch.Generator().manual_seed(7))
+    out = _check(q1, k1, q2, k2, zero_hidden=True, g=g, tol=tol, **kw)
+    rows, _, grads = out
+    if not eager:
+        return out, None
+    kw.setdefault("scale1", q1.shape[-1] ** -0.5)
+    kw.setdefault("scale2", q2.shape[-1] ** -0.5)
+    want, leaves = _eager_zeroed(q1, k1, q2, k2, **kw.get("fills", {}), **kw)
+    tol = TOL[q1.dtype] if tol is None else tol
+    assert not want.isnan().any()
+    e = _rel(rows, want)
+    assert e < tol, f"rows vs eager: relative error {e:.3g}"
+    key = next(k for k in grads if k[1] == ALL)
+    for name, got, exp in zip(("dq1", "dk1", "dq2", "dk2"), grads[key],
+                              torch.autograd.grad((want * g.double()).sum(), leaves)):
+        assert not exp.isnan().any()
+        e = _rel(got, exp)
+        assert e < tol, f"{name} vs eager: relative error {e:.3g}"
+    return out, want.detach()
+
+
+@pytest.mark.parametrize("case", ["nq=nk_top_left", "nq>nk_bottom_right_split"])
+def test_zero_hidden_causal_finfo_min(case):
+    # the MiniLM spelling: causal scores filled with finfo.min, the terms above the diagonal
+    # zeroed; with Nq > Nk the first rows see no key (every entry filled): eager gives 0 and no
+    # gradient there
+    n_q, n_k, causal, split = (37, 37, "top_left", 1) if case.startswith("nq=nk") else (45, 29, "bottom_right", 3)
+    q1, k1, q2, k2 = _inputs(120, 2, 2, 1, 2, n_q, n_k, 16, 24)
+    fills = _fills(causal_fill1=MIN32, causal_fill2=MIN32)
+    (rows, (s1, _, _), grads), want = _check_zero_hidden(q1, k1, q2, k2, causal=causal, fills=fills, split_k=split)
+    e = max(n_q - n_k, 0)
+    assert (rows[:, :, :e] == 0).all() and (s1[2][:, :, :e] == 1).all()  # every key filled: all mass hidden
+    assert (s1[2][:, :, e:] == 0).all()  # beside a visible key no hidden mass survives finfo.min
+    for gr in grads.values():
+        assert (gr[2][:, :, :e] == 0).all() and (gr[0] is None or (gr[0][:, :, :e] == 0).all())
+
+
+def test_zero_hidden_data_mask_with_fully_hidden_rows():
+    # a per-head boolean mask with fully hidden rows and moderate fills (hidden mass is real):
+    # those rows give L = 0 and pass no gradient to their queries; the zeroed KL differs from the
+    # full one; GQA on both sides, split-K
+    b, h, n_q, n_k = 2, 4, 33, 41
+    q1, k1, q2, k2 = _inputs(121, b, h, 1, 2, n_q, n_k, 24, 16)
+    keep = torch.rand(1, h, n_q, n_k, generator=torch.Generator().manual_seed(122)) > 0.4
+    keep[0, 0, 5] = False
+    keep[0, 3, 20:] = False
+    fills = _fills(-2.0, -3.0)
+    (rows, (s1, _, delta), grads), _ = _check_zero_hidden(q1, k1, q2, k2, mask=keep, mask_kind="bool_keep",
+                                                          fills=fills, split_k=2, scale1=0.3, scale2=0.4)
+    for hh, r in ((0, 5), (3, 25)):
+        assert (rows[:, hh, r] == 0).all() and (delta[:, hh, r] == 0).all()
+        assert torch.allclose(s1[2][:, hh, r], torch.ones(b)) and (s1[3][:, hh, r] == 0).all()
+        for gr in grads.values():
+            assert (gr[2][:, hh, r] == 0).all() and (gr[0] is None or (gr[0][:, hh, r] == 0).all())
+    full = reference(q1, k1, q2, k2, scale1=0.3, scale2=0.4, mask=keep, mask_kind="bool_keep", **fills)["rows"]
+    assert _rel(rows, full) > 0.01
+
+
+@pytest.mark.parametrize("case", ["bool_drop_full", "causal_replace_bottom_right_split"])
+def test_zero_hidden_adversarial_fill_near_the_scores(case):
+    # scores ~ -1e4 (scale 1000) and fills of -1e4: much of each row's mass is hidden, and the
+    # zeroed terms are far from negligible
+    b, h, n_q, n_k = 2, 2, 37, 45
+    q1, k1, q2, k2 = _near_fill_inputs(123, b, h, n_q, n_k, 16)
+    if case == "bool_drop_full":
+        mask = torch.rand(1, h, n_q, n_k, generator=torch.Generator().manual_seed(124)) > 0.5
+        kw = dict(mask=mask, mask_kind="bool_drop", fills=_fills(-1e4, -1e4 + 2.0), split_k=1)
+    else:
+        kw = dict(causal="bottom_right", fills=_fills(causal_fill1=-1e4, causal_fill2=-1e4 + 3.0), split_k=2)
+    (rows, (s1, _, _), _), _ = _check_zero_hidden(q1, k1, q2, k2, scale1=1000.0, scale2=1000.0, tol=2e-3,
+                                                  needs=(ALL,), **kw)
+    assert s1[2].max() > 0.5  # rows whose mass is mostly hidden
+    full = reference(q1, k1, q2, k2, scale1=1000.0, scale2=1000.0, causal=kw.get("causal", "none"),
+                     mask=kw.get("mask"), mask_kind=kw.get("mask_kind", "none"), **kw["fills"])["rows"]
+    assert _rel(rows, full) > 0.05
+
+
+ZERO_ADD_CASES = [
+    # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask, fills, split_k, modes
+    ("transformers_finfo_min_q>k", torch.float32, 1, 2, 1, 2, 40, 25, 16, 16, "bottom_right", None,
+     _fills(causal_fill1=MIN32, causal_fill2=MIN32, mode="add"), 2, BWD_MODES),
+    ("moderate_q>k_gqa_split", torch.float32, 1, 4, 2, 1, 45, 29, 16, 24, "bottom_right", None,
+     _fills(causal_fill1=-1.5, causal_fill2=-0.5, mode="add"), 3, BWD_MODES),
+    ("bool_drop_and_add_q<k_fp16", torch.float16, 1, 2, 1, 2, 29, 50, 32, 16, "top_left", "drop",
+     _fills(-3.0, -2.0, -1.0, -1.5, "add"), 1, ("atomic_dq",)),
+]
+
+
+@pytest.mark.parametrize("case", ZERO_ADD_CASES, ids=[c[0] for c in ZERO_ADD_CASES])
+def test_zero_hidden_additive_causal(case):
+    # an additive causal mask (transformers' finfo.min, or a moderate bias) whose terms are then
+    # zeroed: the gradient flows through the shifted entries (dS1 = -g P1 (L + w1),
+    # dS2 = g w1 P2); rows with no visible key give L = 0 and no gradient (eager: the same)
+    _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, spec, fills, split, modes = case
+    q1, k1, q2, k2 = _inputs(125 + ZERO_ADD_CASES.index(case), b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype)
+    mask, kind = None, "none"
+    if spec == "drop":
+        mask = torch.rand(b, 1, 1, n_k, generator=torch.Generator().manual_seed(126)) > 0.7
+        kind = "bool_drop"
+    (rows, (s1, _, _), grads), _ = _check_zero_hidden(q1, k1, q2, k2, causal=causal, mask=mask, mask_kind=kind,
+                                                      fills=fills, split_k=split, modes=modes, scale1=0.4, scale2=0.3)
+    e = max(n_q - n_k, 0)
+    assert (rows[:, :, :e] == 0).all() and (s1[3][:, :, :e] == 0).all()
+    for gr in grads.values():
+        assert (gr[2][:, :, :e] == 0).all() and (gr[0] is None or (gr[0][:, :, :e] == 0).all())
+    if fills["causal_fill1"] > -1e30 and e:  # the hidden entries carry mass: the full KL differs there
+        assert (s1[2][:, :, e:] > 0).any()
+
+
+def test_zero_hidden_teacher_filled_student_hidden():
+    # the teacher fills hidden entries, the student hides them (-inf): the full KL is +inf, the
+    # zeroed one is finite (the eager spelling gives NaN gradients here: only the reference)
+    b, h, n_q, n_k = 1, 2, 31, 40
+    q1, k1, q2, k2 = _inputs(127, b, h, 2, 2, n_q, n_k, 16, 16)
+    drop = torch.rand(1, h, n_q, n_k, generator=torch.Generator().manual_seed(128)) > 0.6
+    drop[0, 1, 4] = True  # a row with only hidden keys: side 2 has no finite score at all
+    fills = _fills(-0.5, -math.inf)
+    (rows, (s1, s2, _), grads), _ = _check_zero_hidden(q1, k1, q2, k2, mask=drop, mask_kind="bool_drop", fills=fills,
+                                                       scale1=0.3, scale2=0.3, eager=False)
+    assert torch.isinf(reference(q1, k1, q2, k2, scale1=0.3, scale2=0.3, mask=drop, mask_kind="bool_drop",
+                                 **fills)["rows"]).any()
+    assert torch.isfinite(rows).all() and (rows[:, 1, 4] == 0).all()
+    assert (s2[0][:, 1, 4] == 0).all() and torch.isposinf(s2[1][:, 1, 4]).all()  # side 2 stored as empty
+
+
+def test_zero_hidden_split_k_equals_one_pass():
+    q1, k1, q2, k2 = _inputs(129, 2, 2, 1, 2, 37, 75, 32, 24)
+    keep = torch.rand(2, 1, 1, 75, generator=torch.Generator().manual_seed(130)) > 0.3
+    kw = dict(scale1=0.2, scale2=0.3, causal="top_left", mask=keep, mask_kind="bool_keep", zero_hidden=True,
+              **_fills(-1.0, -2.0, -0.5, -0.5, "add"))
+    one = attention_kl.forward(q1, k1, q2, k2, split_k=1, **kw)
+    for split in (2, 3, 8):
+        with launch.poison_outputs():
+            got = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        for name, a, b in zip(("rows", "stats1", "stats2", "delta"), got, one):
+            assert a.shape == b.shape and not a.isnan().any(), (name, split)
+            fin = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), fin) and torch.equal(a[~fin], b[~fin]), (name, split)
+            assert (a[fin] - b[fin]).abs().max().item() < 1e-5 * (1 + b[fin].abs().max().item()), (name, split)
+
+
+def test_zero_hidden_without_finite_fills_is_todays_kernels():
+    # -inf fills give hidden entries no mass: zero_hidden changes nothing and renders nothing new
+    q1, k1, q2, k2 = _inputs(131, 1, 2, 2, 1, 29, 37, 16, 16)
+    keep = torch.rand(1, 1, 29, 37, generator=torch.Generator().manual_seed(132)) > 0.3
+    kw = dict(scale1=0.3, scale2=0.2, causal="top_left", mask=keep, mask_kind="bool_keep")
+    assert not attention_kl.zero_hidden_flag(True, "bool_keep", False, "hide")
+    assert not attention_kl.zero_hidden_flag(True, "additive", True, "hide")  # an additive mask hides nothing
+    assert attention_kl.zero_hidden_flag(True, "additive", False, "add")
+    assert attention_kl.stat_planes("bool_keep", True, "hide", True) == (4, 2)
+    assert attention_kl.stat_planes("bool_keep", False, "hide", True) == (0, 0)
+    a = attention_kl.forward(q1, k1, q2, k2, **kw)
+    b = attention_kl.forward(q1, k1, q2, k2, zero_hidden=True, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and a[1].shape == (1, 2, 29)
+    g = torch.randn(a[0].shape)
+    ga = attention_kl.backward(g, q1, k1, q2, k2, *a[1:], **kw)
+    gb = attention_kl.backward(g, q1, k1, q2, k2, *b[1:], zero_hidden=True, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    # the backward refuses statistics of the other layout
+    fills = _fills(-1.0, -1.0)
+    rows, s1, s2, delta = attention_kl.forward(q1, k1, q2, k2, **kw, **fills)
+    with pytest.raises(ValueError, match=r"\[4, B, H, Nq\]"):
+        attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, zero_hidden=True, **kw, **fills)
+
+
+def test_zero_hidden_variants_render():
+    for causal in (False, True):
+        for kind in attention_kl.MASK_KINDS:
+            for mask_fill in (False, True):
+                for cfill in attention_kl.CAUSAL_FILLS:
+                    for split, stats in ((True, True), (False, True), (False, False)):
+                        flags = dict(causal=causal, mask_kind=kind, mask_row_broadcast=True, split_k=split,
+                                     bwd_mode="two_kernel" if split else "atomic_dq", interpret=False,
+                                     training=stats, teacher_grad=split, mask_fill_finite=mask_fill,
+                                     causal_fill=cfill)
+                        zero = attention_kl.kernels_for(zero_hidden=True, **flags)
+                        plain = attention_kl.kernels_for(**flags)
+                        mf = mask_fill and kind in ("bool_keep", "bool_drop")
+                        cf = cfill if causal else "hide"
+                        active = mf or cf != "hide"
+                        assert attention_kl.zero_hidden_flag(True, kind, mf, cf) == active
+                        for z, p in zip(zero, plain):
+                            if not active:  # normalised: the same kernel
+                                assert z.path == p.path and z.source == p.source
+                                continue
+                            compile(z.source, z.path, "exec")
+                            code = z.source.split("import triton.language as tl")[1]
+                            assert "_zerohidden" in z.name and z.name.replace("_zerohidden", "") == p.name
+                            assert "#   zeroed:" in z.source or "# zeroed:" in z.source
+                            if z.name.startswith("attention_kl_fwd"):
+                                assert "lh1" in code and "lv1" in code and "p1v" in code
+                                assert ("tl.store(STATS1 + 3 * N_ROWS + row, w1" in code) == stats
+                                assert ("[6, SPLIT_K, N_ROWS]" in code) == split
+                            else:
+                                assert "W1_row" in code and "w1[None, :]" in code
+                                assert ("e1 = tl.where(w1 > 0.0" in code) == (cf == "add" and split)
+
+
+@pytest.mark.parametrize("case", ["causal_finfo_min_q>k", "data_mask_fully_hidden_rows", "additive_finfo_min_q>k",
+                                  "bool_and_causal_add", "adversarial_scale"])
+def test_reference_zero_hidden_matches_eager_spelling(case):
+    # the MiniLM program (kl_div of the filled scores' log-softmaxes, hidden terms zeroed with
+    # masked_fill(m, 0)) in float64 against the reference's zero_hidden, forward and gradients
+    b, h, n_q, n_k, d = 2, 2, 13, 9, 8
+    gen = torch.Generator().manual_seed(140)
+    q1, k1, q2, k2 = (torch.randn(*s, generator=gen, dtype=torch.float64)
+                      for s in ((b, h, n_q, d), (b, 1, n_k, d), (b, h, n_q, d), (b, h, n_k, d)))
+    drop = torch.rand(b, 1, n_q, n_k, generator=gen) > 0.6
+    drop[1, :, 3] = True  # a fully hidden row
+    kw = dict(scale1=0.5, scale2=0.25)
+    if case == "causal_finfo_min_q>k":
+        kw.update(causal="bottom_right", **_fills(causal_fill1=MIN32, causal_fill2=MIN32))
+    elif case == "data_mask_fully_hidden_rows":
+        kw.update(mask=drop, mask_kind="bool_drop", **_fills(-2.0, -1.0))
+    elif case == "additive_finfo_min_q>k":
+        kw.update(causal="bottom_right", **_fills(causal_fill1=MIN32, causal_fill2=MIN32, mode="add"))
+    elif case == "bool_and_causal_add":
+        kw.update(mask=~drop, mask_kind="bool_keep", causal="top_left", **_fills(-4.0, -5.0, -1.0, -2.0, "add"))
+    else:  # scores of size 1e2 and fills near them
+        kw.update(scale1=30.0, scale2=40.0, mask=drop, mask_kind="bool_drop", **_fills(-20.0, -25.0))
+    eager, leaves = _eager_zeroed(q1, k1, q2, k2, **kw)
+    ref = reference(*leaves, zero_hidden=True, **kw)
+    assert torch.allclose(ref["rows"], eager, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(ref["h1"] + ref["w1"], torch.ones_like(ref["h1"]))
+    g = torch.randn(eager.shape, generator=gen, dtype=torch.float64)
+    for a, e in zip(torch.autograd.grad((ref["rows"] * g).sum(), leaves, retain_graph=True),
+                    torch.autograd.grad((eager * g).sum(), leaves)):
+        assert not a.isnan().any() and torch.allclose(a, e, rtol=1e-9, atol=1e-12 * (1 + e.abs().max().item()))
+
+
+@pytest.mark.parametrize("mode", ["replace", "add"])
+def test_zero_hidden_gradient_formulas(mode):
+    # the formulas the kernels implement (KL_ZEROED.md, natural units), against autograd in
+    # float64 on score rows: visible dS1 = g P1 (r - L + h1), dS2 = g (P2 (1 - h1) - P1);
+    # hidden, added: dS1 = -g P1 (L + 1 - h1), dS2 = g P2 (1 - h1); hidden, replaced: none
+    gen = torch.Generator().manual_seed(141)
+    n = 23
+    s1 = (3 * torch.randn(6, n, generator=gen, dtype=torch.float64)).requires_grad_()
+    s2 = (3 * torch.randn(6, n, generator=gen, dtype=torch.float64)).requires_grad_()
+    hid = torch.rand(6, n, generator=gen) < 0.4
+    hid[0] = True  # a row with no visible entry
+    hid[1, 0] = False
+    fill1, fill2 = torch.tensor(1.0, dtype=torch.float64), torch.tensor(-0.5, dtype=torch.float64)
+    if mode == "add":
+        t1, t2 = torch.where(hid, s1 + fill1, s1), torch.where(hid, s2 + fill2, s2)
+    else:
+        t1, t2 = torch.where(hid, fill1, s1), torch.where(hid, fill2, s2)
+    lp1, lp2 = F.log_softmax(t1, -1), F.log_softmax(t2, -1)
+    rows = (lp1.exp() * (lp1 - lp2)).masked_fill(hid, 0).sum(-1)
+    g = torch.randn(6, generator=gen, dtype=torch.float64)
+    d1, d2 = torch.autograd.grad((rows * g).sum(), (s1, s2))
+    with torch.no_grad():
+        p1, p2, r = lp1.exp(), lp2.exp(), lp1 - lp2
+        h1 = torch.where(hid, p1, 0.0).sum(-1, keepdim=True)
+        big_l, gg = rows[:, None], g[:, None]
+        hidden1 = -gg * p1 * (big_l + 1 - h1) if mode == "add" else torch.zeros_like(p1)
+        hidden2 = gg * p2 * (1 - h1) if mode == "add" else torch.zeros_like(p2)
+        f1 = torch.where(hid, hidden1, gg * p1 * (r - big_l + h1))
+        f2 = torch.where(hid, hidden2, gg * (p2 * (1 - h1) - p1))
+    assert torch.allclose(d1, f1, rtol=1e-10, atol=1e-13) and torch.allclose(d2, f2, rtol=1e-10, atol=1e-13)
+    assert (d1[0] == 0).all() and (d2[0].abs() < 1e-15).all()  # no visible entry: no gradient
+
+
 # --- layouts, options ------------------------------------------------------------------------
 
 
@@ -986,6 +1304,61 @@ def test_gpu_fills_match_reference(case):
         assert e < 1e-3, f"rows error {e:.3g} (split_k={split})"
         d_err = (delta.double() * LN2 - ref["mean"]).abs().max().item()
         assert d_err < 1e-3 * (1 + ref["mean"].abs().max().item()), f"delta error {d_err:.3g}"
+    for mode in BWD_MODES:
+        for need in (ALL, FROZEN):
+            with launch.poison_outputs():
+                grads = attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, bwd_mode=mode, needs_grad=need, **kw)
+            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
+                if n:
+                    assert not gr.isnan().any(), f"{name} NaN ({mode})"
+                    e = _rel(gr, r)
+                    assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+
+
+GPU_ZERO_CASES = [
+    # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
+    ("bf16_keypad_causal_finfo_min", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
+     _fills(MIN32, MIN32, MIN32, MIN32)),
+    ("bf16_causal_add_q>k", torch.bfloat16, 1, 4, 4, 2, 1280, 1024, 64, 64, "bottom_right", None,
+     _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add")),
+    ("fp16_bool_drop_fill_causal_add", torch.float16, 1, 4, 2, 2, 1000, 1536, 64, 64, "bottom_right", "drop",
+     _fills(-5.0, -4.0, -3.0, -3.0, "add")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_ZERO_CASES, ids=[c[0] for c in GPU_ZERO_CASES])
+def test_gpu_zero_hidden_matches_reference(case):
+    # zero_hidden compiled at realistic sizes (bf16/fp16): rows, the statistics (h1, w1, DELTA)
+    # and both backward modes against the float64 reference
+    _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, spec, fills = case
+    dev = torch.device("cuda")
+    q1, k1, q2, k2 = _inputs(150, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
+    gen = torch.Generator().manual_seed(151)
+    mask, kind = None, "none"
+    if spec == "keypad":  # batch 0: the last 300 keys padded; batch 1: every key padded
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        mask, kind = keep.to(dev), "bool_keep"
+    elif spec == "drop":
+        mask, kind = (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=kind, zero_hidden=True, **fills)
+    g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(152)).to(dev)
+    ref = reference(q1, k1, q2, k2, **kw)
+    ref_grads = _grads_ref(q1, k1, q2, k2, g, **kw)
+    bwd_tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for split in (1, 4):
+        with launch.poison_outputs():
+            rows, s1, s2, delta = attention_kl.forward(q1, k1, q2, k2, split_k=split, **kw)
+        assert s1.shape == (4, b, h, n_q) and s2.shape == (2, b, h, n_q) and not rows.isnan().any()
+        e = _rel(rows, ref["rows"])
+        assert e < 1e-3, f"rows error {e:.3g} (split_k={split})"
+        for plane, name in ((2, "h1"), (3, "w1")):
+            e = (s1[plane].double() - ref[name]).abs().max().item()
+            assert e < 1e-3, f"{name} error {e:.3g} (split_k={split})"
+        d_err = (delta.double() * LN2 - ref["mean_zh"]).abs().max().item()
+        assert d_err < 1e-3 * (1 + ref["mean_zh"].abs().max().item()), f"delta error {d_err:.3g}"
     for mode in BWD_MODES:
         for need in (ALL, FROZEN):
             with launch.poison_outputs():

@@ -1,7 +1,7 @@
 """Property test: the attention-KL kernels equal the float64 reference on random shapes and
 variants (ragged sizes, GQA per side, D1 != D2, causal alignments, masks, fills of hidden entries
-per side, split-K, both backward modes, frozen or trainable teacher), forward rows and
-statistics-driven gradients."""
+per side, the hidden entries' KL terms zeroed or not, split-K, both backward modes, frozen or
+trainable teacher), forward rows and statistics-driven gradients."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def problems(draw):
         seed=draw(st.integers(0, 2**31 - 1)),
         fills=draw(st.sampled_from(FILLS)),
         causal_fill_mode=draw(st.sampled_from(["replace", "add"])),
+        zero_hidden=draw(st.booleans()),
     )
 
 
@@ -57,8 +58,8 @@ FILLS = [
 
 def _fill_kwargs(p) -> dict:
     """The fills that apply to the drawn variant (a mask fill needs a boolean mask, a causal
-    fill a causal mode)."""
-    kw = {"causal_fill_mode": p["causal_fill_mode"]}
+    fill a causal mode), and zero_hidden."""
+    kw = {"causal_fill_mode": p["causal_fill_mode"], "zero_hidden": p["zero_hidden"]}
     mask_fill, causal_fill = p["fills"]
     if mask_fill is not None and p["mask_kind"] in ("bool_keep", "bool_drop"):
         kw["mask_fill1"], kw["mask_fill2"] = mask_fill
