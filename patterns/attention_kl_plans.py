@@ -166,6 +166,7 @@ def kernels(m: Match, plan: Candidate) -> list:
         split_k=plan.params.get("split_k", "1") != "1", bwd_mode=plan.params.get("backward", "two_kernel"),
         interpret=b["device"].type == "cpu", training=b["need_stats"], teacher_grad=b["grad_teacher"],
         **attention_kl.fill_variant(b["causal"], b["mask_kind"], *_fills(b)),
+        zero_hidden=bool(b.get("zero_hidden")),
     )
 
 
@@ -182,8 +183,6 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
     rank = b["rank"]
     e1 = Emitter(graph, rank, s1.compute_dtype)
     e2 = Emitter(graph, rank, s2.compute_dtype)
-    if b.get("zero_hidden"):
-        raise NotImplementedError("zeroed KL terms under a finite fill need the zero_hidden kernels")
     with graph.inserting_before(m.insertion_point):
         q1 = e1.operand(s1.q, s1.q_p, s1.in_dtype, detach=not b["grad_teacher"], factors=s1.dynamic_factors)
         k1 = e1.operand(_k(s1), s1.k_p, s1.in_dtype, detach=not b["grad_teacher"])
@@ -193,7 +192,7 @@ def emit(m: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
         op = e1.node(
             "call_function", torch.ops.fuser.attention_kl.default,
             (q1, k1, q2, k2, mask, e1.scale(s1.factors), e2.scale(s2.factors), b["causal"], b["mask_kind"],
-             b["need_stats"], plan_string(plan.params), *_fills(b), False),
+             b["need_stats"], plan_string(plan.params), *_fills(b), bool(b.get("zero_hidden"))),
         )
         rows = e1.unrank(e1.node("call_function", operator.getitem, (op, 0)))  # [*batch, Nq]
         red = b["reduction"]

@@ -26,7 +26,6 @@ from .grammar import Spec, render
 
 CI_SEED = 8
 CI_COUNT = int(os.environ.get("FUSER_FUZZ_CI_COUNT", "16"))
-PENDING = pytest.mark.xfail(strict=False, reason="issue 8 fixes pending: remove this marker when they land")
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +48,6 @@ def _report(failures: list) -> str:
 # The fuzzing itself
 # --------------------------------------------------------------------------------------------
 
-@PENDING
 def test_fuzz_budget():
     """CI_COUNT random programs (seed CI_SEED) compiled with fuser equal eager."""
     specs = [fuzz.program_spec(CI_SEED, i) for i in range(CI_COUNT)]
@@ -61,7 +59,6 @@ def test_fuzz_budget():
         pytest.fail(_report(failures), pytrace=False)
 
 
-@PENDING
 @pytest.mark.parametrize("case", corpus.CASES, ids=[c.name for c in corpus.CASES])
 def test_known_failure(case):
     """The minimal program of each failure class found by the fuzzer equals eager."""
