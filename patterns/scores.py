@@ -469,21 +469,37 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bo
             if beta != 1:
                 raise Decline(f"baddbmm with beta={beta}: the bias would need rescaling")
             terms.append(dict(kind="additive", node=b[f"bias0{tag}"], start=0, neg=False, fill=None, at=qk))
+    # A number added to every score does not change the softmax, but a later finite fill
+    # replaces only the hidden scores: the shift accumulated so far is kept, to be taken off
+    # the fill ((F - shift) · later scales); None when it is not a number known at compile time.
+    shift: Optional[float] = 0.0
     for label, c, cap in reversed(b[f"steps{tag}"]):  # innermost first
         if label == "scale":
-            score_scales.append((scalar(cap["factor"], ctx, c.node), -1 if c.op == "div" else 1))
+            f = scalar(cap["factor"], ctx, c.node)
+            score_scales.append((f, -1 if c.op == "div" else 1))
+            if shift:
+                shift = (shift * f if c.op != "div" else shift / f) if isinstance(f, float) else None
         elif label in ("add", "sub"):
             if not is_tensor(cap["bias"]):
-                continue  # a constant added to every score does not change the softmax
+                try:
+                    d = scalar(cap["bias"], ctx, c.node)
+                except Decline:
+                    d = None
+                if shift is not None and isinstance(d, float):
+                    shift = shift + d if label == "add" else shift - d
+                else:
+                    shift = None
+                continue
             terms.append(dict(kind="additive", node=cap["bias"], start=len(score_scales), neg=label == "sub", fill=None,
                               at=c.node))
         elif label == "masked_fill":
             f = round_to(fill_value(cap["fill"], ctx, c.node), dtype(c.node))
-            terms.append(dict(kind="bool_drop", node=cap["cond"], start=len(score_scales), neg=False, fill=f, at=c.node))
+            terms.append(dict(kind="bool_drop", node=cap["cond"], start=len(score_scales), neg=False, fill=f, at=c.node,
+                              shift=shift))
         elif label in ("where_keep", "where_drop"):
             f = round_to(fill_value(cap["fill"], ctx, c.node), dtype(c.node))
             terms.append(dict(kind="bool_keep" if label == "where_keep" else "bool_drop", node=cap["cond"],
-                              start=len(score_scales), neg=False, fill=f, at=c.node))
+                              start=len(score_scales), neg=False, fill=f, at=c.node, shift=shift))
         elif label == "cast" and c.op == "cast" and c.attrs["dtype"] not in FLOATS:
             raise Decline(f"scores cast to {c.attrs['dtype']}")
         elif label == "detach":
@@ -557,8 +573,9 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
         terms: in the user's order (applied first first): dicts with ``kind`` (``"additive"``,
             ``"bool_keep"``, ``"bool_drop"``), ``node``, ``start`` (how many of
             ``score_scales`` were applied before it), ``neg`` (subtracted), ``fill`` (for
-            boolean terms: the value hidden scores get, rounded to the scores' dtype) and ``at``
-            (the node that reads the mask).
+            boolean terms: the value hidden scores get, rounded to the scores' dtype), ``shift``
+            (for boolean terms: the number added to every score before it, None if not known)
+            and ``at`` (the node that reads the mask).
         score_scales: the scale factors applied to the scores, innermost first.
         sizes: ``(Nq, Nk)`` of the scores.
         rank: the scores' rank.
@@ -593,7 +610,11 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
             if factor <= 0:
                 raise Decline(f"a masked_fill/where comes before a scale of {factor}; only positive scales "
                               "keep hidden keys hidden")
-            t["fill_eff"] = round_to(t["fill"] * factor, out_dtype)
+            shift = t.get("shift", 0.0)
+            if shift is None and t["fill"] != NEG_INF:
+                raise Decline("a masked_fill/where with a finite fill comes after a shift of the scores that is "
+                              "only known at run time")
+            t["fill_eff"] = round_to((t["fill"] - (shift or 0.0)) * factor, out_dtype)
         try:
             mc = static_class(t["node"], t["kind"], sizes, ctx, at=t["at"])
             buffers += mc.buffers

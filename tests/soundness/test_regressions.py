@@ -460,3 +460,20 @@ def test_softmax_over_another_axis_is_right(dim):
     rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
     assert not fused(rep)
     assert any("not over the keys" in r.reason and "Inductor" in r.reason for r in rep.rejected), rep.rejected
+
+
+# --------------------------------------------------------------------------------------------
+# Found by the fuzzer: a constant shift of the scores before a finite fill
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shift", [-20000.0, 35.0])
+def test_constant_shift_before_a_finite_fill(shift):
+    """`s - 20000` does not change the softmax alone, but a later finite fill replaces only
+    the hidden scores: the fill is taken relative to the shifted scores."""
+    def f(q, k, v):
+        hide = torch.ones(N, N, dtype=torch.bool).triu(1)
+        s = (q @ k.transpose(-2, -1) + shift) * 0.5
+        return torch.softmax(s.masked_fill(hide, -1e4), -1) @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert fused(rep)
