@@ -388,6 +388,34 @@ class Scores:
         return sq[-2], sk[-2], sq[-1]
 
 
+def _positive(v: Any, depth: int = 0) -> bool:
+    """A scale factor provably > 0: a positive number, a size, or products, quotients, powers
+    and square roots of those (``math.sqrt(q.size(-1))``, ``N ** -0.5``); a run-time tensor
+    never is."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v > 0
+    if isinstance(v, SizeFactor):
+        return True  # size ** power, with a size >= 1
+    if not isinstance(v, fx.Node) or depth > 16:
+        return False
+    x = val(v)
+    if isinstance(x, (torch.SymInt, torch.SymFloat)) and bool(x.node.expr.is_positive):
+        return True
+    if not isinstance(x, (torch.SymInt, torch.SymFloat, int, float)) or v.op != "call_function":
+        return False
+    name = getattr(v.target, "__name__", "")
+    args = [a for a in v.args]
+    if name in ("sqrt", "_sym_sqrt", "sym_sqrt") and len(args) == 1:
+        return _positive(args[0], depth + 1)
+    if v.target in (operator.mul, operator.truediv) and len(args) == 2:
+        return _positive(args[0], depth + 1) and _positive(args[1], depth + 1)
+    if v.target is operator.pow and len(args) == 2:
+        return _positive(args[0], depth + 1)
+    if name in ("sym_float", "sym_int") and len(args) == 1:
+        return _positive(args[0], depth + 1)
+    return False
+
+
 def static_product(factors: list) -> float:
     """Π value**power over the factors known at compile time (floats)."""
     total = 1.0
@@ -604,6 +632,8 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
         later_static = all(isinstance(v, float) for v, _ in later)
         factor = static_product(later) if later_static else None
         if t["kind"] != "additive":
+            if factor is None and t["fill"] == NEG_INF and all(_positive(v) for v, _ in later):
+                factor = static_product(later)  # -inf times a positive size expression stays -inf
             if factor is None:
                 raise Decline("a masked_fill/where comes before a scale known only at run time; its fill "
                               "would need that value")

@@ -477,3 +477,15 @@ def test_constant_shift_before_a_finite_fill(shift):
 
     rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
     assert fused(rep)
+
+
+def test_inf_mask_before_a_symbolic_positive_scale_is_still_fused():
+    """`masked_fill(causal, -inf) / math.sqrt(q.size(-1))` under dynamic shapes: the scale is
+    a run-time value, but provably positive, so -inf stays -inf."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        s = (q @ k.mT).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s / math.sqrt(q.size(-1)), -1) @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True), dynamic=True)
+    assert fused(rep) and fused(rep)[0].summary["causal"] == "top_left"
