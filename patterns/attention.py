@@ -23,8 +23,8 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
-from .scores import FLOATS, Decline, _same_dims, analyze_scores, describe_mask, describe_scale, softmax_rule, ungroup, within
-from .scores import analyze_sdpa
+from .masks import FLOATS, Decline, describe_mask
+from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, softmax_rule, ungroup, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)

@@ -30,8 +30,8 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl and its backward)
-from .scores import (NEG_INF, Decline, Scores, _same_dims, analyze_scores, describe_mask, describe_scale, scores_rule,
-                     softmax_rule, static_class)
+from .masks import NEG_INF, Decline, describe_mask, static_class
+from .scores import Scores, _same_dims, analyze_scores, describe_scale, scores_rule, softmax_rule
 
 # --------------------------------------------------------------------------------------------
 # Spelling (side 1 = target P1, side 2 = input log P2)

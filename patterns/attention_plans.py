@@ -38,7 +38,8 @@ from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
-from .scores import NEG_INF, Emitter
+from .masks import NEG_INF
+from .scores import Emitter
 
 BLOCK_M, BLOCK_N = 128, 64  # the nominal tile used for tile counts in the cost model
 

@@ -3,7 +3,6 @@ from a few probe sizes: causal, bottom-right, all-visible; windows and prefixes 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -324,9 +324,9 @@ def test_dynamic_bottom_right_with_equal_example_sizes_is_not_mistaken_for_top_l
 def test_huge_static_mask_is_not_evaluated(qkv, monkeypatch):
     """Beyond MAX_STATIC_NUMEL a static mask is not evaluated; one built from indices is still
     classified, symbolically, at no cost."""
-    from fuser.patterns import scores
+    from fuser.patterns import masks
 
-    monkeypatch.setattr(scores, "MAX_STATIC_NUMEL", 100)
+    monkeypatch.setattr(masks, "MAX_STATIC_NUMEL", 100)
     q, k, v = qkv
     testing.assert_fuses(
         lambda q, k, v: (q @ k.mT).masked_fill(torch.eye(N, dtype=torch.bool), float("-inf")).softmax(-1) @ v,
