@@ -912,6 +912,24 @@ def _sdpa_baseline(q, k, v, dout, *, scale, causal, mask, mask_kind):
     return out, grads
 
 
+def _check_gpu_fwd_bwd(q, k, v, dout, kw):
+    """GPU kernels (forward, both backward modes, outputs poisoned) against the float64
+    reference at 16-bit tolerances."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*leaves, **kw)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, **kw)
+    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
+    for mode_ in BWD_MODES:
+        with launch.poison_outputs():
+            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
+            e = _rel(g, r)
+            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_reference(case):
@@ -994,19 +1012,7 @@ def test_gpu_fills(case):
               causal_fill=causal_fill, causal_fill_mode=mode)
     gen = torch.Generator().manual_seed(112)
     dout = _rand(gen, b, hq, n_q, d, dtype=dtype, device=dev)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference(*leaves, **kw)
-    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
-    with launch.poison_outputs():
-        out, lse = attention.forward(q, k, v, **kw)
-    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
-    for mode_ in BWD_MODES:
-        with launch.poison_outputs():
-            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
-        for name, g, r in zip("qkv", grads, ref_grads):
-            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
-            e = _rel(g, r)
-            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+    _check_gpu_fwd_bwd(q, k, v, dout, kw)
 
 
 @pytest.mark.gpu
@@ -1046,19 +1052,7 @@ def test_gpu_predicates(case):
     q, k, v = _qkv(121, b, hq, hkv, n_q, n_k, d, d, dtype=dtype, device=dev)
     kw = dict(scale=d ** -0.5, mask_pred=pred, pred_consts=consts, pred_fill=fill, pred_fill_mode=mode)
     dout = _rand(torch.Generator().manual_seed(122), b, hq, n_q, d, dtype=dtype, device=dev)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference(*leaves, **kw)
-    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
-    with launch.poison_outputs():
-        out, lse = attention.forward(q, k, v, **kw)
-    assert not out.isnan().any() and _rel(out, ref_out.detach()) < 2e-2
-    for mode_ in BWD_MODES:
-        with launch.poison_outputs():
-            grads = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode_, **kw)
-        for name, g, r in zip("qkv", grads, ref_grads):
-            assert not g.isnan().any(), f"d{name} NaN ({mode_})"
-            e = _rel(g, r)
-            assert e < 3e-2, f"d{name} ({mode_}): error {e:.3g}"
+    _check_gpu_fwd_bwd(q, k, v, dout, kw)
 
 
 @pytest.mark.gpu

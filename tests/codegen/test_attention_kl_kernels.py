@@ -1263,6 +1263,19 @@ def test_gpu_one_compile_for_many_lengths():
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}"
 
 
+def _gpu_mask(spec, b, h, n_q, n_k, dev, gen):
+    """(mask, mask_kind) of a GPU case: ``"keypad"`` (batch 0: the last 300 keys padded; batch 1:
+    every key padded), ``"drop"`` (random boolean drop mask) or none."""
+    if spec == "keypad":
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        return keep.to(dev), "bool_keep"
+    if spec == "drop":
+        return (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    return None, "none"
+
+
 GPU_FILL_CASES = [
     # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
     ("bf16_keypad_finfo_min_per_side", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
@@ -1283,14 +1296,7 @@ def test_gpu_fills_match_reference(case):
     dev = torch.device("cuda")
     q1, k1, q2, k2 = _inputs(106, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
     gen = torch.Generator().manual_seed(107)
-    mask, kind = None, "none"
-    if spec == "keypad":  # batch 0: the last 300 keys padded; batch 1: every key padded
-        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
-        keep[0, ..., n_k - 300:] = False
-        keep[1] = False
-        mask, kind = keep.to(dev), "bool_keep"
-    elif spec == "drop":
-        mask, kind = (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    mask, kind = _gpu_mask(spec, b, h, n_q, n_k, dev, gen)
     kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=kind, **fills)
     g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(108)).to(dev)
     ref = reference(q1, k1, q2, k2, **kw)
@@ -1335,14 +1341,7 @@ def test_gpu_zero_hidden_matches_reference(case):
     dev = torch.device("cuda")
     q1, k1, q2, k2 = _inputs(150, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
     gen = torch.Generator().manual_seed(151)
-    mask, kind = None, "none"
-    if spec == "keypad":  # batch 0: the last 300 keys padded; batch 1: every key padded
-        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
-        keep[0, ..., n_k - 300:] = False
-        keep[1] = False
-        mask, kind = keep.to(dev), "bool_keep"
-    elif spec == "drop":
-        mask, kind = (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
+    mask, kind = _gpu_mask(spec, b, h, n_q, n_k, dev, gen)
     kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=kind, zero_hidden=True, **fills)
     g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(152)).to(dev)
     ref = reference(q1, k1, q2, k2, **kw)
