@@ -117,8 +117,7 @@ class AttentionPattern(Pattern):
         # (q and k are detached at emit). Dynamo keeps no_grad blocks as grad-mode switches;
         # the values it recorded tell whether P carries a gradient.
         p_last = p_nodes[-1] if p_nodes else anchor
-        detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad
-                                   and (val(sc.q).requires_grad or val(sc.k).requires_grad))
+        detached = sc.detached or (ctx.grad_enabled and not val(p_last).requires_grad and sc.requires_grad())
         region = frozenset(b.region) | frozenset(p_nodes) | {pv}
         return self._finish(sc, pv_c.args[1], pv_c.attrs.get("pb"), pv, region, detached, ctx,
                             "hand-written" if sm.op == "div" else "softmax", anchor, out_p=pv_c.attrs.get("po"))
@@ -154,8 +153,8 @@ class AttentionPattern(Pattern):
             raise Decline(f"value head dim {dv} is outside 1..256")
         if group == 1 and not _same_dims(tuple(permuted(shape(sc.k), sc.k_p)[:-2]), tuple(sv[:-2])):
             raise Decline("k and v batch dims differ (broadcasting batched matmul)")
-        grad_from = (v,) if detached else (q, k, v)
-        need_lse = bool(ctx.grad_enabled and val(pv).requires_grad and any(val(x).requires_grad for x in grad_from))
+        need_lse = bool(ctx.grad_enabled and val(pv).requires_grad
+                        and (val(v).requires_grad or (not detached and sc.requires_grad())))
         bindings = dict(
             q=q, k=k, v=v, q_p=sc.q_p, k_p=sc.k_p, v_p=v_p, out_p=out_p, factors=sc.factors, causal=sc.causal,
             causal_fill=sc.causal_fill, causal_fill_mode=sc.causal_fill_mode, mask_fill=sc.mask_fill,

@@ -162,8 +162,8 @@ class AttentionKLPattern(Pattern):
         # A side under torch.no_grad() (or detached) gets no gradient: Dynamo keeps no_grad
         # blocks as grad-mode switches, and the values it recorded tell which nodes carry one.
         live = ctx.grad_enabled and bool(val(root).requires_grad)
-        g1 = live and not _detached(b, "1", s1) and any(val(x).requires_grad for x in (s1.q, s1.k))
-        g2 = live and not _detached(b, "2", s2) and any(val(x).requires_grad for x in (s2.q, s2.k))
+        g1 = live and not _detached(b, "1", s1) and s1.requires_grad()
+        g2 = live and not _detached(b, "2", s2) and s2.requires_grad()
         region = frozenset(b.region) | frozenset(passed) | {root}
         bindings = dict(
             s1=s1, s2=s2, rank=rank, reduction=kind, keepdim=keepdim, out_dtype=dtype(root),
@@ -270,9 +270,8 @@ def _detached(b, tag: str, s: Scores) -> bool:
     / log-softmax of that side computed under ``torch.no_grad()``."""
     if s.detached:
         return True
-    needs = val(s.q).requires_grad or val(s.k).requires_grad
     nodes = [b.get(f"softmax{tag}"), b.get(f"logp{tag}")]
-    return needs and any(n is not None and not val(n).requires_grad for n in nodes)
+    return s.requires_grad() and any(n is not None and not val(n).requires_grad for n in nodes)
 
 
 PATTERN = AttentionKLPattern()

@@ -242,6 +242,11 @@ class Scores:
         """The scale factors computed at run time, ``[(node, power)]``."""
         return [(v, p) for v, p in self.factors if not isinstance(v, float)]
 
+    def requires_grad(self) -> bool:
+        """q, k or a run-time scale factor (a learned temperature) requires grad."""
+        xs = [self.q, self.k] + [v for v, _ in self.dynamic_factors if isinstance(v, fx.Node)]
+        return any(isinstance(val(x), torch.Tensor) and val(x).requires_grad for x in xs)
+
     @property
     def inputs(self) -> list:
         """The graph nodes the fused op reads for these scores."""

@@ -85,4 +85,11 @@ CASES = [
          Spec(mask="causal_tl", fill="-1e4", shift=-20000.0)),
     Case("additive_finite_causal_nq_gt_nk", "additive finfo.min bottom-right causal mask, Nq > Nk: fuser 0, eager uniform",
          Spec(mask="causal_br", mask_apply="additive", fill="finfo_min", calls=((24, 8),))),
+    # -- found by the long run after the issue-8 fixes
+    Case("shift_before_finite_fill", "s - 40000 then where(keep, s, -3e4): the shift was dropped as "
+         "softmax-invariant, but the fill replaces only the hidden scores",
+         Spec(mask="causal_tl", fill="-1e4", shift=35.0, **_TRAIN)),
+    Case("learned_temperature_only_grad", "a learned temperature is the only tensor that needs grad: the fused "
+         "op stored no LSE and its backward failed",
+         Spec(scale="param_temp", calls=((4, 4),))),
 ]

@@ -489,3 +489,26 @@ def test_inf_mask_before_a_symbolic_positive_scale_is_still_fused():
 
     rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True), dynamic=True)
     assert fused(rep) and fused(rep)[0].summary["causal"] == "top_left"
+
+
+def test_learned_temperature_when_no_input_needs_grad():
+    """Found by the fuzzer: only the temperature parameter requires grad; the fused op must
+    still keep what its backward needs."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1) / self.temperature, -1) @ v
+
+    m = M()
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        torch.compile(m, backend="fuser")(q, k, v).square().sum().backward()
+    g = m.temperature.grad.clone()
+    m.temperature.grad = None
+    m(q, k, v).square().sum().backward()
+    torch.testing.assert_close(g, m.temperature.grad, atol=1e-5, rtol=1e-4)
+    assert fused(rep)
