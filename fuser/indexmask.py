@@ -398,6 +398,7 @@ def concrete_predicate(t: torch.Tensor) -> Any:
 
 def _concrete_pattern(truth: torch.Tensor) -> tuple:
     """The tril/triu formula of a boolean ``[Nq, Nk]`` matrix (all-true/all-false too)."""
+    truth = truth.cpu()  # a buffer on the GPU; the index grids below live on the CPU
     nq, nk = truth.shape[-2], truth.shape[-1]
     if bool(truth.all()):
         return TRUE

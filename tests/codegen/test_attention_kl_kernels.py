@@ -1176,24 +1176,13 @@ GPU_CASES = [
 ]
 
 
-def _gpu_mask(spec, b, h, n_q, n_k, dev):
-    gen = torch.Generator().manual_seed(102)
-    if spec == "keypad":
-        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
-        keep[0, ..., n_k - 300:] = False
-        return keep.to(dev), "bool_keep"
-    if spec == "bias":
-        return torch.randn(1, h, n_q, n_k, generator=gen).to(dev), "additive"
-    return None, "none"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_reference(case):
     _, dtype, b, h, hkv1, hkv2, n_q, n_k, d1, d2, causal, mask_spec = case
     dev = torch.device("cuda")
     q1, k1, q2, k2 = _inputs(101, b, h, hkv1, hkv2, n_q, n_k, d1, d2, dtype=dtype, device=dev)
-    mask, mask_kind = _gpu_mask(mask_spec, b, h, n_q, n_k, dev)
+    mask, mask_kind = _gpu_mask(mask_spec, b, h, n_q, n_k, dev, torch.Generator().manual_seed(102))
     kw = dict(scale1=d1 ** -0.5, scale2=d2 ** -0.5, causal=causal, mask=mask, mask_kind=mask_kind)
     g = torch.randn(b, h, n_q, generator=torch.Generator().manual_seed(103)).to(dev)
     ref = reference(q1, k1, q2, k2, **kw)
@@ -1264,13 +1253,18 @@ def test_gpu_one_compile_for_many_lengths():
 
 
 def _gpu_mask(spec, b, h, n_q, n_k, dev, gen):
-    """(mask, mask_kind) of a GPU case: ``"keypad"`` (batch 0: the last 300 keys padded; batch 1:
-    every key padded), ``"drop"`` (random boolean drop mask) or none."""
-    if spec == "keypad":
+    """(mask, mask_kind) of a GPU case: ``"keypad"`` (batch 0: the last 300 keys padded),
+    ``"keypad_empty"`` (the same, and every key of batch 1 padded: rows with no visible key),
+    ``"bias"`` (a random additive ``[1, H, Nq, Nk]`` bias), ``"drop"`` (a random boolean drop
+    mask) or none."""
+    if spec in ("keypad", "keypad_empty"):
         keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
         keep[0, ..., n_k - 300:] = False
-        keep[1] = False
+        if spec == "keypad_empty":
+            keep[1] = False
         return keep.to(dev), "bool_keep"
+    if spec == "bias":
+        return torch.randn(1, h, n_q, n_k, generator=gen).to(dev), "additive"
     if spec == "drop":
         return (torch.rand(1, h, n_q, n_k, generator=gen) > 0.7).to(dev), "bool_drop"
     return None, "none"
@@ -1278,7 +1272,7 @@ def _gpu_mask(spec, b, h, n_q, n_k, dev, gen):
 
 GPU_FILL_CASES = [
     # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
-    ("bf16_keypad_finfo_min_per_side", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
+    ("bf16_keypad_finfo_min_per_side", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad_empty",
      _fills(MIN32 * 128 ** -0.5, MIN32 * 64 ** -0.5)),
     ("bf16_causal_add_q>k", torch.bfloat16, 1, 4, 4, 2, 1280, 1024, 64, 64, "bottom_right", None,
      _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add")),
@@ -1323,7 +1317,7 @@ def test_gpu_fills_match_reference(case):
 
 GPU_ZERO_CASES = [
     # id, dtype, B, H, Hkv1, Hkv2, Nq, Nk, D1, D2, causal, mask spec, fills
-    ("bf16_keypad_causal_finfo_min", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad",
+    ("bf16_keypad_causal_finfo_min", torch.bfloat16, 2, 4, 2, 4, 1024, 1024, 128, 128, "top_left", "keypad_empty",
      _fills(MIN32, MIN32, MIN32, MIN32)),
     ("bf16_causal_add_q>k", torch.bfloat16, 1, 4, 4, 2, 1280, 1024, 64, 64, "bottom_right", None,
      _fills(causal_fill1=-2.0, causal_fill2=-3.0, mode="add")),
