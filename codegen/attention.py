@@ -548,6 +548,43 @@ def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fi
 
 
 
+# exp2(x) of a float32 x below -150 is exactly 0 (the smallest subnormal is 2^-149); the margin
+# a hidden score must keep below its row's max, in base-2 units, for its tile to be skipped
+SKIP_MARGIN_BASE2 = 200.0
+
+
+def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal_fill: float,
+                           causal_fill_mode: str, causal_offset: int) -> torch.Tensor:
+    """Whether the key tiles entirely above the causal diagonal may be skipped although their
+    entries carry a finite ``causal_fill`` instead of ``-inf`` (transformers' eager causal mask
+    adds ``finfo.min``): a 0-dim int32 tensor on q's device, computed there (no host sync), read
+    by the kernels of the variants with a finite causal fill and no data mask.
+
+    q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]`` (Nq, Nk ≥ 1); ``scale`` and ``causal_fill`` in
+    natural-log units (the scores softmax sees); ``causal_fill_mode`` ``"replace"`` or ``"add"``.
+
+    Derivation (all base 2, as the kernels compute: ``s = scale·log2(e)·q_i·k_j``, fill ``F =
+    causal_fill·log2(e)``). By Cauchy–Schwarz every score satisfies ``|s| ≤ S = |scale|·log2(e)·
+    max_i‖q_i‖·max_j‖k_j‖``. With ``causal_offset ≥ 0`` every row i keeps key 0, so its max
+    ``m_i ≥ -S``. An entry above the diagonal scores ``F`` (replace) or ``s + F`` (add), at most
+    ``F + S`` or ``F + 2S``; its weight ``exp2(score - m_i)`` is at most ``exp2(F + 2S)`` (add)
+    or ``exp2(F + S)`` (replace). When that exponent is below ``-SKIP_MARGIN_BASE2`` (-200, far
+    under float32's -150 underflow) the weight is exactly 0 in float32: the entry adds nothing to
+    the row's max, sum or output, and its backward terms (P = 0, so dS = 0) vanish — skipping it
+    is exact, as for a ``-inf`` fill. Otherwise (huge scores, a small fill, a positive fill,
+    rows with no visible key when ``causal_offset < 0``, or a non-finite norm) it returns 0 and
+    every tile is visited. The norms are rounded float32: the bound carries a 1e-3 relative
+    margin. Costs one read of q and k (a few small reductions).
+    """
+    if causal_offset < 0 or not causal_fill < 0:
+        return torch.zeros((), dtype=torch.int32, device=q.device)
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
+    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
+    bound = (abs(float(scale)) * LOG2E * (1.0 + 1e-3)) * q_norm * k_norm
+    reach = (2.0 if causal_fill_mode == "add" else 1.0) * bound + SKIP_MARGIN_BASE2
+    return (reach < -float(causal_fill) * LOG2E).to(torch.int32)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -614,6 +651,10 @@ def forward(
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
+    if causal_fill_k != "hide" and mask_kind == "none":
+        fills["skip_hidden"] = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
+                                                      causal_fill_mode=causal_fill_k,
+                                                      causal_offset=launch.causal_offset(causal, n_q, n_k))
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -708,6 +749,10 @@ def backward(
     kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
+    if causal_fill_k != "hide" and mask_kind == "none":
+        fills["skip_hidden"] = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
+                                                      causal_fill_mode=causal_fill_k,
+                                                      causal_offset=launch.causal_offset(causal, n_q, n_k))
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:

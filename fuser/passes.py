@@ -335,13 +335,14 @@ def _protect_saved(m: Match, new: fx.Node, view: GraphView, graph: fx.Graph, bef
     later.discard(None)
     if not later:
         return new
-    fused_ops = [n for n in graph.nodes if n not in before and n.op == "call_function"
-                 and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fuser"
-                 and n.target is not torch.ops.fuser.saved_copy.default]
+    # every node the rewrite inserted may save its inputs: the fused op, and the helpers before it
+    # (a run-time scale applied to q saves q for the scale's gradient)
+    inserted = [n for n in graph.nodes if n not in before and n.op == "call_function"
+                and n.target is not torch.ops.fuser.saved_copy.default]
     if not any(isinstance(val(a), torch.Tensor) and val(a).requires_grad
-               for op in fused_ops for a in flat_args(op)):
+               for op in inserted for a in flat_args(op)):
         return new
-    for op in fused_ops:
+    for op in inserted:
         for a in dict.fromkeys(x for x in flat_args(op) if isinstance(x, fx.Node)):
             if isinstance(val(a), torch.Tensor) and view.alias_key(a) in later:
                 with graph.inserting_before(op):

@@ -389,6 +389,74 @@ def test_causal_fill_with_additive_mask():
     assert not out.isnan().any()
 
 
+def test_hidden_tiles_skippable_bound():
+    # the run-time proof that tiles above the diagonal add exactly 0 (see its docstring)
+    q, k, _ = _qkv(63, 1, 2, 2, 40, 40, 32, 32)
+
+    def flag(qq=q, kk=k, scale=0.5, fill=F32_MIN, mode="add", offset=0):
+        return int(attention.hidden_tiles_skippable(qq, kk, scale=scale, causal_fill=fill, causal_fill_mode=mode,
+                                                    causal_offset=offset))
+
+    assert flag() == 1 and flag(mode="replace") == 1 and flag(fill=-1e4, mode="replace") == 1
+    assert flag(fill=-2.0) == 0 and flag(fill=-2.0, mode="replace") == 0  # small fills: hidden keys weigh
+    assert flag(fill=1.0) == 0  # a positive "fill" boosts the hidden keys
+    assert flag(offset=-3) == 0  # bottom-right with Nq > Nk: rows with no visible key
+    assert flag(scale=1e37) == 0  # scores near finfo.max: finfo.min no longer hides them
+    assert flag(scale=1e36) == 1  # scores ~1e37 stay ~30x below it: still exact
+    assert flag(qq=q * 1e20) == 0  # the norms overflow float32: no proof
+    bad = q.clone()
+    bad[0, 0, 3, 1] = float("nan")
+    assert flag(qq=bad) == 0
+    # the bound holds for the worst scores: |s| ≤ |scale|·max‖q‖·max‖k‖, with a 200 (base 2) margin
+    s_max = 0.5 * q.norm(dim=-1).max().item() * k.norm(dim=-1).max().item()
+    edge = -(2 * s_max + attention.SKIP_MARGIN_BASE2 / attention.LOG2E)
+    assert flag(fill=edge * 1.01) == 1 and flag(fill=edge * 0.99) == 0
+
+
+@pytest.mark.parametrize("mode", ["replace", "add"])
+def test_causal_fill_skips_tiles_only_when_proven(monkeypatch, mode):
+    # A small fill (-2) keeps the keys above the diagonal in play: the guard must refuse the skip
+    # and the kernels match the fill's reference. Forcing the flag shows what the kernels skip:
+    # with 16x16 tiles everywhere, row i (block p = i // 16) drops the keys j >= 16 (p + 1); the
+    # entries above the diagonal inside its diagonal tile keep the fill.
+    n, blk = 70, 16
+    q, k, v = _qkv(64, 1, 2, 2, n, n, 16, 16)
+    kw = dict(scale=0.5, causal="top_left", causal_fill=-2.0, causal_fill_mode=mode)
+    fwd_cfg = {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 1}
+    bwd_cfg = {"BLOCK_M1": blk, "BLOCK_N1": blk, "BLOCK_M2": blk, "BLOCK_N2": blk, "PRE_BLOCK_M": blk,
+               "num_warps": 4, "num_stages": 1}
+    _check(q, k, v, config=fwd_cfg, bwd_config=bwd_cfg, **kw)
+
+    def expected(q, k, v):  # float64: fill above the diagonal, then the skipped keys removed
+        s = q @ k.mT * 0.5
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        above = j > i
+        s = torch.where(above, -2.0 if mode == "replace" else s - 2.0, s)
+        s = s.masked_fill(j >= (i // blk + 1) * blk, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    calls = []
+
+    def always(q, k, **_):
+        calls.append(1)
+        return torch.ones((), dtype=torch.int32, device=q.device)
+
+    monkeypatch.setattr(attention, "hidden_tiles_skippable", always)
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, config=fwd_cfg, **kw)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out = expected(*leaves)
+    filled, _ = reference(*(t.double() for t in (q, k, v)), **kw)
+    assert calls and _rel(out, want_out) < 1e-5 and _rel(filled, want_out) > 1e-2
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad(want_out, leaves, dout.double())
+    for bwd_mode in attention.BWD_MODES:
+        with launch.poison_outputs():
+            got = attention.backward(dout, q, k, v, out, lse, bwd_mode=bwd_mode, config=bwd_cfg, **kw)
+        errs = [_rel(g, w) for g, w in zip(got, want)]
+        assert max(errs) < 1e-5, (bwd_mode, errs)
+
+
 def test_fills_fp16_and_needs_grad_subsets():
     q, k, v = _qkv(59, 1, 4, 2, 45, 37, 32, 32, dtype=torch.float16)
     keep = torch.rand(1, 4, 45, 37, generator=torch.Generator().manual_seed(60)) > 0.3
@@ -800,9 +868,15 @@ def test_kernels_for_renders_fill_variants():
                         assert ("mask_fill" in src) == mask_fill_on
                         assert ("causal_fill" in src) == causal_fill_on
                         assert ("Stats" in src) == two_part and ("LSE" in src.split("import triton.language as tl")[1]) == (not two_part)
-                        if causal_fill_on:  # every key tile is visited: no skipping above the diagonal
+                        if causal_fill_on:
+                            # every key tile is visited, unless (no data mask) the run-time
+                            # SkipHidden flag proves the tiles above the diagonal add exactly 0
                             assert "launched first" not in src
-                            assert ("hi = N_K" in src) if kern is ks[0] else ("    lo = 0\n" in src)
+                            assert ("SkipHidden" in src) == (mask_kind == "none")
+                            if mask_kind != "none":
+                                assert ("hi = N_K" in src) if kern is ks[0] else ("    lo = 0\n" in src)
+                        else:
+                            assert "SkipHidden" not in src
                         assert ("DEFER_SCALE" in src) == (kern is ks[0] and not two_part)
     assert {"attention_fwd_causalfill", "attention_fwd_causaladd_maskkeepfill", "attention_bwd_maskdropfill_atomicdq",
             "attention_fwd_maskkeepfill"} <= names

@@ -92,4 +92,7 @@ CASES = [
     Case("learned_temperature_only_grad", "a learned temperature is the only tensor that needs grad: the fused "
          "op stored no LSE and its backward failed",
          Spec(scale="param_temp", calls=((4, 4),))),
+    Case("learned_temperature_q_written_inside", "a learned temperature, then q.mul_(2) between the softmax and "
+         "P V: the scale applied to q saved q for its gradient, and the write broke the backward's trace",
+         Spec(scale="param_temp", calls=((4, 4),), inplace=(("inside_late", "q", "mul_"),))),
 ]
