@@ -1058,6 +1058,10 @@ GPU_FILL_CASES = [
      torch.finfo(torch.float32).min, "add"),
     ("fp16_causal_replace_keypad_fill", torch.float16, 777, 1024, "top_left", "keypad", -2.0, -3.0, "replace"),
     ("bf16_additive_finfo_min_rows", torch.bfloat16, 1024, 900, "none", "padbias", -math.inf, -math.inf, "replace"),
+    # no data mask, every row keeps a key: the run-time bound lets the tiles above the diagonal be skipped
+    ("bf16_skip_causal_add_finfo_min", torch.bfloat16, 1000, 1000, "top_left", None, -math.inf,
+     torch.finfo(torch.float32).min, "add"),
+    ("fp16_skip_causal_replace_1e4_q<k", torch.float16, 777, 1024, "bottom_right", None, -math.inf, -1e4, "replace"),
 ]
 
 
@@ -1083,6 +1087,9 @@ def test_gpu_fills(case):
         mask, mask_kind = bias.to(dev), "additive"
     kw = dict(scale=d ** -0.5, causal=causal, mask=mask, mask_kind=mask_kind, mask_fill=mask_fill,
               causal_fill=causal_fill, causal_fill_mode=mode)
+    if "_skip_" in case[0]:  # the case exercises the skipping path
+        assert int(attention.hidden_tiles_skippable(q, k, scale=d ** -0.5, causal_fill=causal_fill, causal_fill_mode=mode,
+                                                    causal_offset=launch.causal_offset(causal, n_q, n_k))) == 1
     gen = torch.Generator().manual_seed(112)
     dout = _rand(gen, b, hq, n_q, d, dtype=dtype, device=dev)
     _check_gpu_fwd_bwd(q, k, v, dout, kw)
