@@ -585,6 +585,16 @@ def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, ca
     return (reach < -float(causal_fill) * LOG2E).to(torch.int32)
 
 
+def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, causal_fill: float) -> dict:
+    """``{"skip_hidden": flag}`` for the variants that read it (a finite causal fill, no data
+    mask; see :func:`hidden_tiles_skippable`), else nothing."""
+    if causal_fill_k == "hide" or mask_kind != "none":
+        return {}
+    offset = launch.causal_offset(causal, q.shape[2], k.shape[2])
+    return {"skip_hidden": hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
+                                                  causal_fill_mode=causal_fill_k, causal_offset=offset)}
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -651,10 +661,7 @@ def forward(
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
-    if causal_fill_k != "hide" and mask_kind == "none":
-        fills["skip_hidden"] = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
-                                                      causal_fill_mode=causal_fill_k,
-                                                      causal_offset=launch.causal_offset(causal, n_q, n_k))
+    fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -749,10 +756,7 @@ def backward(
     kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
-    if causal_fill_k != "hide" and mask_kind == "none":
-        fills["skip_hidden"] = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
-                                                      causal_fill_mode=causal_fill_k,
-                                                      causal_offset=launch.causal_offset(causal, n_q, n_k))
+    fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:
