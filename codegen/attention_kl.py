@@ -3,7 +3,7 @@
 Per query row, the Kullback-Leibler divergence of a teacher attention distribution from a
 student's over the same keys, ``L_i = Σ_j P1_ij (log P1_ij − log P2_ij)`` (natural log), with
 ``P1 = softmax(scale1 · Q1 K1ᵀ + mask)`` and ``P2 = softmax(scale2 · Q2 K2ᵀ + mask)`` — without
-ever materialising a score matrix (math in ``DESIGN.md``; float64 reference in
+ever materialising a score matrix (math in ``docs/math.md``; float64 reference in
 ``patterns/attention_kl_reference.py``).
 
 Forward (``templates/attention_kl_fwd.py.jinja``): grid ``(cdiv(Nq, BLOCK_M), B·H)``; each program

@@ -14,7 +14,7 @@ included; ``batchmean`` by dim 0 only), or ``none``/hand-written followed by ``.
 row), ``.sum()`` or ``.mean()``; terms zeroed under the scores' own mask first
 (``masked_fill(mask, 0)`` / ``where``) are accepted. The fused kernels stream over key tiles and
 never materialise P1 or P2; the math (offset-free accumulator, exact split-K merge, backward) is
-in DESIGN.md and ``codegen/attention_kl.py``.
+in docs/math.md and ``codegen/attention_kl.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Two attention distributions over the same keys, a teacher ``P1 = softmax(S1)`` a
 
 (natural log; Kullback & Leibler, 1951; the same quantity ``F.kl_div(log P2, P1, reduction="none")
 .sum(-1)`` computes, and the per-row term of attention distillation losses). The derivation of
-the streaming form the kernels use is in ``DESIGN.md`` ("The math", attention-KL); this module
+the streaming form the kernels use is in ``docs/math.md`` (attention-KL); this module
 is deliberately the direct, materialised computation: both scaled score matrices, a masked
 log-softmax of each, and the sum — independent of the kernels.
 
