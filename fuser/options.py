@@ -9,14 +9,14 @@ option             environment             meaning
 =================  ======================  ==========================================================
 fuser.enabled      FUSER_ENABLED           ``False``: match nothing, compile exactly as Inductor would.
 fuser.patterns     FUSER_PATTERNS          patterns to fuse: a list or comma-separated string out of
-                                           ``attention``, ``attention_kl``, ``h2o``, ``kda``
-                                           (default: every pattern this version implements).
+                                           the implemented patterns (``attention``, ``attention_kl``;
+                                           default: all of them).
 fuser.autotune     FUSER_AUTOTUNE          time candidate kernel configs (and backward plans) on the
                                            GPU on first use of each shape and cache the winner on disk.
                                            Default off; ``mode="max-autotune"`` turns it on.
 fuser.plan         FUSER_PLAN              force plan choices, for tests and A/B runs: a dict or a
                                            string ``"key=value,key=value"``; keys are
-                                           ``<pattern>.<choice>`` (see :data:`PLAN_CHOICES`), e.g.
+                                           ``<pattern>.<choice>`` (each pattern's ``plan_choices``), e.g.
                                            ``attention.backward=atomic_dq``, ``attention.impl=inductor``
                                            (leave it to Inductor; CUDA only).
 fuser.interpret    FUSER_INTERPRET         regions on CPU tensors: ``True``: fuse them, their kernels
@@ -38,26 +38,10 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-ALL_PATTERNS = ("attention", "attention_kl", "h2o", "kda")
+from . import registry
 
-#: The plan choices each pattern offers, for ``fuser.plan``: pattern -> choice -> valid values.
-#: ``"<positive integer>"`` stands for any positive integer. Whether a value is offered for a
-#: given match also depends on the device and the match (``impl=sdpa`` and ``impl=inductor``
-#: exist only for CUDA tensors; ``backward=autotune`` only under ``fuser.autotune``); the
-#: planner says so when a forced value is not offered.
-PLAN_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "attention": {
-        "impl": ("fuser", "sdpa", "inductor"),
-        "backward": ("two_kernel", "atomic_dq", "autotune"),
-    },
-    "attention_kl": {
-        "impl": ("fuser", "inductor"),
-        "split_k": ("1", "auto", "<positive integer>"),
-        "backward": ("two_kernel", "atomic_dq"),
-    },
-}
-#: Patterns that are planned but not implemented yet: no plan choices.
-NOT_IMPLEMENTED = ("h2o", "kda")
+#: The implemented patterns (from the registry, ``patterns/__init__.py``), in matching order.
+ALL_PATTERNS = registry.names()
 
 #: The near-miss reason for a region left to Inductor only because its tensors are on the CPU.
 CPU_DECLINE = (
@@ -182,11 +166,11 @@ _NAMES = ("enabled", "patterns", "autotune", "plan", "interpret", "debug_dir")
 
 
 def _valid_keys() -> str:
-    return ", ".join(f"{p}.{c}" for p, choices in PLAN_CHOICES.items() for c in choices)
+    return ", ".join(f"{p}.{c}" for p, choices in registry.plan_choices().items() for c in choices)
 
 
 def check_plan_entry(key: str, value: Any) -> tuple[str, str]:
-    """Validate one ``fuser.plan`` entry against :data:`PLAN_CHOICES`.
+    """Validate one ``fuser.plan`` entry against the pattern's ``plan_choices``.
 
     Args:
         key: ``"<pattern>.<choice>"``, e.g. ``"attention.backward"``.
@@ -207,17 +191,18 @@ def check_plan_entry(key: str, value: Any) -> tuple[str, str]:
             f"valid keys: {_valid_keys()}"
         )
     pattern, _, choice = key.partition(".")
-    if pattern in NOT_IMPLEMENTED:
+    if pattern in registry.planned():
         raise FuserOptionError(
             f"fuser.plan key {key!r}: the {pattern} pattern is not implemented yet, so it has no plan "
             f"choices; valid keys: {_valid_keys()}"
         )
-    if pattern not in PLAN_CHOICES:
+    all_choices = registry.plan_choices()
+    if pattern not in all_choices:
         raise FuserOptionError(
             f"fuser.plan key {key!r}: unknown pattern {pattern!r} (patterns with plan choices: "
-            f"{', '.join(PLAN_CHOICES)}); valid keys: {_valid_keys()}"
+            f"{', '.join(all_choices)}); valid keys: {_valid_keys()}"
         )
-    choices = PLAN_CHOICES[pattern]
+    choices = all_choices[pattern]
     if choice not in choices:
         raise FuserOptionError(
             f"fuser.plan key {key!r}: {pattern} has no choice {choice!r}; valid keys for {pattern}: "
@@ -294,6 +279,14 @@ def _parse(name: str, value: Any) -> Any:
                 f"known patterns: {', '.join(ALL_PATTERNS)}"
             )
         pats = tuple(p for p in ALL_PATTERNS if p in value) if isinstance(value, (set, frozenset)) else tuple(value)
+        if isinstance(value, (set, frozenset)):
+            pats += tuple(sorted(p for p in value if p not in ALL_PATTERNS))
+        later = [p for p in pats if p in registry.planned()]
+        if later:
+            raise FuserOptionError(
+                f"fuser.patterns: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not implemented in this "
+                f"version of fuser yet; implemented: {', '.join(ALL_PATTERNS)}"
+            )
         bad = [p for p in pats if p not in ALL_PATTERNS]
         if bad:
             raise FuserOptionError(f"fuser.patterns: unknown pattern(s) {bad}; known: {list(ALL_PATTERNS)}")

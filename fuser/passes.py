@@ -9,14 +9,13 @@ for unit tests of pattern rewrites.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from . import planner
+from . import planner, registry
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
 from .graph import GraphView, flat_args, location, val, written_args
 from .options import Options
@@ -25,29 +24,11 @@ from .static import StaticEvaluator
 
 log = logging.getLogger("fuser")
 
-# Pattern modules, by pattern name. Each defines PATTERN (a fuser.pattern.Pattern).
-PATTERN_MODULES = {
-    "attention": "fuser.patterns.attention",
-    "attention_kl": "fuser.patterns.attention_kl",
-}
-
-
-_broken: dict[str, str] = {}
-
-
 def load_patterns(options: Options) -> list[Pattern]:
-    """The enabled patterns' objects, in a fixed order. A pattern module that fails to import
-    is skipped with a warning (once) rather than taking every other pattern down with it."""
-    out = []
-    for name, module in PATTERN_MODULES.items():
-        if name not in options.patterns or name in _broken:
-            continue
-        try:
-            out.append(importlib.import_module(module).PATTERN)
-        except Exception as exc:  # pragma: no cover - only a broken installation gets here
-            _broken[name] = repr(exc)
-            log.warning("fuser: pattern %s is unavailable (%r); it will not be fused", name, exc)
-    return out
+    """The enabled patterns' objects, in matching order (see :mod:`fuser.registry`). A pattern
+    module that fails to import is skipped with a warning (once) rather than taking every other
+    pattern down with it."""
+    return registry.enabled(options.patterns)
 
 
 @dataclasses.dataclass

@@ -138,9 +138,18 @@ class MatchContext:
 
 
 class Pattern(abc.ABC):
-    """One family of fusable subgraphs (see ``patterns/``)."""
+    """One family of fusable subgraphs (see ``patterns/``).
+
+    Attributes:
+        name: the pattern's name in options and reports (``"attention"``, ...).
+        plan_choices: the ``fuser.plan`` choices it offers: choice -> valid values
+            (``"<positive integer>"`` stands for any positive integer). Whether a value is
+            offered for a given match may also depend on the device and the match; the planner
+            says so when a forced value is not offered.
+    """
 
     name: str = ""
+    plan_choices: dict = {}
 
     @abc.abstractmethod
     def anchors(self, view: GraphView) -> Iterable[fx.Node]:

@@ -39,6 +39,11 @@ class AttentionPattern(Pattern):
     """Scaled dot-product attention with optional causal/padding/bias masks and GQA."""
 
     name = "attention"
+    # impl=sdpa and impl=inductor exist only for CUDA tensors; backward=autotune only under fuser.autotune
+    plan_choices = {
+        "impl": ("fuser", "sdpa", "inductor"),
+        "backward": ("two_kernel", "atomic_dq", "autotune"),
+    }
 
     def anchors(self, view: GraphView):
         for n in view.graph.nodes:

@@ -61,6 +61,11 @@ class AttentionKLPattern(Pattern):
     """KL divergence between two attention distributions (attention distillation)."""
 
     name = "attention_kl"
+    plan_choices = {
+        "impl": ("fuser", "inductor"),
+        "split_k": ("1", "auto", "<positive integer>"),
+        "backward": ("two_kernel", "atomic_dq"),
+    }
 
     def anchors(self, view: GraphView):
         for n in view.graph.nodes:

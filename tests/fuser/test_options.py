@@ -28,6 +28,28 @@ def test_unknown_pattern():
         resolve({"fuser.patterns": "attention,flash"})
 
 
+@pytest.mark.parametrize("value", ["kda", "attention,h2o", ["h2o", "kda"], {"kda"}])
+def test_planned_pattern_is_an_error_that_says_so(value):
+    # before the pattern exists, asking for it must not silently fuse nothing
+    with pytest.raises(FuserOptionError, match=r"not implemented in this version of fuser yet; implemented: "
+                                               r"attention, attention_kl"):
+        resolve({"fuser.patterns": value})
+
+
+def test_one_registry():
+    # the pattern list, the default option and the plan choices all come from patterns/__init__.py
+    import fuser.patterns as package
+    from fuser import registry
+
+    assert ALL_PATTERNS == registry.names() == tuple(package.PATTERN_MODULES)
+    assert not set(registry.planned()) & set(ALL_PATTERNS)
+    for name in ALL_PATTERNS:
+        pattern = registry.load(name)
+        assert pattern.name == name and pattern.plan_choices
+        assert registry.plan_choices()[name] == dict(pattern.plan_choices)
+    assert [p.name for p in registry.enabled(reversed(ALL_PATTERNS))] == list(ALL_PATTERNS)  # matching order
+
+
 def test_env_and_precedence(monkeypatch):
     monkeypatch.setenv("FUSER_AUTOTUNE", "1")
     monkeypatch.setenv("FUSER_PLAN", "attention.backward=atomic_dq, attention.impl=fuser")

@@ -1,0 +1,75 @@
+"""The pattern registry: which patterns exist, from one place.
+
+The list lives with the patterns, in ``fuser.patterns`` (``patterns/__init__.py``):
+``PATTERN_MODULES`` maps each implemented pattern's name to its module, in matching order, and
+``PLANNED`` names patterns announced but not implemented yet. Each module defines ``PATTERN``, a
+:class:`fuser.pattern.Pattern` whose ``plan_choices`` are the ``fuser.plan`` keys it accepts.
+The pass, the options and the reports read patterns only through this module, so adding a
+pattern means adding its files under ``patterns/`` (and ``codegen/``) and one line to that list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pattern import Pattern
+
+log = logging.getLogger("fuser")
+
+_broken: dict[str, str] = {}
+
+
+def _package():
+    import fuser.patterns as patterns  # the package's __init__ only: no pattern module yet
+
+    return patterns
+
+
+def names() -> tuple[str, ...]:
+    """The implemented patterns' names, in matching order (a region an earlier pattern takes
+    is not offered to later ones)."""
+    return tuple(_package().PATTERN_MODULES)
+
+
+def planned() -> tuple[str, ...]:
+    """Patterns announced but not implemented in this version (for error messages)."""
+    return tuple(getattr(_package(), "PLANNED", ()))
+
+
+def load(name: str) -> "Pattern | None":
+    """The ``PATTERN`` object of pattern ``name``, or None when its module fails to import
+    (a broken installation: warned once, the other patterns still work).
+
+    Raises:
+        KeyError: ``name`` is not an implemented pattern.
+    """
+    module = _package().PATTERN_MODULES[name]
+    if name in _broken:
+        return None
+    try:
+        return importlib.import_module(module).PATTERN
+    except Exception as exc:  # pragma: no cover - only a broken installation gets here
+        _broken[name] = repr(exc)
+        log.warning("fuser: pattern %s is unavailable (%r); it will not be fused", name, exc)
+        return None
+
+
+def enabled(pattern_names) -> list["Pattern"]:
+    """The pattern objects of ``pattern_names`` (a subset of :func:`names`), in matching order,
+    skipping any whose module failed to import."""
+    wanted = set(pattern_names)
+    return [p for p in (load(n) for n in names() if n in wanted) if p is not None]
+
+
+def plan_choices() -> dict[str, dict[str, tuple[str, ...]]]:
+    """``{pattern: {choice: valid values}}`` for ``fuser.plan``, from each pattern's
+    ``plan_choices`` (``"<positive integer>"`` stands for any positive integer)."""
+    out = {}
+    for n in names():
+        p = load(n)
+        if p is not None:
+            out[n] = dict(p.plan_choices)
+    return out
