@@ -52,8 +52,11 @@ def _placeholder_inputs(gm: fx.GraphModule, example_inputs: Optional[Sequence[An
 
 
 def _check_region(m: Match, view: GraphView) -> Optional[str]:
-    """None if no node of the region but the root is read outside it and the region writes
+    """None if no node of the region but its outputs is read outside it and the region writes
     no memory that outlives it; else the reason."""
+    outputs = set(m.outputs.values())
+    if not outputs <= m.region:
+        return "internal error while matching: the match names outputs outside its region"
     for n in m.region:
         for target in written_args(n):
             key = view.alias_key(target)
@@ -63,7 +66,7 @@ def _check_region(m: Match, view: GraphView) -> Optional[str]:
                     f"'{n.name}' ({location(n)}) writes '{target.name}' in place, and that memory is "
                     "also seen outside the region; the fused op would not write it"
                 )
-        if n is m.root:
+        if n in outputs:
             continue
         outside = [u for u in view.readers(n) if u not in m.region]
         outside += [u for u in n.users if u not in m.region]
@@ -136,6 +139,13 @@ def apply(
                 continue
             taken |= r.region
             found.append((pattern, r))
+    # a pattern that declined an anchor another pattern then matched (attention declines a
+    # softmax whose probabilities also feed a column sum; a later pattern takes the region):
+    # the report shows the match, not the stale near-miss
+    taken_names = {n.name for n in taken}
+    for r in [r for r in result.rejected if r.node in taken_names]:
+        log.debug("fuser: near-miss of %s at %s superseded by a match of the same region", r.pattern, r.location)
+    result.rejected = [r for r in result.rejected if r.node not in taken_names]
 
     for pattern, m in found:
         cands = pattern.candidates(m, ctx)
@@ -148,10 +158,11 @@ def apply(
         before = set(gm.graph.nodes)
         try:
             m.kernels = pattern.kernels(m, plan)
-            new = pattern.emit(m, plan, gm.graph)
-            mismatch = _mismatch(new, m.root)
-            if mismatch:
-                raise RuntimeError(f"the replacement {mismatch}")
+            new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
+            for name, node in new.items():
+                mismatch = _mismatch(node, m.outputs[name])
+                if mismatch:
+                    raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
             new = _protect_saved(m, new, view, gm.graph, before)
             _replace(m, new, gm.graph)
         except Exception as exc:  # a bug in a pattern must not break the user's model
@@ -263,11 +274,21 @@ def _place(m: Match, view: GraphView) -> Optional[str]:
                 return x, hits[0]
         return None
 
-    root_pos = max(order[n] for n in m.region)
+    # before the region's last node, or before the first outside reader of an output if earlier
+    outputs = set(m.outputs.values())
+    readers = [order[u] for o in outputs for u in o.users if u not in m.region]
+    root_pos = min([max(order[n] for n in m.region)] + readers)
+    last = max((order[x] for x in inputs), default=-1)
+    if last >= root_pos:
+        x = view.nodes[last]
+        return (
+            f"an output of the {m.pattern} region is read ('{view.nodes[root_pos].name}', "
+            f"{location(view.nodes[root_pos])}) before one of its inputs ('{x.name}') is computed"
+        )
     c = conflict(root_pos)
     if c is None:
+        m.insert_before = view.nodes[root_pos]
         return None
-    last = max((order[x] for x in inputs), default=-1)
     early = view.nodes[last + 1] if last + 1 < len(view.nodes) else None
     if early is not None and order[early] < root_pos and view.grad_enabled[early] == view.grad_enabled[m.root] \
             and conflict(order[early]) is None:
@@ -303,12 +324,23 @@ def _same_size(x: Any, y: Any) -> bool:
     return bool(statically_known_true(x == y))
 
 
-def _protect_saved(m: Match, new: fx.Node, view: GraphView, graph: fx.Graph, before: set) -> fx.Node:
+def _as_outputs(m: Match, emitted: Any) -> dict:
+    """What ``emit`` returned as ``{output name: replacement node}`` for every output of ``m``."""
+    if isinstance(emitted, fx.Node):
+        if len(m.outputs) != 1:
+            raise RuntimeError(f"emit returned one node for the outputs {list(m.outputs)}")
+        return {next(iter(m.outputs)): emitted}
+    if not isinstance(emitted, dict) or set(emitted) != set(m.outputs):
+        raise RuntimeError(f"emit must return a node for each output {list(m.outputs)}, got {emitted!r}")
+    return dict(emitted)
+
+
+def _protect_saved(m: Match, new: dict, view: GraphView, graph: fx.Graph, before: set) -> dict:
     """Copies so that what a fused op saves for its backward survives in-place writes that
     come after it in the graph (``o.mul_(gate)`` on the output, ``q.add_(1)`` on an input):
-    eager autograd saves only what it needs, fuser's ops save their inputs and output.
-    Only when gradients are recorded at the insertion point. Returns the node to use in
-    place of the root."""
+    eager autograd saves only what it needs, fuser's ops save their inputs and outputs.
+    Only when gradients are recorded at the insertion point. ``new`` maps each output's name
+    to its replacement; returns the nodes to use in place of the outputs."""
     if not view.grad_enabled[m.insertion_point]:
         return new
     pos = view.order[m.insertion_point]
@@ -330,22 +362,28 @@ def _protect_saved(m: Match, new: fx.Node, view: GraphView, graph: fx.Graph, bef
                     c = annotate(graph.call_function(torch.ops.fuser.saved_copy.default, (a,)))
                 op.replace_input_with(a, c)
                 m.protected.append(f"copied '{a.name}' for the backward: it is written in place later")
-    if view.alias_key(m.root) in later:
-        with graph.inserting_after(new):
-            c = annotate(graph.call_function(torch.ops.fuser.saved_copy.default, (new,)))
-        m.protected.append("copied the output: the program writes it in place later, the backward saves it")
-        return c
-    return new
+    out = dict(new)
+    for name, node in new.items():
+        if view.alias_key(m.outputs[name]) in later:
+            with graph.inserting_after(node):
+                out[name] = annotate(graph.call_function(torch.ops.fuser.saved_copy.default, (node,)))
+            what = "the output" if len(new) == 1 else f"the output '{name}'"
+            m.protected.append(f"copied {what}: the program writes it in place later, the backward saves it")
+    return out
 
 
-def _replace(m: Match, new: fx.Node, graph: fx.Graph) -> None:
-    """Route the root's users to ``new`` and erase the region. Checks first that nothing
-    outside the region reads a region node, so a failure leaves the region in place."""
+def _replace(m: Match, new: dict, graph: fx.Graph) -> None:
+    """Route each output's users to its replacement (``new``: output name -> node) and erase
+    the region. Checks first that nothing outside the region reads a region node other than
+    the outputs, so a failure leaves the region in place."""
+    outputs = set(m.outputs.values())
     for n in m.region:
-        if n is not m.root and any(u not in m.region for u in n.users):
+        if n not in outputs and any(u not in m.region for u in n.users):
             raise RuntimeError(f"{n.name} is read outside the matched region")
-    new.meta.setdefault("stack_trace", m.root.meta.get("stack_trace"))
-    m.root.replace_all_uses_with(new)
+    for name, node in new.items():
+        old = m.outputs[name]
+        node.meta.setdefault("stack_trace", old.meta.get("stack_trace"))
+        old.replace_all_uses_with(node)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(m.region, key=lambda x: -order[x]):
         graph.erase_node(n)

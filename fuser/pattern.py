@@ -54,8 +54,8 @@ class Match:
 
     Attributes:
         pattern: the pattern's name (``"attention"``, ...).
-        root: the node whose value the fused op produces.
-        region: the nodes the fused op replaces (none of them is read outside it).
+        root: the region's main output (its anchor in reports; one of :attr:`outputs`).
+        region: the nodes the fused op replaces; only :attr:`outputs` may be read outside it.
         bindings: the pattern's analysis (inputs, scale, mask kind, ...), for emit.
         summary: a user-facing dict of what was recognised (shown by ``explain``).
         location: ``file:line`` of the user code.
@@ -67,10 +67,14 @@ class Match:
         inputs: the nodes outside the region whose values the replacement reads (operands,
             mask tensors, symbolic scale factors); the pass checks that none of them is written
             in place between its definition and the replacement.
-        insert_before: where the replacement goes (set by the pass; the root unless an
-            in-place write forces an earlier point). Patterns emit at :attr:`insertion_point`.
+        insert_before: where the replacement goes (set by the pass: the region's last node, or
+            the first outside reader of an output when that comes earlier, or an earlier point an
+            in-place write forces). Patterns emit at :attr:`insertion_point`.
         protected: notes on copies the pass made so that the backward's saved tensors survive
             later in-place writes (shown by ``explain``).
+        outputs: the region's values read outside it, by name (``{"out": root}`` unless the
+            pattern names several, e.g. ``{"out": pv, "score": column_sum}``). ``emit`` returns
+            one replacement per name; the pass routes each output's readers to it.
     """
 
     pattern: str
@@ -87,6 +91,13 @@ class Match:
     inputs: tuple = ()
     insert_before: Optional[fx.Node] = None
     protected: list = dataclasses.field(default_factory=list)
+    outputs: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = {"out": self.root}
+        if not any(n is self.root for n in self.outputs.values()):
+            raise ValueError(f"the root {self.root.name} must be one of the outputs {list(self.outputs)}")
 
     @property
     def insertion_point(self) -> fx.Node:
@@ -165,9 +176,10 @@ class Pattern(abc.ABC):
         """The plans this match can run with, each with its cost estimate."""
 
     @abc.abstractmethod
-    def emit(self, match: Match, plan: Candidate, graph: fx.Graph) -> fx.Node:
+    def emit(self, match: Match, plan: Candidate, graph: fx.Graph) -> "fx.Node | dict[str, fx.Node]":
         """Insert the replacement before ``match.insertion_point``; return the node to use in
-        place of ``match.root``."""
+        place of each of ``match.outputs``: a dict with the same names, or, for a region with
+        one output, the node itself."""
 
     def kernels(self, match: Match, plan: Candidate) -> list:
         """The rendered kernels ``plan`` runs (rendered now, not launched)."""

@@ -1,0 +1,150 @@
+"""Regions with named outputs: a match whose region has several values read outside it.
+
+A toy pattern takes ``p = softmax(x, -1)`` with both ``p @ v`` and the column sum
+``p.sum(-2)`` escaping (the shape of H2O's scoring), and emits plain PyTorch for both outputs,
+so these tests check only the pass: where the replacement goes, that every output's readers are
+rerouted, what is declined, and what ``explain`` reports.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fuser import passes, registry
+from fuser.graph import location
+from fuser.pattern import Candidate, Match, Pattern
+from fuser.testing import rewrite
+
+
+def _softmax_pv_colsum(x, v):
+    p = torch.softmax(x, -1)
+    return p @ v, p.sum(-2)
+
+
+class ColumnSumToy(Pattern):
+    """softmax(x) read by a matmul with v and by a sum over the query axis."""
+
+    name = "toy_colsum"
+    plan_choices = {}
+
+    def __init__(self, emit_names=None):
+        self.emit_names = emit_names  # to make emit return the wrong outputs
+
+    def anchors(self, view):
+        return [n for n in view.nodes if view.op(n) == "softmax"]
+
+    def match(self, anchor, ctx):
+        view = ctx.view
+        mm = [u for u in anchor.users if view.op(u) == "matmul"]
+        sums = [u for u in anchor.users if view.op(u) == "sum"]
+        if len(mm) != 1 or len(sums) != 1:
+            return None
+        x, v = anchor.args[0], mm[0].args[1]
+        return Match(self.name, root=mm[0], region=frozenset({anchor, mm[0], sums[0]}),
+                     bindings={"x": x, "v": v}, summary={}, location=location(anchor),
+                     inputs=(x, v), outputs={"out": mm[0], "score": sums[0]})
+
+    def candidates(self, m, ctx):
+        return [Candidate("toy", {"impl": "fuser"}, {}, 0.0)]
+
+    def emit(self, m, plan, graph):
+        from fuser.passes import annotate
+
+        with graph.inserting_before(m.insertion_point):
+            both = annotate(graph.call_function(_softmax_pv_colsum, (m.bindings["x"], m.bindings["v"])))
+            out = annotate(graph.call_function(_getitem, (both, 0)))
+            score = annotate(graph.call_function(_getitem, (both, 1)))
+        names = self.emit_names or ("out", "score")
+        return dict(zip(names, (out, score)))
+
+
+def _getitem(t, i):
+    return t[i]
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """Run the pass with attention first, then the toy pattern."""
+    holder = {"pattern": ColumnSumToy()}
+    monkeypatch.setattr(passes, "load_patterns",
+                        lambda options: registry.enabled(["attention"]) + [holder["pattern"]])
+    return holder
+
+
+def _inputs(n=6):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)] + [torch.randn(1, 2, n, generator=g)]
+
+
+def test_two_outputs_with_a_reader_between(toy):
+    # the score is read before P V is computed: the replacement goes before that reader
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        score = p.sum(-2)
+        gated = score * w
+        o = p @ v
+        return o, gated
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert [m.pattern for m in res.matches] == ["toy_colsum"]
+    m = res.matches[0]
+    assert set(m.outputs) == {"out", "score"} and m.insertion_point.name == "mul_1"
+    # attention declined the softmax (P also feeds the sum); the toy pattern took it: no stale near-miss
+    assert res.rejected == []
+    assert not any(n.target is torch.softmax for n in gm.graph.nodes)
+    for got, want in zip(gm(*xs), f(*xs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_input_computed_after_an_output_is_read_declines(toy):
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        gated = p.sum(-2) * w
+        v2 = v + gated.sum()  # an input of P V that depends on the score's reader
+        return p @ v2, gated
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert res.matches == []
+    assert any(r.pattern == "toy_colsum" and "before one of its inputs" in r.reason for r in res.rejected)
+    for got, want in zip(gm(*xs), f(*xs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_emit_must_return_every_output(toy):
+    toy["pattern"] = ColumnSumToy(emit_names=("out", "scores"))
+
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        return p @ v, p.sum(-2) * w
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert res.matches == []
+    assert any("internal error while rewriting" in r.reason and "each output" in r.reason for r in res.rejected)
+    assert any(n.target is torch.softmax for n in gm.graph.nodes)  # the region is left as it was
+    for got, want in zip(gm(*xs), f(*xs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_non_output_read_outside_still_declines(toy):
+    # P itself escapes too: it is no output of the toy pattern
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        return p @ v, p.sum(-2) * w, p.amax(-1)
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert res.matches == []
+    assert any(r.pattern == "toy_colsum" and "also used by" in r.reason for r in res.rejected)
+
+
+def test_root_must_be_an_output():
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    with pytest.raises(ValueError, match="must be one of the outputs"):
+        Match("x", root=a, region=frozenset({a, b}), bindings={}, summary={}, location="", outputs={"o": b})
+    assert Match("x", root=a, region=frozenset({a}), bindings={}, summary={}, location="").outputs == {"out": a}
