@@ -74,7 +74,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import launch, predicate
+from . import launch, predicate, variants
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -92,13 +92,13 @@ __all__ = [
 ]
 
 # the kernel families' shared vocabulary, re-exported for callers of this family
-CAUSAL_MODES, MASK_KINDS, BWD_MODES, causal_offset = launch.CAUSAL_MODES, launch.MASK_KINDS, launch.BWD_MODES, launch.causal_offset
-FILL_MODES = launch.FILL_MODES
+CAUSAL_MODES, MASK_KINDS, BWD_MODES, causal_offset = variants.CAUSAL_MODES, variants.MASK_KINDS, variants.BWD_MODES, variants.causal_offset
+FILL_MODES = variants.FILL_MODES
 NEG_INF = float("-inf")
 
 LOG2E = 1.4426950408889634
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = launch.DTYPES
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 FWD_TEMPLATE = "attention_fwd.py.jinja"
@@ -116,10 +116,10 @@ BWD_TEMPLATE = "attention_bwd.py.jinja"
 def _fill_kinds(causal, mask_kind: str, mask_fill: float, causal_fill: float, causal_fill_mode: str) -> tuple[str, str]:
     """(mask fill kind, causal fill kind), each ``"hide"`` (-inf or not applicable), ``"replace"``
     or ``"add"``; raises ``ValueError`` for a NaN or ``+inf`` fill or an unknown mode."""
-    launch.check_fill("mask_fill", mask_fill)
-    launch.check_fill("causal_fill", causal_fill, causal_fill_mode)
-    return (launch.mask_fill_kind(mask_kind, mask_fill),
-            launch.causal_fill_kind(causal, causal_fill, causal_fill_mode))
+    variants.check_fill("mask_fill", mask_fill)
+    variants.check_fill("causal_fill", causal_fill, causal_fill_mode)
+    return (variants.mask_fill_kind(mask_kind, mask_fill),
+            variants.causal_fill_kind(causal, causal_fill, causal_fill_mode))
 
 
 def as_predicate(mask_pred) -> Optional[tuple]:
@@ -136,11 +136,11 @@ def as_predicate(mask_pred) -> Optional[tuple]:
 def _pred_kinds(causal, mask_pred, pred_consts, pred_fill: float, pred_fill_mode: str) -> tuple[Optional[tuple], str]:
     """(simplified predicate or None, its fill kind ``"hide"``/``"replace"``/``"add"``); raises
     ``ValueError`` for a predicate with causal masking, too few constants, or a bad fill."""
-    launch.check_fill("pred_fill", pred_fill, pred_fill_mode)
+    variants.check_fill("pred_fill", pred_fill, pred_fill_mode)
     if mask_pred is None or (isinstance(mask_pred, str) and not mask_pred.strip()):
         return None, "hide"
     raw = predicate.parse(mask_pred) if isinstance(mask_pred, str) else predicate.validate(mask_pred)
-    if launch.is_causal(causal):
+    if variants.is_causal(causal):
         raise ValueError("an index predicate and causal masking together are not supported: fold the causal "
                          "condition into the predicate (j <= i + offset)")
     if pred_consts is not None and len(pred_consts) < predicate.n_consts(raw):
@@ -149,7 +149,7 @@ def _pred_kinds(causal, mask_pred, pred_consts, pred_fill: float, pred_fill_mode
     pred = as_predicate(raw)
     if pred is None:
         return None, "hide"
-    return pred, launch.fill_kind(True, pred_fill, pred_fill_mode)
+    return pred, variants.fill_kind(True, pred_fill, pred_fill_mode)
 
 
 def two_part_stats(*, causal, mask_kind: str, mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
@@ -172,7 +172,7 @@ def _suffix(causal: bool, mask_kind: str, mask_row_broadcast: bool, interpret: b
     causal_part = {"hide": "_causal", "replace": "_causalfill", "add": "_causaladd"}[causal_fill_k] if causal else ""
     if pred is not None:
         causal_part = {"hide": "_pred", "replace": "_predfill", "add": "_predadd"}[pred_fill_k] + "_" + predicate.digest(pred)
-    head = causal_part + launch.MASK_SUFFIX[mask_kind] + ("fill" if mask_fill_k != "hide" else "")
+    head = causal_part + variants.MASK_SUFFIX[mask_kind] + ("fill" if mask_fill_k != "hide" else "")
     if mask_kind != "none" and mask_row_broadcast:
         head += "_rowbcast"
     return head, ("_interp" if interpret else "")
@@ -212,10 +212,10 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bo
     The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments);
     ``mask_pred`` (see :func:`as_predicate`) renders its formula, ``pred_consts`` are runtime
     (only their number is checked, when given)."""
-    launch.check_variant(causal, mask_kind)
+    variants.check_variant(causal, mask_kind)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
-    causal = launch.is_causal(causal)
+    causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
     name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
@@ -233,10 +233,10 @@ def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: st
                causal_fill_mode: str = "replace", mask_pred=None, pred_consts: Sequence[int] = (),
                pred_fill: float = NEG_INF, pred_fill_mode: str = "replace") -> RenderedKernel:
     """Render the backward kernel module (preprocess, dK/dV and, for two_kernel, dQ kernels)."""
-    launch.check_variant(causal, mask_kind, bwd_mode)
+    variants.check_variant(causal, mask_kind, bwd_mode)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
-    causal = launch.is_causal(causal)
+    causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
     name = "attention_bwd" + head + ("_atomicdq" if bwd_mode == "atomic_dq" else "") + tail
@@ -360,16 +360,6 @@ _BWD_TABLE = {
 }
 
 
-def device_kind(device: torch.device | str) -> str:
-    """``"interpreter"`` (CPU tensors), ``"sm90"`` (Hopper) or ``"cuda"`` (any other CUDA GPU)."""
-    device = torch.device(device)
-    if launch.interpreted(device):
-        return "interpreter"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, _ = launch.device_properties(index)["capability"]
-    return "sm90" if major == 9 else "cuda"
-
-
 def _dim_bucket(head_dim: int, head_dim_v: int) -> int:
     width = max(launch.next_power_of_2(head_dim), launch.next_power_of_2(head_dim_v), 16)
     return 64 if width <= 64 else 128 if width <= 128 else 256
@@ -385,7 +375,7 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
-    dev = device_kind(device)
+    dev = launch.device_kind(device)
     if dev == "interpreter":
         table = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
         return [dict(c) for c in table]
@@ -464,7 +454,7 @@ def alloc_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_grad: S
 
 
 def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
-    launch.check_variant(causal, mask_kind)
+    variants.check_variant(causal, mask_kind)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -481,7 +471,7 @@ def _check_inputs(q, k, v, causal, mask, mask_kind) -> None:
     for dim in (d, v.shape[3]):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {dim}")
-    launch.check_mask(mask, mask_kind)
+    variants.check_mask(mask, mask_kind)
 
 
 
@@ -537,12 +527,12 @@ def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fi
     the predicate's constants (as many as it reads)."""
     args = {}
     if mask_fill_k != "hide":
-        args["mask_fill"] = launch.fill_base2(mask_fill)
+        args["mask_fill"] = variants.fill_base2(mask_fill)
     if causal_fill_k != "hide":
-        args["causal_fill"] = launch.fill_base2(causal_fill)
+        args["causal_fill"] = variants.fill_base2(causal_fill)
     if pred is not None:
         if pred_fill_k != "hide":
-            args["pred_fill"] = launch.fill_base2(pred_fill)
+            args["pred_fill"] = variants.fill_base2(pred_fill)
         args["pred_consts"] = tuple(int(c) for c in pred_consts[: predicate.n_consts(pred)])
     return args
 
@@ -590,7 +580,7 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
     mask; see :func:`hidden_tiles_skippable`), else nothing."""
     if causal_fill_k == "hide" or mask_kind != "none":
         return {}
-    offset = launch.causal_offset(causal, q.shape[2], k.shape[2])
+    offset = variants.causal_offset(causal, q.shape[2], k.shape[2])
     return {"skip_hidden": hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
                                                   causal_fill_mode=causal_fill_k, causal_offset=offset)}
 
@@ -656,7 +646,7 @@ def forward(
             _fill_empty_rows(lse, two_part)
         return out, lse
     interpret = launch.interpreted(q.device)
-    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
@@ -674,7 +664,7 @@ def forward(
             module.launch_fwd(
                 *args,
                 qk_scale=float(scale) * LOG2E,
-                causal_offset=launch.causal_offset(causal, n_q, n_k),
+                causal_offset=variants.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
                 **fills,
@@ -719,7 +709,7 @@ def backward(
     ``"atomic_dq"`` (one kernel; dQ accumulated with float32 atomics, then cast).
     """
     _check_inputs(q, k, v, causal, mask, mask_kind)
-    launch.check_variant(causal, mask_kind, bwd_mode)
+    variants.check_variant(causal, mask_kind, bwd_mode)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts, pred_fill, pred_fill_mode)
     two_part = mask_kind == "additive" or mask_fill_k != "hide" or causal_fill_k != "hide" or pred_fill_k != "hide"
@@ -751,7 +741,7 @@ def backward(
     if not lse.is_contiguous():
         lse = lse.contiguous()
     interpret = launch.interpreted(q.device)
-    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "bwd")
     kernel, module = _bwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bwd_mode, interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
@@ -780,7 +770,7 @@ def backward(
                 *args,
                 scale=float(scale),
                 qk_scale=float(scale) * LOG2E,
-                causal_offset=launch.causal_offset(causal, n_q, n_k),
+                causal_offset=variants.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
                 **fills,

@@ -86,8 +86,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import launch
-from .attention import DTYPES
+from . import launch, variants
+from .launch import DTYPES
 from .attention_kl_configs import candidate_configs
 from .render import RenderedKernel, render
 
@@ -116,7 +116,7 @@ __all__ = [
 ]
 
 # the kernel families' shared vocabulary, re-exported for callers of this family
-CAUSAL_MODES, MASK_KINDS, BWD_MODES = launch.CAUSAL_MODES, launch.MASK_KINDS, launch.BWD_MODES
+CAUSAL_MODES, MASK_KINDS, BWD_MODES = variants.CAUSAL_MODES, variants.MASK_KINDS, variants.BWD_MODES
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
@@ -174,7 +174,7 @@ def stat_planes(mask_kind: str, mask_fill_finite: bool = False, causal_fill: str
 
 def _head(causal: bool, mask_kind: str, row: bool, mask_fill: bool = False, causal_fill: str = "hide",
           zero_hidden: bool = False) -> str:
-    head = ("_causal" if causal else "") + launch.MASK_SUFFIX[mask_kind]
+    head = ("_causal" if causal else "") + variants.MASK_SUFFIX[mask_kind]
     head += "_rowbcast" if mask_kind != "none" and row else ""
     head += ("_maskfill" if mask_fill else "") + _CAUSAL_FILL_SUFFIX[causal_fill]
     return head + ("_zerohidden" if zero_hidden else "")
@@ -191,8 +191,8 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_stats: 
     :func:`fill_variant`. ``zero_hidden``: the KL sums the visible entries only (see
     :func:`zero_hidden_flag`: ignored without a finite fill). The defaults render today's variants.
     """
-    launch.check_variant(causal, mask_kind)
-    causal = launch.is_causal(causal)
+    variants.check_variant(causal, mask_kind)
+    causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
     zero = zero_hidden_flag(zero_hidden, mask_kind, mask_fill, causal_fill)
@@ -212,8 +212,8 @@ def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: st
     """Render the backward module (dK kernel and, for two_kernel, the dQ kernel); the fill
     flags as for :func:`fwd_kernel` (they pick the statistics layout and, for ``"add"``, the
     per-element causal bias and no tile skipping); ``zero_hidden`` as there."""
-    launch.check_variant(causal, mask_kind, bwd_mode)
-    causal = launch.is_causal(causal)
+    variants.check_variant(causal, mask_kind, bwd_mode)
+    causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     mask_fill, causal_fill = _fill_flags(causal, mask_kind, mask_fill_finite, causal_fill)
     zero = zero_hidden_flag(zero_hidden, mask_kind, mask_fill, causal_fill)
@@ -277,7 +277,7 @@ def fill_variant(causal, mask_kind: str, mask_fill1: float = -math.inf, mask_fil
     ``ValueError`` for NaN or ``+inf`` fills, an unknown mode, or a finite fill without the
     mask or causal structure it belongs to.
     """
-    launch.check_variant(causal, mask_kind)
+    variants.check_variant(causal, mask_kind)
     if causal_fill_mode not in CAUSAL_FILL_MODES:
         raise ValueError(f"causal_fill_mode must be one of {CAUSAL_FILL_MODES}, got {causal_fill_mode!r}")
     fills = dict(mask_fill1=mask_fill1, mask_fill2=mask_fill2, causal_fill1=causal_fill1, causal_fill2=causal_fill2)
@@ -289,7 +289,7 @@ def fill_variant(causal, mask_kind: str, mask_fill1: float = -math.inf, mask_fil
     causal_finite = causal_fill1 != -math.inf or causal_fill2 != -math.inf
     if mask_finite and mask_kind not in ("bool_keep", "bool_drop"):
         raise ValueError(f"a finite mask_fill needs a boolean mask, got mask_kind {mask_kind!r}")
-    if causal_finite and not launch.is_causal(causal):
+    if causal_finite and not variants.is_causal(causal):
         raise ValueError("a finite causal_fill needs a causal mode")
     return {"mask_fill_finite": mask_finite, "causal_fill": causal_fill_mode if causal_finite else "hide"}
 
@@ -403,7 +403,7 @@ def alloc_grads(q1, k1, q2, k2, needs_grad: Sequence[bool] = (True, True, True, 
 
 
 def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
-    launch.check_variant(causal, mask_kind)
+    variants.check_variant(causal, mask_kind)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     ts = (q1, k1, q2, k2)
@@ -427,7 +427,7 @@ def _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind) -> None:
             raise ValueError(f"head dims must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[3]}")
         if k.shape[1] == 0 or h % k.shape[1]:
             raise ValueError(f"query heads ({h}) must be a multiple of k{side}'s kv heads ({k.shape[1]})")
-    launch.check_mask(mask, mask_kind)
+    variants.check_mask(mask, mask_kind)
 
 
 def _check_stats(q1, lse1, lse2, delta, planes: tuple[int, int]) -> None:
@@ -538,7 +538,7 @@ def forward(
             delta.zero_()
         return rows, lse1, lse2, delta
     interpret = launch.interpreted(q1.device)
-    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "fwd")
     precision = launch.dot_precision(q1.dtype)
@@ -562,7 +562,7 @@ def forward(
                 *args,
                 qk_scale1=float(scale1) * LOG2E,
                 qk_scale2=float(scale2) * LOG2E,
-                causal_offset=launch.causal_offset(causal, n_q, n_k),
+                causal_offset=variants.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
                 **fill_args,
@@ -617,7 +617,7 @@ def backward(
     the forward's flag: the statistics differ, side 1's are ``[4, B, H, Nq]``).
     """
     _check_inputs(q1, k1, q2, k2, causal, mask, mask_kind)
-    launch.check_variant(causal, mask_kind, bwd_mode)
+    variants.check_variant(causal, mask_kind, bwd_mode)
     fills = fill_variant(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode)
     zero = zero_hidden_flag(zero_hidden, mask_kind, **fills)
     planes = stat_planes(mask_kind, **fills, zero_hidden=zero)
@@ -646,7 +646,7 @@ def backward(
     if not g_rows.is_floating_point():
         g_rows = g_rows.float()
     interpret = launch.interpreted(q1.device)
-    mask4, row_broadcast = launch.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
+    mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, h, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
     configs = _configs(config, q1, q2, causal, "bwd", teacher_grad)
     kernel, module = _bwd_module(causal, mask_kind, row, bwd_mode, teacher_grad, interpret,
@@ -696,7 +696,7 @@ def backward(
                 *args,
                 scale1=float(scale1),
                 scale2=float(scale2),
-                causal_offset=launch.causal_offset(causal, n_q, n_k),
+                causal_offset=variants.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
                 **fill_args,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import launch
-from .attention import device_kind
+from .launch import device_kind
 
 __all__ = ["candidate_configs"]
 

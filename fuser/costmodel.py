@@ -7,8 +7,8 @@ and :func:`estimate_ms` turns them into a time on a :class:`DeviceModel`::
     t = max(flops / (peak · eff), bytes / bandwidth, exps / exp_rate) / wave_efficiency(tiles)
         + launches · launch_overhead
 
-``eff`` is the fraction of the matrix-unit peak an implementation reaches; the table
-:data:`EFFICIENCY` holds the values measured for each implementation (see its comment).
+``eff`` is the fraction of the matrix-unit peak an implementation reaches, measured per
+implementation and head-dim bucket; each pattern keeps its table beside its plans.
 """
 
 from __future__ import annotations
@@ -62,36 +62,16 @@ H100 = DeviceModel(
     launch_us=4.0,
 )
 
-# Fraction of the bf16 matrix-unit peak (790 TFLOP/s) each implementation reaches on long
-# sequences, by head-dim bucket (<=64, <=128, <=256), used as `eff`. Measured on the H100
-# (torch 2.11, Triton 3.6, B=4, H=16, N=4096, bf16; 2026-11-21): fuser forward 416/501/302
-# TFLOP/s, backward 280/329/129-156; SDPA forward 469/661/587, backward 435/531/360.
-# Re-measure after kernel changes (benchmarks/attention.py).
-EFFICIENCY = {
-    "fuser.attention.fwd": (0.50, 0.60, 0.38),
-    "fuser.attention.bwd": (0.35, 0.42, 0.18),
-    "sdpa.flash.fwd": (0.56, 0.78, 0.74),
-    "sdpa.flash.bwd": (0.52, 0.62, 0.45),
-    "eager.matmul": (0.70, 0.70, 0.70),
-    # NOT MEASURED (estimates): SDPA with a mask tensor runs the memory-efficient kernel, not
-    # FlashAttention. Taken below fuser's own kernels because issue 7 measured an HF Llama
-    # training step with padding masks 1.31x faster through fuser than through SDPA; replace
-    # with benchmarks/attention.py measurements of SDPA with attn_mask on the H100.
-    "sdpa.efficient.fwd": (0.30, 0.35, 0.20),
-    "sdpa.efficient.bwd": (0.22, 0.26, 0.12),
-    # attention-KL (benchmarks/tune_attention_kl.py, H100, N=8192, B=1, H=16, bf16, the tuned
-    # tables; 2026-11-21): forward 297 / 369 / 376 TFLOP/s at D=64 / 128 / 256 (causal
-    # 264 / 321 / 307); backward counted as the cost terms do (two_kernel frozen 12·D per pair:
-    # 357 / 411 / 432, both sides 16·D: 331 / 428 / 184 — at D=256 the two dK accumulators of
-    # the trainable-teacher kernel cost half the speed; the bucket's value is in between).
-    "fuser.attention_kl.fwd": (0.37, 0.45, 0.45),
-    "fuser.attention_kl.bwd": (0.44, 0.52, 0.35),
-}
+#: Fraction of the matrix-unit peak a plain matmul reaches (eager and Inductor plans, which
+#: materialise the scores with cuBLAS GEMMs), by head-dim bucket (<=64, <=128, <=256). Each
+#: pattern keeps the measured efficiencies of its own kernels and libraries beside its plans
+#: (``patterns/*_plans.py``), in the same form.
+EAGER_MATMUL = (0.70, 0.70, 0.70)
 
 
-def efficiency(impl: str, head_dim: int) -> float:
-    """:data:`EFFICIENCY` of ``impl`` at ``head_dim``."""
-    table = EFFICIENCY[impl]
+def efficiency(table: tuple, head_dim: int) -> float:
+    """The entry of a ``(<=64, <=128, <=256)`` head-dim-bucket table for ``head_dim``: the
+    fraction of the matrix-unit peak an implementation reaches, used as ``eff``."""
     return table[0] if head_dim <= 64 else table[1] if head_dim <= 128 else table[2]
 
 
@@ -152,7 +132,7 @@ def estimate_ms(cost: Mapping[str, sympy.Expr], subs: Mapping, device: DeviceMod
         subs: shape symbol -> value.
         device: rates.
         kind: operand kind for the matrix units (see :func:`operand_kind`).
-        efficiency: fraction of the matrix peak reached (see :data:`EFFICIENCY`).
+        efficiency: fraction of the matrix peak reached (see :func:`efficiency`).
     """
     flops = evaluate(cost.get("flops", 0), subs)
     nbytes = evaluate(cost.get("bytes", 0), subs)

@@ -103,16 +103,26 @@ def cost_terms(m: Match, impl: str, split: bool, backward: str | None) -> dict:
     return terms
 
 
+# Fraction of the bf16 matrix-unit peak fuser's attention-KL kernels reach, by head-dim bucket
+# (<=64, <=128, <=256). benchmarks/tune_attention_kl.py, H100, N=8192, B=1, H=16, bf16, the
+# tuned tables; 2026-11-21: forward 297 / 369 / 376 TFLOP/s at D=64 / 128 / 256 (causal
+# 264 / 321 / 307); backward counted as the cost terms do (two_kernel frozen 12·D per pair:
+# 357 / 411 / 432, both sides 16·D: 331 / 428 / 184 — at D=256 the two dK accumulators of the
+# trainable-teacher kernel cost half the speed; the bucket's value is in between).
+EFFICIENCY_FWD = (0.37, 0.45, 0.45)
+EFFICIENCY_BWD = (0.44, 0.52, 0.35)
+
+
 def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: str) -> float:
     d = max(subs[D1], subs[D2])
     if impl == "inductor":
-        return cm.estimate_ms(terms, subs, model, kind, cm.efficiency("eager.matmul", d))
+        return cm.estimate_ms(terms, subs, model, kind, cm.efficiency(cm.EAGER_MATMUL, d))
     fwd = {k: terms[k] for k in ("flops", "bytes", "exps", "tiles", "launches") if k in terms}
-    t = cm.estimate_ms(fwd, subs, model, kind, cm.efficiency("fuser.attention_kl.fwd", d))
+    t = cm.estimate_ms(fwd, subs, model, kind, cm.efficiency(EFFICIENCY_FWD, d))
     if "bwd_flops" in terms:
         bwd = {"flops": terms["bwd_flops"], "bytes": terms["bwd_bytes"], "exps": terms["bwd_exps"],
                "tiles": terms["bwd_tiles"], "launches": 2 if "atomics" not in terms else 1}
-        t += cm.estimate_ms(bwd, subs, model, kind, cm.efficiency("fuser.attention_kl.bwd", d))
+        t += cm.estimate_ms(bwd, subs, model, kind, cm.efficiency(EFFICIENCY_BWD, d))
         if "atomics" in terms:
             t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
     return t

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..codegen import attention as kernels
-from ..codegen import launch, predicate
+from ..codegen import launch, predicate, variants
 
 
 def parse_plan(plan: str) -> dict:
@@ -57,12 +57,12 @@ def _none_tensor(like: torch.Tensor) -> torch.Tensor:
 def _fill_tag(causal: str, mask_kind: str, fills: dict) -> str:
     """The fill kinds and predicate of a variant for tuning keys ("" without finite fills or a
     predicate: keys as before)."""
-    mask_k = launch.mask_fill_kind(mask_kind, fills["mask_fill"])
-    causal_k = launch.causal_fill_kind(causal, fills["causal_fill"], fills["causal_fill_mode"])
+    mask_k = variants.mask_fill_kind(mask_kind, fills["mask_fill"])
+    causal_k = variants.causal_fill_kind(causal, fills["causal_fill"], fills["causal_fill_mode"])
     tag = "" if mask_k == causal_k == "hide" else f"|fill:{mask_k}/{causal_k}"
     pred = kernels.as_predicate(fills.get("mask_pred"))
     if pred is not None:
-        pred_k = launch.fill_kind(True, fills["pred_fill"], fills["pred_fill_mode"])
+        pred_k = variants.fill_kind(True, fills["pred_fill"], fills["pred_fill_mode"])
         tag += f"|pred:{predicate.serialize(pred)}/{pred_k}"
     return tag
 

@@ -108,13 +108,28 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
     return terms
 
 
+# Fraction of the bf16 matrix-unit peak (790 TFLOP/s) each implementation reaches on long
+# sequences, by head-dim bucket (<=64, <=128, <=256): (forward, backward). Measured on the H100
+# (torch 2.11, Triton 3.6, B=4, H=16, N=4096, bf16; 2026-11-21): fuser forward 416/501/302
+# TFLOP/s, backward 280/329/129-156; SDPA forward 469/661/587, backward 435/531/360.
+# Re-measure after kernel changes (benchmarks/attention.py).
+EFFICIENCY = {
+    "fuser": ((0.50, 0.60, 0.38), (0.35, 0.42, 0.18)),
+    "sdpa": ((0.56, 0.78, 0.74), (0.52, 0.62, 0.45)),
+    # NOT MEASURED (estimates): SDPA with a mask tensor runs the memory-efficient kernel, not
+    # FlashAttention. Taken below fuser's own kernels because issue 7 measured an HF Llama
+    # training step with padding masks 1.31x faster through fuser than through SDPA; replace
+    # with benchmarks/attention.py measurements of SDPA with attn_mask on the H100.
+    "sdpa_efficient": ((0.30, 0.35, 0.20), (0.22, 0.26, 0.12)),
+}
+
+
 def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: str) -> float:
     d = max(subs[cm.D], subs[cm.DV])
-    key = {"sdpa": "sdpa.flash", "sdpa_efficient": "sdpa.efficient"}.get(impl, "fuser.attention")
-    eff_f = cm.efficiency(f"{key}.fwd", d)
-    eff_b = cm.efficiency(f"{key}.bwd", d)
     if impl == "inductor":
-        return cm.estimate_ms(terms, subs, model, kind, cm.efficiency("eager.matmul", d))
+        return cm.estimate_ms(terms, subs, model, kind, cm.efficiency(cm.EAGER_MATMUL, d))
+    fwd_table, bwd_table = EFFICIENCY[impl]
+    eff_f, eff_b = cm.efficiency(fwd_table, d), cm.efficiency(bwd_table, d)
     fwd = {k: terms[k] for k in ("flops", "bytes", "exps", "tiles", "launches") if k in terms}
     t = cm.estimate_ms(fwd, subs, model, kind, eff_f)
     if "bwd_flops" in terms:

@@ -13,7 +13,7 @@ import pytest
 from _kernel_checks import check_table, compiled_keys, rel_err as _rel
 import torch
 
-from fuser.codegen import attention, launch
+from fuser.codegen import attention, launch, variants
 from fuser.patterns.attention import reference
 
 LOG2E = 1.4426950408889634
@@ -1089,7 +1089,7 @@ def test_gpu_fills(case):
               causal_fill=causal_fill, causal_fill_mode=mode)
     if "_skip_" in case[0]:  # the case exercises the skipping path
         assert int(attention.hidden_tiles_skippable(q, k, scale=d ** -0.5, causal_fill=causal_fill, causal_fill_mode=mode,
-                                                    causal_offset=launch.causal_offset(causal, n_q, n_k))) == 1
+                                                    causal_offset=variants.causal_offset(causal, n_q, n_k))) == 1
     gen = torch.Generator().manual_seed(112)
     dout = _rand(gen, b, hq, n_q, d, dtype=dtype, device=dev)
     _check_gpu_fwd_bwd(q, k, v, dout, kw)
