@@ -12,15 +12,46 @@ Public API:
     fuser.names                                        readable names of graph nodes (reports)
 """
 
+import importlib.util as _importlib_util
 import logging as _logging
 import os as _os
+import sys as _sys
 
-# In a source checkout the sub-packages fuser.patterns and fuser.codegen live beside this
-# folder (the repository keeps patterns/ and codegen/ at the top level); an installed wheel
-# has them inside it (see package-dir in pyproject.toml).
-_here = _os.path.dirname(_os.path.abspath(__file__))
-if not _os.path.isdir(_os.path.join(_here, "codegen")):
-    __path__.append(_os.path.dirname(_here))  # noqa: F821 - __path__ is the package's
+
+def _map_subpackages() -> None:
+    """Make ``fuser.patterns`` and ``fuser.codegen`` the repository's ``patterns/`` and
+    ``codegen/`` folders when this package is used from a source checkout.
+
+    An installed wheel holds both inside this folder (see package-dir in pyproject.toml) and
+    needs nothing here. In a checkout they sit beside it; each is registered by hand, once,
+    as a package whose submodules are searched in its own folder, and nothing else of the
+    repository root becomes part of ``fuser`` (``fuser.tests``, ``fuser.benchmarks`` and
+    ``fuser.fuser`` do not exist). This runs before anything imports from either
+    sub-package, so that an editable install's finder, which maps the same two names to the
+    same folders, never loads a second copy; and a checkout used without installation wins
+    over an editable install of another checkout.
+    """
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    root = _os.path.dirname(here)
+    for name in ("patterns", "codegen"):
+        full = f"{__name__}.{name}"
+        folder = _os.path.join(root, name)
+        init = _os.path.join(folder, "__init__.py")
+        if full in _sys.modules or _os.path.isfile(_os.path.join(here, name, "__init__.py")) \
+                or not _os.path.isfile(init):
+            continue
+        spec = _importlib_util.spec_from_file_location(full, init, submodule_search_locations=[folder])
+        module = _importlib_util.module_from_spec(spec)
+        _sys.modules[full] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del _sys.modules[full]
+            raise
+        globals()[name] = module
+
+
+_map_subpackages()
 
 from .backend import fuser_backend, register as _register  # noqa: E402
 from .report import Report, explain  # noqa: E402

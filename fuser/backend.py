@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from . import options as options_mod
-from . import passes
+from . import passes, registry
+from .codegen import render
 from .options import FuserOptionError, FuserWarning
 from .report import next_graph_index, record
 
@@ -36,14 +37,8 @@ _said_lock = threading.Lock()
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
     """sha256 over fuser's Python sources and kernel templates: a new hash after any edit."""
-    root = Path(__file__).resolve().parent
-    from .codegen import render
-
     h = hashlib.sha256()
-    dirs = [root, Path(render.__file__).resolve().parent]
-    import fuser.patterns as pats
-
-    dirs.append(Path(pats.__file__).resolve().parent)
+    dirs = [Path(__file__).resolve().parent, Path(render.__file__).resolve().parent, registry.package_dir()]
     for d in dirs:
         for p in sorted(d.rglob("*.py")) + sorted(d.rglob("*.jinja")):
             h.update(str(p.relative_to(d)).encode())
@@ -114,8 +109,6 @@ def fuser_backend(
     """
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
-
-    from .codegen import render
 
     try:
         opts, inductor_opts = options_mod.resolve(options, mode)

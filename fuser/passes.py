@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from . import planner, registry
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
-from .graph import GraphView, flat_args, location, val, written_args
+from .graph import GraphView, annotate, flat_args, location, val, written_args
 from .options import Options
 from .pattern import Match, MatchContext, Pattern, Rejection
 from .static import StaticEvaluator
@@ -397,49 +397,3 @@ def _undo(graph: fx.Graph, before: set) -> None:
             if u in before:  # the root's users were already rerouted: impossible before _replace
                 raise RuntimeError("fuser internal error: cannot undo a partial rewrite")
         graph.erase_node(n)
-
-
-def annotate(node: fx.Node) -> fx.Node:
-    """Set ``node.meta['example_value']`` (and ``val``) by running its target on the fake
-    values of its inputs, so later passes see shapes of inserted nodes."""
-    from torch._guards import detect_fake_mode
-
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    args = fx.node.map_arg(node.args, val)
-    kwargs = fx.node.map_arg(node.kwargs, val)
-    tensors = _tensors_in((args, kwargs))
-    # The mode the operands' fake values belong to. Under torch.compile the active tracing
-    # context may carry another fake mode than the one Dynamo recorded the graph's values
-    # with (mixing them fails), so the operands' own mode comes first.
-    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
-    if len(modes) > 1:
-        log.debug("fuser: not annotating %s: its operands come from %d fake modes", node.name, len(modes))
-        return node
-    fake_mode = next(iter(modes.values())) if modes else detect_fake_mode(tuple(tensors))
-    if node.op == "call_function":
-        fn = node.target
-        call = lambda: fn(*args, **kwargs)  # noqa: E731
-    elif node.op == "call_method":
-        call = lambda: getattr(args[0], node.target)(*args[1:], **kwargs)  # noqa: E731
-    else:
-        return node
-    try:
-        if fake_mode is not None:
-            with fake_mode:
-                out = call()
-        else:
-            with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-                out = call()
-    except Exception as exc:  # metadata is a courtesy to later passes, never a failure
-        log.debug("fuser: could not annotate %s: %r", node.name, exc)
-        return node
-    node.meta["example_value"] = out
-    node.meta["val"] = out
-    return node
-
-
-def _tensors_in(x: Any) -> list:
-    out: list = []
-    fx.node.map_aggregate(x, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
-    return out

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+import torch
 import torch.fx as fx
 
 from .graph import GraphView
@@ -112,6 +113,22 @@ class Match:
     def __repr__(self) -> str:  # the region, bindings and kernels (with their source) left out
         plan = self.plan.name if self.plan is not None else "not planned"
         return f"<Match {self.pattern} at {self.location} (graph {self.graph_index}), plan {plan}>"
+
+
+def match_device(m: Any) -> Optional[torch.device]:
+    """The device of a match's tensors (from its bindings, else the root's value), or None."""
+    dev = getattr(m, "bindings", {}).get("device") if isinstance(getattr(m, "bindings", None), dict) else None
+    if isinstance(dev, (torch.device, str)):
+        return torch.device(dev)
+    root = getattr(m, "root", None)
+    meta = getattr(root, "meta", {}) or {}
+    for key in ("example_value", "val"):
+        v = meta.get(key)
+        if isinstance(v, (tuple, list)) and v:
+            v = v[0]
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .options import FuserOptionError, Options
-from .pattern import Candidate, Match
+from .pattern import Candidate, Match, match_device
 
 
 def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple[Candidate, str]:
@@ -82,8 +82,6 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
 def _why_not_offered(match: Match, choice: str, value: str, key: str) -> str:
     """Why a valid ``fuser.plan`` value is not among a match's candidates, when known: the
     text to append to the error ("" when there is nothing to add)."""
-    from .report import match_device
-
     if choice == "impl" and value in ("sdpa", "inductor"):
         dev = match_device(match)
         if dev is not None and dev.type == "cpu":

@@ -28,6 +28,13 @@ def _package():
     return patterns
 
 
+def package_dir():
+    """The folder of the ``fuser.patterns`` package (for hashing fuser's sources)."""
+    from pathlib import Path
+
+    return Path(_package().__file__).resolve().parent
+
+
 def names() -> tuple[str, ...]:
     """The implemented patterns' names, in matching order (a region an earlier pattern takes
     is not offered to later ones)."""

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .pattern import match_device
+
 _session: contextvars.ContextVar[Optional["Report"]] = contextvars.ContextVar("fuser_session", default=None)
 _process_graphs = itertools.count()  # graph numbers outside any report (log messages only)
 
@@ -41,22 +43,6 @@ def _wrap(first: str, text: str, indent: int, width: int = 110) -> list[str]:
     continuation lines indented by ``indent`` spaces."""
     return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=" " * indent,
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
-
-
-def match_device(m: Any) -> Optional[torch.device]:
-    """The device of a match's tensors (from its bindings, else the root's value), or None."""
-    dev = getattr(m, "bindings", {}).get("device") if isinstance(getattr(m, "bindings", None), dict) else None
-    if isinstance(dev, (torch.device, str)):
-        return torch.device(dev)
-    root = getattr(m, "root", None)
-    meta = getattr(root, "meta", {}) or {}
-    for key in ("example_value", "val"):
-        v = meta.get(key)
-        if isinstance(v, (tuple, list)) and v:
-            v = v[0]
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return None
 
 
 def _interpreted(m: Any) -> bool:

@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fuser.graph import GraphView, compose, dtype, is_tensor, ndim, permuted, shape, swap_last2, val, written_args
+from fuser.graph import GraphView, annotate, compose, dtype, is_tensor, ndim, permuted, shape, swap_last2, val, written_args
 from fuser.matcher import HOLE, Alt, Bindings, Chain, Op, Rule, Same, Var
 from fuser.pattern import MatchContext
 from fuser.static import NotStatic, symint_value
@@ -507,8 +507,6 @@ class Emitter:
         self.graph, self.rank, self.compute_dtype = graph, rank, compute_dtype
 
     def node(self, kind: str, target, args, kwargs=None) -> fx.Node:
-        from fuser.passes import annotate
-
         return annotate(self.graph.create_node(kind, target, args, kwargs or {}))
 
     def operand(self, x, perm: Optional[tuple], in_dtype: torch.dtype, detach: bool = False, factors: list = ()):
