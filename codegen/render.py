@@ -6,6 +6,15 @@ string), written to a content-addressed file in the kernel cache directory and i
 from there: ``@triton.jit`` reads a kernel's source through ``inspect``, so the source must
 live in a real file.
 
+Templates: one per kernel module, ``<module>.py.jinja`` (``attention_fwd.py.jinja``, ...), and
+``_macros.jinja``, the macros they share (``dot``, ``load_mask``, ``mask_bias``; documented
+there). Each kernel template imports the ones it uses with
+``{% from "_macros.jinja" import ... %}``, without context: a shared macro reads only its
+parameters. A macro that more than one template needs belongs in ``_macros.jinja``, never in a
+copy per template (``tests/codegen/test_render.py`` checks). The compile cache key
+(``fuser.backend.source_hash``) and :func:`template_sources` cover every ``*.jinja`` file, the
+macro file included, so an edit to a shared macro is an edit to every template that uses it.
+
 Cache directory: ``$FUSER_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fuser`` (default
 ``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. Inside
 :func:`exporting_to` (the backend wraps each compile with ``fuser.debug_dir``), or with
@@ -33,6 +42,8 @@ import jinja2
 log = logging.getLogger("fuser")
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+# the file of the macros the kernel templates share (see the module docstring)
+MACRO_FILE = "_macros.jinja"
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -191,5 +202,6 @@ def rendered_kernels() -> list[RenderedKernel]:
 
 
 def template_sources() -> dict[str, str]:
-    """Template file name -> its text; used to key compile caches on template edits."""
+    """Template file name -> its text, for every ``*.jinja`` file (``_macros.jinja`` included);
+    used to key compile caches on template edits."""
     return {p.name: p.read_text() for p in sorted(TEMPLATE_DIR.glob("*.jinja"))}

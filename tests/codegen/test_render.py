@@ -1,4 +1,5 @@
-"""Rendering templates to files, importing them, and the interpreter-mode switch."""
+"""Rendering templates to files, importing them, the interpreter-mode switch, and the macro file
+the templates share."""
 
 import os
 
@@ -6,7 +7,7 @@ import jinja2
 import pytest
 import torch
 
-from fuser.codegen import launch, render
+from fuser.codegen import attention, attention_kl, launch, render
 
 
 def test_strict_undefined_and_cache(tmp_path, monkeypatch):
@@ -62,3 +63,34 @@ def test_dot_precision_follows_torch(monkeypatch):
         assert launch.dot_precision(torch.bfloat16) == "ieee"
     finally:
         torch.set_float32_matmul_precision(old)
+
+
+def _macros(source: str) -> dict:
+    """Macro name -> its definition (name, parameters, defaults, body; no line numbers)."""
+    tree = render._env.parse(source)
+    return {m.name: repr(m) for m in tree.find_all(jinja2.nodes.Macro)}
+
+
+def test_templates_share_one_macro_file():
+    # the macros more than one template needs live in render.MACRO_FILE, imported (no copies)
+    shared = _macros((render.TEMPLATE_DIR / render.MACRO_FILE).read_text())
+    assert {"dot", "load_mask", "mask_bias"} <= set(shared)
+    kernels = sorted(render.TEMPLATE_DIR.glob("*.py.jinja"))
+    families = {attention.FWD_TEMPLATE, attention.BWD_TEMPLATE, attention_kl.FWD_TEMPLATE, attention_kl.BWD_TEMPLATE}
+    assert families <= {p.name for p in kernels}
+    seen: dict[str, str] = {}  # a macro's definition -> the first template defining it
+    copies = []
+    for path in kernels:
+        source = path.read_text()
+        imports = [n for n in render._env.parse(source).find_all((jinja2.nodes.FromImport, jinja2.nodes.Import))
+                   if n.template == jinja2.nodes.Const(render.MACRO_FILE)]
+        assert imports, f"{path.name} does not import {render.MACRO_FILE}"
+        # without context: a shared macro reads only its parameters, never the template's variables
+        assert not any(n.with_context for n in imports), path.name
+        own = _macros(source)
+        assert not set(own) & set(shared), f"{path.name} redefines {sorted(set(own) & set(shared))}"
+        for name, definition in own.items():
+            if definition in seen:
+                copies.append(f"{path.name} copies macro {name} of {seen[definition]}")
+            seen.setdefault(definition, path.name)
+    assert not copies, copies
