@@ -95,4 +95,11 @@ CASES = [
     Case("learned_temperature_q_written_inside", "a learned temperature, then q.mul_(2) between the softmax and "
          "P V: the scale applied to q saved q for its gradient, and the write broke the backward's trace",
          Spec(scale="param_temp", calls=((4, 4),), inplace=(("inside_late", "q", "mul_"),))),
+    # -- the oracle's own mistake, kept so it stays fixed: eager's log(softmax) is NaN (0 * log 0
+    #    on the visible keys, which a -100 fill outweighs by e^19900); the limit oracle replaced
+    #    the finite fill by -1e300 and so hid the keys that carry all the mass (fuser: 0, right)
+    Case("kl_limit_oracle_keeps_finite_fill", "attention-KL, log(softmax), scores ~-2e4 with padding filled "
+         "by -100: the limit must keep the fill",
+         Spec(pattern="attention_kl", batch=2, calls=((16, 40),), shift=-20000.0, mask="padding", fill="-100",
+              kl_spelling="kl_probs_log")),
 ]
