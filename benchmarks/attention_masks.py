@@ -304,9 +304,11 @@ def main(argv=None) -> int:
                     common.md_table(["mask", "N", "mode", *IMPLS, "floor", "fuser % floor", "vs best", "err", "plan"],
                                     rows)])
                 common.write_outputs(a.out, md, {"meta": meta, "args": {k: str(v) for k, v in vars(a).items()},
-                                                 "configs": data}, a.out_dir or None)
+                                                 "configs": data, "complete": False}, a.out_dir or None)
             del q, k, v, dout
             common.free_memory(device)
+    common.write_outputs(a.out, md, {"meta": meta, "args": {k: str(v) for k, v in vars(a).items()},
+                                     "configs": data, "complete": True}, a.out_dir or None)
     print(md)
     return 0
 

@@ -359,22 +359,43 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: Optio
 
 
 def write_outputs(md_path: Path, markdown: str, data: dict, copy_dir: Optional[str] = None) -> list[Path]:
-    """Write ``markdown`` to ``md_path`` and ``data`` as JSON beside it (same stem), and copy
-    both into ``copy_dir`` if given. Returns the paths written."""
+    """Write ``markdown`` to ``md_path`` and ``data`` as JSON beside it (same stem); when the
+    run is complete (``data["complete"]``, default true) also the plot ``<stem>.png``
+    (:mod:`plot`, if matplotlib is installed), linked from the markdown; copy them all into
+    ``copy_dir`` if given. Returns the paths written."""
     md_path = Path(md_path)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     json_path = md_path.with_suffix(".json")
-    md_path.write_text(markdown + "\n")
     json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    written = [md_path, json_path]
+    png = _plot(json_path) if data.get("complete", True) else None  # plotted once, at the end
+    if png is not None:
+        markdown += f"\n\n![median ms against N]({png.name})"
+    md_path.write_text(markdown + "\n")
+    written = [md_path, json_path] + ([png] if png is not None else [])
     if copy_dir:
         d = Path(copy_dir)
         d.mkdir(parents=True, exist_ok=True)
-        for p in (md_path, json_path):
+        for p in written[:]:
             if p.resolve() != (d / p.name).resolve():
                 shutil.copyfile(p, d / p.name)
                 written.append(d / p.name)
     return written
+
+
+def _plot(json_path: Path) -> Optional[Path]:
+    """The plot beside a results file (``benchmarks/plot.py``), or None: no per-N data, or no
+    matplotlib (``pip install -e ".[bench]"``), or a plotting error (reported, never fatal)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        from plot import plot_results
+
+        return plot_results(json_path)
+    except Exception as exc:  # noqa: BLE001 - a plot must not lose a benchmark's tables
+        print(f"plot of {json_path.name} failed: {exc!r}", file=sys.stderr)
+        return None
 
 
 def report(title: str, meta: dict, done: bool, notes: Sequence[str], legend: str, main: str,
