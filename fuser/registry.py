@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .pattern import Pattern
+from typing import Any
 
 log = logging.getLogger("fuser")
 
@@ -46,9 +43,10 @@ def planned() -> tuple[str, ...]:
     return tuple(getattr(_package(), "PLANNED", ()))
 
 
-def load(name: str) -> "Pattern | None":
-    """The ``PATTERN`` object of pattern ``name``, or None when its module fails to import
-    (a broken installation: warned once, the other patterns still work).
+def load(name: str) -> Any:
+    """The ``PATTERN`` object (a :class:`fuser.pattern.Pattern`) of pattern ``name``, or None
+    when its module fails to import (a broken installation: warned once, the other patterns
+    still work).
 
     Raises:
         KeyError: ``name`` is not an implemented pattern.
@@ -64,7 +62,7 @@ def load(name: str) -> "Pattern | None":
         return None
 
 
-def enabled(pattern_names) -> list["Pattern"]:
+def enabled(pattern_names) -> list:
     """The pattern objects of ``pattern_names`` (a subset of :func:`names`), in matching order,
     skipping any whose module failed to import."""
     wanted = set(pattern_names)
