@@ -10,8 +10,9 @@ the plans it offers the planner, and a float64 reference implementation.
 PATTERN_MODULES = {
     "attention": "fuser.patterns.attention",
     "attention_kl": "fuser.patterns.attention_kl",
+    "h2o": "fuser.patterns.h2o",
 }
 
 #: Patterns announced but not implemented yet: naming one in ``fuser.patterns`` or
 #: ``fuser.plan`` is an error that says so.
-PLANNED = ("h2o", "kda")
+PLANNED = ("kda",)

@@ -1,0 +1,269 @@
+"""The H2O pattern: column sums of attention probabilities, with or without ``P V``.
+
+H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models", NeurIPS 2023) and its relatives (kvpress' ObservedAttention, SnapKV) score the
+keys of a KV cache by ``score_j = Σ_i P_ij``, the sum over the query axis of the row softmax
+``P = softmax(scale · Q Kᵀ + mask)``, usually next to ``O = P V``. The softmax reduces rows and
+the score reduces columns, so one row-parallel kernel cannot finish both; the plan here is two
+kernels (``codegen/h2o.py``): the attention forward (O and the LSE), then a column-parallel
+kernel that recomputes ``P`` from the LSE and sums it (``docs/math.md``).
+
+What is matched (``view`` canonical ops): a softmax over the keys of scores that
+:func:`patterns.scores.analyze_scores` accepts (the same Q Kᵀ, scale, mask, causal and GQA
+spellings as attention), whose probabilities — through casts — are read by exactly one sum over
+the query axis (``P.sum(-2)``, ``P.sum(2)`` on ``[B, H, Nq, Nk]``) and at most one matmul
+``P @ V``. The region's outputs are named: ``"score"`` (the sum) and, when present, ``"out"``.
+
+Declined with a reason: P read by anything else; a sum over another axis (over the keys it is
+1); active dropout on P; gradients through the outputs (the op has no backward yet); finite
+fills, index predicates and additive masks (the column-sum kernel hides keys with ``-inf``
+only); scores of rank other than 4; ``P V`` with a permuted v or output.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fuser import costmodel as cm
+from fuser.codegen import launch
+from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
+from fuser.matcher import match
+from fuser.names import user_name
+from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
+from fuser.static import symint_value
+
+from . import h2o_ops  # noqa: F401  (registers torch.ops.fuser.h2o)
+from .masks import FLOATS, Decline, describe_mask
+from .scores import Emitter, analyze_scores, describe_scale, softmax_rule, ungroup, within
+
+SOFTMAX = softmax_rule()
+THROUGH = frozenset({"cast", "identity"})
+NEG_INF = float("-inf")
+
+
+class H2OPattern(Pattern):
+    """Attention probabilities summed over the query axis (H2O heavy-hitter scores)."""
+
+    name = "h2o"
+    plan_choices = {"impl": ("fuser", "inductor")}
+
+    def anchors(self, view: GraphView):
+        return [n for n in view.graph.nodes if view.op(n) == "softmax"]
+
+    # -- match ---------------------------------------------------------------------------
+    def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
+        view = ctx.view
+        found = self._readers(anchor, view)
+        if found is None:
+            return None
+        if isinstance(found, str):
+            return Rejection(self.name, found, location(anchor), anchor.name)
+        colsum, pv, passed = found
+        first: Optional[Rejection] = None
+        for b in match(SOFTMAX, anchor, view):
+            try:
+                return self._analyze(b, anchor, colsum, pv, passed, ctx)
+            except Decline as exc:
+                first = first or Rejection(self.name, str(exc), location(anchor), anchor.name)
+        return first
+
+    def _readers(self, p: fx.Node, view: GraphView):
+        """``(sum node, P V node or None, nodes passed through)`` when P is read by one sum over
+        the query axis and at most one matmul; None when no sum over the query axis reads P (not
+        H2O); a reason string when P is also used elsewhere."""
+        rank = ndim(p)
+        ends, passed = [], []
+        for r in view.readers(p):
+            x = r
+            chain = []
+            while view.op(x) in THROUGH and len(view.readers(x)) == 1:
+                chain.append(x)
+                x = view.readers(x)[0]
+            ends.append((x, chain))
+        sums = [(x, c) for x, c in ends if view.op(x) == "sum"]
+        query_sums = [(x, c) for x, c in sums
+                      if rank is not None and view.canon(x).attrs["dim"] == (rank - 2,)
+                      and not view.canon(x).attrs["keepdim"]]
+        if not query_sums:
+            if sums and rank is not None and any(view.canon(x).attrs["dim"] == (rank - 1,) for x, _ in sums):
+                return "P is summed over the keys (each row sums to 1), not over the queries"
+            return None
+        colsum, chain = query_sums[0]
+        passed += chain
+        others = [(x, c) for x, c in ends if x is not colsum]
+        pv = None
+        for x, c in others:
+            cx = view.canon(x)
+            if pv is None and cx is not None and cx.op == "matmul" and (c[-1] if c else p) is cx.args[0] \
+                    and cx.attrs.get("pa") is None:
+                pv = x
+                passed += c
+                continue
+            return (f"the attention weights P ('{p.name}') are also read by '{x.name}' ({location(x)}); "
+                    f"fusing the H2O scores would need P materialised")
+        if len(query_sums) > 1:
+            return f"P ('{p.name}') is summed over the queries more than once"
+        return colsum, pv, passed
+
+    def _analyze(self, b, anchor: fx.Node, colsum: fx.Node, pv: Optional[fx.Node], passed: list,
+                 ctx: MatchContext) -> Match:
+        view = ctx.view
+        sm = view.canon(anchor)
+        sc = analyze_scores(b, ctx)
+        rank = sc.rank
+        if rank != 4:
+            raise Decline(f"scores of rank {rank}; the H2O kernels take [B, H, Nq, Nk] scores")
+        if sm.attrs["dim"] != rank - 1:
+            raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
+        if sm.attrs["dtype"] not in (None, *FLOATS):
+            raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
+        for n in passed:
+            c = view.canon(n)
+            if c.op == "cast" and c.attrs["dtype"] not in FLOATS:
+                raise Decline(f"P is cast to {c.attrs['dtype']}")
+        if sc.pred is not None:
+            raise Decline("masks from indices other than causal are not supported by the H2O kernels yet")
+        if sc.mask_fill != NEG_INF or (sc.causal != "none" and sc.causal_fill != NEG_INF):
+            raise Decline("finite mask fills are not supported by the H2O kernels yet (-inf only)")
+        if sc.mask_kind == "additive":
+            raise Decline("additive masks are not supported by the H2O kernels yet")
+        outputs = {"score": colsum} if pv is None else {"out": pv, "score": colsum}
+        if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
+            raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "
+                          "(H2O scoring runs under torch.no_grad())")
+        q, k, group, v = sc.q, sc.k, 1, None
+        if pv is not None:
+            pv_c = view.canon(pv)
+            v = pv_c.args[1]
+            if pv_c.attrs.get("pb") is not None or pv_c.attrs.get("po") is not None:
+                raise Decline("P V with a permuted v or output (einsum layouts) is not supported by H2O yet")
+            if not is_tensor(v) or ndim(v) != rank:
+                raise Decline("v is not a tensor of the scores' rank")
+            if dtype(v) != sc.in_dtype:
+                raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {dtype(v)})")
+            if sc.group > 1:
+                v0, gv = ungroup(v, view)
+                if gv == sc.group:
+                    k, v, group = sc.k_ungrouped, v0, gv
+            if not within(shape(v)[-1], 1, 256):
+                raise Decline(f"value head dim {shape(v)[-1]} is outside 1..256")
+        elif sc.group > 1:
+            k, group = sc.k_ungrouped, sc.group
+        bindings = dict(q=q, k=k, v=v, q_p=sc.q_p, k_p=sc.k_p, factors=sc.factors, causal=sc.causal,
+                        mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group,
+                        rank=rank, in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, device=sc.device,
+                        score_dtype=dtype(colsum), out_dtype=dtype(pv) if pv is not None else None)
+        sq, sk = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p)
+        summary = {
+            "q": user_name(q), "k": user_name(k), "v": user_name(v) if v is not None else "-",
+            "scale": describe_scale(sc.factors), "causal": sc.causal, "mask": describe_mask(sc.mask_terms),
+            "gqa_group": group, "dtype": str(sc.in_dtype).replace("torch.", ""),
+            "shape": f"q{tuple(sq)} k{tuple(sk)}", "outputs": ", ".join(outputs),
+        }
+        if sc.buffers:
+            summary["assumes_constant"] = sorted(set(sc.buffers))
+        region = frozenset(b.region) | frozenset(passed) | set(outputs.values())
+        inputs = tuple(sc.inputs) + ((v,) if v is not None else ())
+        root = pv if pv is not None else colsum
+        return Match(self.name, root, region, bindings, summary, location(anchor), ctx.graph_index,
+                     inputs=inputs, outputs=outputs)
+
+    # -- planning ------------------------------------------------------------------------
+    def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
+        b = m.bindings
+        dev = b["device"]
+        sq = permuted(shape(b["q"]), b["q_p"])
+        sk = permuted(shape(b["k"]), b["k_p"])
+        subs = {cm.B: _int(sq[0]), cm.H: _int(sq[1]), cm.NQ: _int(sq[2]), cm.NK: _int(sk[2]), cm.D: _int(sq[3])}
+        dv = _int(shape(b["v"])[-1]) if b["v"] is not None else 0
+        pairs = cm.NQ * cm.NK
+        if b["causal"] != "none":
+            offset = 0 if b["causal"] == "top_left" else cm.NK - cm.NQ
+            pairs = cm.pairs_causal(cm.NQ, cm.NK, offset)
+        bh = cm.B * cm.H
+        elt = torch.finfo(b["in_dtype"]).bits // 8
+        model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+        kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
+        d = subs[cm.D]
+        # two kernels: Q Kᵀ twice (forward and the column pass), P V once; only q, k, v, out,
+        # the LSE and the score cross HBM
+        fuser_terms = {
+            "flops": bh * pairs * (4 * cm.D + 2 * dv),
+            "exps": 2 * bh * pairs,
+            "bytes": elt * bh * (2 * cm.NQ * cm.D + 2 * cm.NK * cm.D + cm.NQ * dv + cm.NK * dv) + 4 * bh * (cm.NQ + cm.NK),
+            "tiles": sympy.ceiling(cm.NQ / 128) * bh,
+            "launches": 2,
+        }
+        eff = cm.efficiency(EFFICIENCY, d)
+        out = [Candidate("fuser[two_kernel]", {"impl": "fuser"}, fuser_terms,
+                         cm.estimate_ms(fuser_terms, subs, model, kind, eff),
+                         "attention forward (O, LSE), then a column-parallel pass recomputing P from the LSE")]
+        if dev.type != "cpu":
+            ind_terms = {
+                "flops": bh * pairs * (2 * cm.D + 2 * dv),
+                "exps": bh * cm.NQ * cm.NK,
+                # scores written, read by the softmax, P written, read by the sum and by P V
+                "bytes": bh * cm.NQ * cm.NK * (4 + 4 + 4 + 4 + elt),
+                "launches": 5,
+            }
+            out.append(Candidate("inductor", {"impl": "inductor"}, ind_terms,
+                                 cm.estimate_ms(ind_terms, subs, model, kind, cm.efficiency(cm.EAGER_MATMUL, d)),
+                                 "left to Inductor: scores and P materialised"))
+        return out
+
+    def kernels(self, m: Match, plan: Candidate) -> list:
+        from fuser.codegen import attention, h2o
+
+        if plan.params.get("impl") != "fuser":
+            return []
+        b = m.bindings
+        ms = b["mask_shape"]
+        row = bool(ms is not None and (len(ms) < 2 or ms[-2] == 1))
+        interpret = b["device"].type == "cpu"
+        fwd = attention.fwd_kernel(causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
+                                   need_lse=True, interpret=interpret)
+        return [fwd, h2o.colsum_kernel(causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
+                                       interpret=interpret)]
+
+    # -- emission --------------------------------------------------------------------------
+    def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> dict:
+        b = m.bindings
+        if plan.params.get("impl") != "fuser":
+            raise ValueError(f"h2o plan {plan.name} emits nothing")
+        e = Emitter(graph, b["rank"], b["compute_dtype"])
+        with graph.inserting_before(m.insertion_point):
+            dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
+            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
+            k = e.operand(b["k"], b["k_p"], b["in_dtype"])
+            v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
+            mask = e.mask(b["mask_terms"], b["mask_shape"])
+            op = e.node("call_function", torch.ops.fuser.h2o.default,
+                        (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], v is not None))
+            score = e.node("call_function", operator.getitem, (op, 1))
+            if b["score_dtype"] != torch.float32:
+                score = e.node("call_method", "to", (score, b["score_dtype"]))
+            new = {"score": score}
+            if v is not None:
+                out = e.node("call_function", operator.getitem, (op, 0))
+                if b["out_dtype"] != b["compute_dtype"]:
+                    out = e.node("call_method", "to", (out, b["out_dtype"]))
+                new["out"] = out
+        return new
+
+
+# Fraction of the matrix-unit peak the two H2O kernels reach, by head-dim bucket (<=64, <=128,
+# <=256). NOT MEASURED: taken as the attention forward's (patterns/attention_plans.py) until
+# benchmarks/h2o.py measures them on the H100.
+EFFICIENCY = (0.50, 0.60, 0.38)
+
+
+def _int(x) -> int:
+    return int(symint_value(x))
+
+
+PATTERN = H2OPattern()
