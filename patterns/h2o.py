@@ -77,7 +77,12 @@ class H2OPattern(Pattern):
         the query axis and at most one matmul; None when no sum over the query axis reads P (not
         H2O); a reason string when P is also used elsewhere."""
         rank = ndim(p)
-        ends, passed = [], []
+        passed = []
+        # casts before P branches (a float32 softmax cast back to the input dtype)
+        while len(view.readers(p)) == 1 and view.op(view.readers(p)[0]) in THROUGH:
+            p = view.readers(p)[0]
+            passed.append(p)
+        ends = []
         for r in view.readers(p):
             x = r
             chain = []

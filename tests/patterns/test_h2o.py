@@ -1,0 +1,145 @@
+"""The H2O pattern: spellings matched with their bindings, near-misses declined with their
+reasons, and compiled results against float64 eager (CPU, Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from fuser import testing
+
+B, H, N, D = 1, 4, 37, 16
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, N, D, generator=g) for _ in range(3))
+
+
+def _rep_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def scores_and_out(q, k, v):
+    p = torch.softmax(q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5), dim=-1)
+    return p @ v, p.sum(-2)
+
+
+def score_only(q, k):
+    # a prefill eviction scorer: no P V
+    p = F.softmax(torch.matmul(q, k.transpose(2, 3)) / 4.0, dim=-1)
+    return p.sum(dim=2)
+
+
+def causal_fp32_softmax(q, k, v):
+    # the HF eager spelling patched the H2O way: fp32 softmax cast back, then the column sum
+    n = q.size(-2)
+    s = q @ k.transpose(-2, -1) * 0.25
+    s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool, device=s.device), 1), float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return p @ v, p.sum(-2)
+
+
+def padding(q, k, v, keep):
+    s = (q @ k.transpose(-2, -1)) * 0.25
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+    return p @ v, p.sum(-2)
+
+
+def gqa(q, k, v):
+    k2, v2 = _rep_kv(k[:, :2], 2), _rep_kv(v[:, :2], 2)
+    p = torch.softmax(q @ k2.transpose(-2, -1) * 0.25, -1)
+    return p @ v2, p.sum(-2)
+
+
+def gated(q, k, v, w):
+    # the score is used before P V is computed: the replacement goes before that reader
+    p = torch.softmax(q @ k.mT * 0.25, -1)
+    score = p.sum(-2) * w
+    return p @ v, score
+
+
+def _keep():
+    keep = torch.ones(B, 1, 1, N, dtype=torch.bool)
+    keep[..., N - 9:] = False
+    return keep
+
+
+CASES = [
+    ("scores_and_out", scores_and_out, lambda q, k, v: (q, k, v), dict(outputs="out, score")),
+    ("score_only", score_only, lambda q, k, v: (q, k), dict(outputs="score", scale=0.25)),
+    ("causal_fp32_softmax", causal_fp32_softmax, lambda q, k, v: (q, k, v), dict(causal="top_left")),
+    ("padding", padding, lambda q, k, v: (q, k, v, _keep()), dict(mask="bool_drop")),
+    ("gqa", gqa, lambda q, k, v: (q, k, v), dict(gqa_group=2)),
+    ("gated", gated, lambda q, k, v: (q, k, v, torch.randn(B, H, N)), {}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_spellings_fuse_and_match_eager(case, qkv):
+    _, fn, make, expected = case
+    args = make(*qkv)
+    with torch.no_grad():
+        testing.assert_fuses(fn, *args, pattern="h2o", **{k: v for k, v in expected.items() if k != "mask"})
+        rep = fuser.explain(fn, *args)
+        # attention declined the softmax (P also feeds the sum); the report shows the H2O match only
+        assert [m.pattern for m in rep.matches] == ["h2o"] and not rep.rejected
+        if "mask" in expected:
+            assert expected["mask"] in rep.matches[0].summary["mask"]
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="fuser")(*args)
+        want = fn(*[a.double() if a.is_floating_point() else a for a in args])
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want):
+        assert g.dtype == (torch.float32 if w.dtype == torch.float64 else w.dtype)
+        torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+
+
+def test_a_new_length_does_not_recompile(qkv):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = qkv
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(scores_and_out, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for n in (29, 45):
+            x = [t[:, :, :n].contiguous() for t in (q, k, v)] if n <= N else [torch.randn(B, H, n, D) for _ in range(3)]
+            for g, w in zip(c(*x), scores_and_out(*[t.double() for t in x])):
+                torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+
+
+def test_declines_with_reasons(qkv):
+    q, k, v = qkv
+
+    def p_returned(q, k, v):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        return p @ v, p.sum(-2), p
+
+    def key_sum(q, k):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        return p.sum(-1)
+
+    with torch.no_grad():
+        testing.assert_declines(p_returned, q, k, v, pattern="h2o", reason="also read by")
+        testing.assert_declines(key_sum, q, k, pattern="h2o", reason="summed over the keys")
+    # gradients through the outputs: the op has no backward yet
+    qg = q.clone().requires_grad_()
+    testing.assert_declines(scores_and_out, qg, k, v, pattern="h2o", reason="need gradients")
+
+
+def test_fp16_close_to_float64(qkv):
+    q, k, v = (t.half() for t in qkv)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(causal_fp32_softmax, backend="fuser")(q, k, v)
+        want = causal_fp32_softmax(*(t.double() for t in (q, k, v)))
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g.double(), w, rtol=2e-3, atol=2e-3)
