@@ -7,7 +7,7 @@ import jinja2
 import pytest
 import torch
 
-from fuser.codegen import attention, attention_kl, launch, render
+from fuser.codegen import attention, attention_kl, h2o, launch, render
 
 
 def test_strict_undefined_and_cache(tmp_path, monkeypatch):
@@ -76,7 +76,8 @@ def test_templates_share_one_macro_file():
     shared = _macros((render.TEMPLATE_DIR / render.MACRO_FILE).read_text())
     assert {"dot", "load_mask", "mask_bias"} <= set(shared)
     kernels = sorted(render.TEMPLATE_DIR.glob("*.py.jinja"))
-    families = {attention.FWD_TEMPLATE, attention.BWD_TEMPLATE, attention_kl.FWD_TEMPLATE, attention_kl.BWD_TEMPLATE}
+    families = {attention.FWD_TEMPLATE, attention.BWD_TEMPLATE, attention_kl.FWD_TEMPLATE, attention_kl.BWD_TEMPLATE,
+                h2o.TEMPLATE}
     assert families <= {p.name for p in kernels}
     seen: dict[str, str] = {}  # a macro's definition -> the first template defining it
     copies = []
