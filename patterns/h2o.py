@@ -15,9 +15,9 @@ the query axis (``P.sum(-2)``, ``P.sum(2)`` on ``[B, H, Nq, Nk]``) and at most o
 ``P @ V``. The region's outputs are named: ``"score"`` (the sum) and, when present, ``"out"``.
 
 Declined with a reason: P read by anything else; a sum over another axis (over the keys it is
-1); active dropout on P; gradients through the outputs (the op has no backward yet); finite
-fills, index predicates and additive masks (the column-sum kernel hides keys with ``-inf``
-only); scores of rank other than 4; ``P V`` with a permuted v or output.
+1); gradients through the outputs (the op has no backward yet); finite fills and index
+predicates (the column-sum kernel hides keys with ``-inf`` or adds a mask tensor); scores of
+rank other than 4; ``P V`` with a permuted v or output.
 """
 
 from __future__ import annotations
@@ -135,8 +135,6 @@ class H2OPattern(Pattern):
             raise Decline("masks from indices other than causal are not supported by the H2O kernels yet")
         if sc.mask_fill != NEG_INF or (sc.causal != "none" and sc.causal_fill != NEG_INF):
             raise Decline("finite mask fills are not supported by the H2O kernels yet (-inf only)")
-        if sc.mask_kind == "additive":
-            raise Decline("additive masks are not supported by the H2O kernels yet")
         outputs = {"score": colsum} if pv is None else {"out": pv, "score": colsum}
         if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
             raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "

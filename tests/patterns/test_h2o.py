@@ -50,6 +50,18 @@ def padding(q, k, v, keep):
     return p @ v, p.sum(-2)
 
 
+def additive_padding(q, k, v, bias):
+    # transformers' eager path: a float mask with finfo.min on padded keys, added to the scores
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, -1)
+    return p @ v, p.sum(-2)
+
+
+def _bias():
+    bias = torch.zeros(B, 1, 1, N)
+    bias[..., N - 9:] = torch.finfo(torch.float32).min
+    return bias
+
+
 def gqa(q, k, v):
     k2, v2 = _rep_kv(k[:, :2], 2), _rep_kv(v[:, :2], 2)
     p = torch.softmax(q @ k2.transpose(-2, -1) * 0.25, -1)
@@ -74,6 +86,7 @@ CASES = [
     ("score_only", score_only, lambda q, k, v: (q, k), dict(outputs="score", scale=0.25)),
     ("causal_fp32_softmax", causal_fp32_softmax, lambda q, k, v: (q, k, v), dict(causal="top_left")),
     ("padding", padding, lambda q, k, v: (q, k, v, _keep()), dict(mask="bool_drop")),
+    ("additive_padding", additive_padding, lambda q, k, v: (q, k, v, _bias()), dict(mask="additive")),
     ("gqa", gqa, lambda q, k, v: (q, k, v), dict(gqa_group=2)),
     ("gated", gated, lambda q, k, v: (q, k, v, torch.randn(B, H, N)), {}),
 ]
