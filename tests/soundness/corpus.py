@@ -95,6 +95,9 @@ CASES = [
     Case("learned_temperature_q_written_inside", "a learned temperature, then q.mul_(2) between the softmax and "
          "P V: the scale applied to q saved q for its gradient, and the write broke the backward's trace",
          Spec(scale="param_temp", calls=((4, 4),), inplace=(("inside_late", "q", "mul_"),))),
+    Case("nomax_softmax_row_underflows", "exp(s) / exp(s).sum() with a row filled by -3e4: eager 0/0 = NaN, fuser "
+         "the softmax's value (documented); the oracle subtracts the max there",
+         Spec(calls=((2, 2),), softmax="hand_nomax", mask="data_bool", fill="-3e4", empty_row=True)),
     # -- the oracle's own mistake, kept so it stays fixed: eager's log(softmax) is NaN (0 * log 0
     #    on the visible keys, which a -100 fill outweighs by e^19900); the limit oracle replaced
     #    the finite fill by -1e300 and so hid the keys that carry all the mass (fuser: 0, right)

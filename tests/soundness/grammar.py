@@ -517,18 +517,22 @@ class Program:
     documented_fill: bool
     mask_buffer: bool
 
-    def variant(self, fill: Optional[str] = None, stable: bool = False) -> "Program":
+    def variant(self, fill: Optional[str] = None, stable: bool = False, with_max: bool = False) -> "Program":
         """The program as the runner's float64 oracles run it: a softmax pinned to float32
         (``dtype=torch.float32``, ``.float()``) is written without the pin (the same function,
         in float64). With ``fill``, every mask fill is replaced by it (``"-inf"`` finds fully
         hidden rows, ``"-1e300"`` gives eager's finite limit). With ``stable``, attention-KL's
         ``log(softmax(s))`` is written ``log_softmax(s)``: the same function, without eager's
-        ``0 * log(0) = NaN`` where a probability underflows."""
+        ``0 * log(0) = NaN`` where a probability underflows. With ``with_max``, a hand-written
+        softmax without the max (``exp(s) / exp(s).sum()``) subtracts it: the same function,
+        without eager's ``0 / 0`` where every ``exp`` of a row underflows."""
         spec = dataclasses.replace(self.spec, softmax=GENERIC_SOFTMAX.get(self.spec.softmax, self.spec.softmax))
         if fill is not None and spec.mask != "none":
             spec = dataclasses.replace(spec, fill=fill)
         if stable:
             spec = dataclasses.replace(spec, kl_spelling=STABLE_KL.get(spec.kl_spelling, spec.kl_spelling))
+        if with_max and spec.softmax == "hand_nomax":
+            spec = dataclasses.replace(spec, softmax="hand_max")
         return render(spec, _normalize=False)
 
 
