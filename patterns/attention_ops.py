@@ -236,13 +236,26 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mask_fill, causal_fill, causal_fill_mode,
      pred, pred_consts, pred_fill, pred_fill_mode) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask)
+    # Save only what the backward needs: dV = Pᵀ dO needs q, k and the statistics (P is
+    # recomputed), not v or out; those (dP = dO vᵀ, delta = rowsum(dO ∘ out)) serve dQ and dK only.
+    dv_only = not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+    ctx.placeholders = ((tuple(v.shape), v.dtype), (tuple(out.shape), out.dtype)) if dv_only else None
+    if dv_only:
+        ctx.save_for_backward(q, k, None, None, lse, mask)
+    else:
+        ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.params = (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode,
                   pred, list(pred_consts), pred_fill, pred_fill_mode)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask = ctx.saved_tensors
+    if ctx.placeholders is not None:
+        # dV only: the kernels take v and out operands but read neither for dV (their values
+        # reach dQ and dK alone); zeros of the right shape stand in for them
+        (v_shape, v_dtype), (out_shape, out_dtype) = ctx.placeholders
+        v = q.new_zeros(v_shape, dtype=v_dtype)
+        out = q.new_zeros(out_shape, dtype=out_dtype)
     (scale, causal, mask_kind, plan, mask_fill, causal_fill, causal_fill_mode,
      pred, pred_consts, pred_fill, pred_fill_mode) = ctx.params
     needs = [bool(x) for x in ctx.needs_input_grad[:3]]

@@ -129,3 +129,30 @@ def test_predicate_with_causal_is_rejected():
     with pytest.raises(ValueError):
         torch.ops.fuser.attention(q, k, v, None, 0.25, "top_left", "none", True, PLAN,
                                   *_fills(pred=(WINDOW, [0, 3], NEG_INF, "replace")))
+
+
+@pytest.mark.parametrize("needs", [(False, False, True), (True, False, True), (False, True, False)])
+def test_saves_only_what_the_backward_needs(needs):
+    # dV alone needs q, k and the statistics (P is recomputed), not v or out; gradients as before
+    from fuser.patterns.attention_reference import reference
+
+    q, k, v = (t.detach().requires_grad_(n) for t, n in zip(_qkv(False, requires_grad=False), needs))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, lse = torch.ops.fuser.attention(q, k, v, None, 0.25, "top_left", "none", True, PLAN, *HIDE)
+    kept = {id(t) for t in saved}
+    assert (id(v) in kept) == (needs[0] or needs[1]) and (id(out) in kept) == (needs[0] or needs[1])
+    assert id(q) in kept and id(k) in kept
+    dout = torch.randn_like(out)
+    leaves = [t for t, n in zip((q, k, v), needs) if n]
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+    want_out, _ = reference(*ref_leaves, scale=0.25, causal="top_left")
+    want = torch.autograd.grad(want_out, [t for t in ref_leaves if t.requires_grad], dout.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
