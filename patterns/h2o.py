@@ -11,13 +11,14 @@ kernel that recomputes ``P`` from the LSE and sums it (``docs/math.md``).
 What is matched (``view`` canonical ops): a softmax over the keys of scores that
 :func:`patterns.scores.analyze_scores` accepts (the same Q Kᵀ, scale, mask, causal and GQA
 spellings as attention), whose probabilities — through casts — are read by exactly one sum over
-the query axis (``P.sum(-2)``, ``P.sum(2)`` on ``[B, H, Nq, Nk]``) and at most one matmul
+the query axis (``P.sum(-2)``, ``P.sum(2)`` on ``[B, H, Nq, Nk]``, ``torch.sum(P, 1)`` on
+``[B·H, Nq, Nk]``) and at most one matmul
 ``P @ V``. The region's outputs are named: ``"score"`` (the sum) and, when present, ``"out"``.
 
 Declined with a reason: P read by anything else; a sum over another axis (over the keys it is
 1); gradients through the outputs (the op has no backward yet); finite fills and index
 predicates (the column-sum kernel hides keys with ``-inf`` or adds a mask tensor); scores of
-rank other than 4; ``P V`` with a permuted v or output.
+rank other than 3 (``[B·H, Nq, Nk]``, FlexGen/OPT) or 4; ``P V`` with a permuted v or output.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class H2OPattern(Pattern):
         sm = view.canon(anchor)
         sc = analyze_scores(b, ctx)
         rank = sc.rank
-        if rank != 4:
-            raise Decline(f"scores of rank {rank}; the H2O kernels take [B, H, Nq, Nk] scores")
+        if rank not in (3, 4):
+            raise Decline(f"scores of rank {rank}; the H2O kernels take [B, H, Nq, Nk] or [B·H, Nq, Nk] scores")
         if sm.attrs["dim"] != rank - 1:
             raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
         if sm.attrs["dtype"] not in (None, *FLOATS):
@@ -180,8 +181,9 @@ class H2OPattern(Pattern):
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
         b = m.bindings
         dev = b["device"]
-        sq = permuted(shape(b["q"]), b["q_p"])
-        sk = permuted(shape(b["k"]), b["k_p"])
+        lead = (1,) * (4 - b["rank"])  # [B·H, N, D] operands: B = 1
+        sq = lead + tuple(permuted(shape(b["q"]), b["q_p"]))
+        sk = lead + tuple(permuted(shape(b["k"]), b["k_p"]))
         subs = {cm.B: _int(sq[0]), cm.H: _int(sq[1]), cm.NQ: _int(sq[2]), cm.NK: _int(sk[2]), cm.D: _int(sq[3])}
         dv = _int(shape(b["v"])[-1]) if b["v"] is not None else 0
         pairs = cm.NQ * cm.NK
@@ -247,12 +249,12 @@ class H2OPattern(Pattern):
             mask = e.mask(b["mask_terms"], b["mask_shape"])
             op = e.node("call_function", torch.ops.fuser.h2o.default,
                         (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], v is not None))
-            score = e.node("call_function", operator.getitem, (op, 1))
+            score = e.unrank(e.node("call_function", operator.getitem, (op, 1)))
             if b["score_dtype"] != torch.float32:
                 score = e.node("call_method", "to", (score, b["score_dtype"]))
             new = {"score": score}
             if v is not None:
-                out = e.node("call_function", operator.getitem, (op, 0))
+                out = e.unrank(e.node("call_function", operator.getitem, (op, 0)))
                 if b["out_dtype"] != b["compute_dtype"]:
                     out = e.node("call_method", "to", (out, b["out_dtype"]))
                 new["out"] = out

@@ -62,6 +62,13 @@ def _bias():
     return bias
 
 
+def bmm_layout(q, k, v):
+    # FlexGen/OPT: [B·H, N, D] operands through bmm, the score summed with torch.sum(P, 1)
+    q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))
+    p = torch.softmax(torch.bmm(q3, k3.transpose(1, 2)) * 0.25, dim=-1)
+    return torch.bmm(p, v3), torch.sum(p, 1)
+
+
 def gqa(q, k, v):
     k2, v2 = _rep_kv(k[:, :2], 2), _rep_kv(v[:, :2], 2)
     p = torch.softmax(q @ k2.transpose(-2, -1) * 0.25, -1)
@@ -88,6 +95,7 @@ CASES = [
     ("padding", padding, lambda q, k, v: (q, k, v, _keep()), dict(mask="bool_drop")),
     ("additive_padding", additive_padding, lambda q, k, v: (q, k, v, _bias()), dict(mask="additive")),
     ("gqa", gqa, lambda q, k, v: (q, k, v), dict(gqa_group=2)),
+    ("bmm_layout", bmm_layout, lambda q, k, v: (q, k, v), dict(outputs="out, score")),
     ("gated", gated, lambda q, k, v: (q, k, v, torch.randn(B, H, N)), {}),
 ]
 
