@@ -332,39 +332,6 @@ def make_runner(fn: Callable, mode: str, q, k, v, grad_out) -> Callable[[], tupl
     return run_fwdbwd
 
 
-def rel_err(got: tuple, ref: tuple) -> float:
-    """Worst ‖a − b‖ / ‖b‖ (fp32) over the tensors; NaN if any is not finite."""
-    import torch
-
-    worst = 0.0
-    for a, b in zip(got, ref):
-        num = torch.linalg.vector_norm(a.float() - b.float()).item()
-        den = torch.linalg.vector_norm(b.float()).item()
-        e = num / max(den, 1e-30)
-        if not math.isfinite(e):
-            return float("nan")
-        worst = max(worst, e)
-    return worst
-
-
-def describe_fuser(report) -> str:
-    """``fused: <plan>`` / ``NOT fused: <reason>`` from a fuser report."""
-    if report is None:
-        return ""
-    try:
-        if report.fused:
-            plans = sorted({m.plan.name if m.plan else "?" for m in report.fused})
-            return "fused: " + ", ".join(plans)
-        if report.matches:
-            m = report.matches[0]
-            return f"NOT fused (planner: {m.plan.name if m.plan else '-'}: {m.reason})"
-        if report.rejected:
-            return f"NOT fused (rejected: {report.rejected[0].reason})"
-        return "NOT fused (no attention match)" if report.graphs else ""
-    except Exception as exc:  # noqa: BLE001
-        return f"(report unreadable: {exc})"
-
-
 def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: str, seed: int,
                state: dict) -> dict[str, dict]:
     """Measure every impl on one configuration; returns impl -> result record."""
@@ -404,7 +371,7 @@ def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: s
                 ref["out"] = out
                 return 0.0
             r = reference()
-            return None if r is None else rel_err(out, r)
+            return None if r is None else common.rel_err(out, r)
 
         collector = common.fuser_collector() if impl in SUBJECTS else None
         try:
@@ -417,7 +384,7 @@ def run_config(args, cfg: Config, variants: dict[str, Variant], dtype, device: s
         m = common.measure(runner, device, args.warmup, args.rep, check=check,
                            on_first=collector)
         if impl in SUBJECTS and m.first_context is not None:
-            desc = describe_fuser(m.first_context)
+            desc = common.describe_fuser(m.first_context)
             if desc:
                 var.note = desc
             rec["note"] = var.note

@@ -39,7 +39,6 @@ did (``fused: <plan>`` or why not). Results: ``benchmarks/results/attention_mask
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -152,20 +151,6 @@ def flex_available() -> Optional[str]:
     return None
 
 
-def describe_fuser(report) -> str:
-    """``fused: <plan>`` or ``NOT fused (...)`` from a fuser report."""
-    if report is None:
-        return ""
-    if report.fused:
-        return "fused: " + ", ".join(sorted({m.plan.name if m.plan else "?" for m in report.fused}))
-    if report.matches:
-        m = report.matches[0]
-        return f"NOT fused (planner: {m.plan.name if m.plan else '-'}: {m.reason})"
-    if report.rejected:
-        return f"NOT fused (rejected: {report.rejected[0].reason})"
-    return "NOT fused (no attention match)"
-
-
 # --------------------------------------------------------------------------------------------
 # measuring
 # --------------------------------------------------------------------------------------------
@@ -209,16 +194,6 @@ def runner(fn: Callable, mode: str, q, k, v, dout) -> Callable[[], Any]:
         out = fn(q, k, v)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
     return run
-
-
-def rel_err(got, want) -> float:
-    import torch
-
-    worst = 0.0
-    for x, y in zip(got, want):
-        e = (torch.linalg.vector_norm(x.float() - y.float()) / torch.linalg.vector_norm(y.float()).clamp_min(1e-30)).item()
-        worst = max(worst, e if math.isfinite(e) else float("inf"))
-    return worst
 
 
 def main(argv=None) -> int:
@@ -272,11 +247,11 @@ def main(argv=None) -> int:
                     except Exception as exc:  # noqa: BLE001
                         rec.update(status=common.short_error(exc), note=common.describe_error(exc))
                         continue
-                    chk = (lambda out: rel_err(out, ref)) if ref is not None else None
+                    chk = (lambda out: common.rel_err(out, ref)) if ref is not None else None
                     m = common.measure(runner(fn, mode, q, k, v, dout), device, a.warmup, a.rep, check=chk,
                                        on_first=collecting if impl == "fuser" else None)
                     rec.update(status=m.status, ms=m.ms, err=m.check, first_call_s=m.first_call_s,
-                               note=describe_fuser(m.first_context) if impl == "fuser" else (m.error or ""))
+                               note=common.describe_fuser(m.first_context) if impl == "fuser" else (m.error or ""))
                     if m.error:
                         rec["note"] = m.error[:300]
                     print(f"  {mask:<9} N={n:<6} {mode:<6} {impl:<8} "

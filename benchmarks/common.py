@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import shlex
@@ -466,3 +467,36 @@ def fuser_collector():
         return collecting
     except Exception:  # noqa: BLE001
         return None
+
+
+def rel_err(got: tuple, ref: tuple) -> float:
+    """Worst ‖a − b‖ / ‖b‖ (fp32) over the tensors; NaN if any is not finite."""
+    import torch
+
+    worst = 0.0
+    for a, b in zip(got, ref):
+        num = torch.linalg.vector_norm(a.float() - b.float()).item()
+        den = torch.linalg.vector_norm(b.float()).item()
+        e = num / max(den, 1e-30)
+        if not math.isfinite(e):
+            return float("nan")
+        worst = max(worst, e)
+    return worst
+
+
+def describe_fuser(report) -> str:
+    """``fused: <plan>`` / ``NOT fused: <reason>`` from a fuser report."""
+    if report is None:
+        return ""
+    try:
+        if report.fused:
+            plans = sorted({m.plan.name if m.plan else "?" for m in report.fused})
+            return "fused: " + ", ".join(plans)
+        if report.matches:
+            m = report.matches[0]
+            return f"NOT fused (planner: {m.plan.name if m.plan else '-'}: {m.reason})"
+        if report.rejected:
+            return f"NOT fused (rejected: {report.rejected[0].reason})"
+        return "NOT fused (no attention match)" if report.graphs else ""
+    except Exception as exc:  # noqa: BLE001
+        return f"(report unreadable: {exc})"
