@@ -24,7 +24,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 from .masks import FLOATS, Decline, describe_mask
-from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, softmax_rule, ungroup, within
+from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, kv_heads, softmax_rule, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
@@ -143,13 +143,8 @@ class AttentionPattern(Pattern):
             raise Decline("v is not a tensor")
         if ndim(v) != rank:
             raise Decline(f"v has rank {ndim(v)}, the scores {rank} (broadcast matmul)")
-        q, k, group = sc.q, sc.k, 1
-        if sc.k_ungrouped is sc.k and sc.group > 1:  # SDPA's enable_gqa: k and v come un-repeated
-            group = sc.group
-        elif rank == 4 and v_p is None and sc.group > 1:
-            v0, gv = ungroup(v, view)
-            if gv == sc.group:  # k and v repeated alike: read the un-repeated heads
-                k, v, group = sc.k_ungrouped, v0, gv
+        q = sc.q
+        k, v, group = kv_heads(sc, v, v_p, view)
         if dtype(v) != sc.in_dtype:
             raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {sc.in_dtype}, {dtype(v)})")
         sq, sk, sv = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p), permuted(shape(v), v_p)

@@ -40,7 +40,7 @@ from fuser.static import symint_value
 
 from . import h2o_ops  # noqa: F401  (registers torch.ops.fuser.h2o)
 from .masks import FLOATS, Decline, describe_mask
-from .scores import Emitter, analyze_scores, describe_scale, softmax_rule, ungroup, within
+from .scores import Emitter, analyze_scores, describe_scale, kv_heads, softmax_rule, within
 
 SOFTMAX = softmax_rule()
 THROUGH = frozenset({"cast", "identity"})
@@ -140,7 +140,7 @@ class H2OPattern(Pattern):
         if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
             raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "
                           "(H2O scoring runs under torch.no_grad())")
-        q, k, group, v = sc.q, sc.k, 1, None
+        q, v = sc.q, None
         if pv is not None:
             pv_c = view.canon(pv)
             v = pv_c.args[1]
@@ -150,14 +150,9 @@ class H2OPattern(Pattern):
                 raise Decline("v is not a tensor of the scores' rank")
             if dtype(v) != sc.in_dtype:
                 raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {dtype(v)})")
-            if sc.group > 1:
-                v0, gv = ungroup(v, view)
-                if gv == sc.group:
-                    k, v, group = sc.k_ungrouped, v0, gv
             if not within(shape(v)[-1], 1, 256):
                 raise Decline(f"value head dim {shape(v)[-1]} is outside 1..256")
-        elif sc.group > 1:
-            k, group = sc.k_ungrouped, sc.group
+        k, v, group = kv_heads(sc, v, None, view)
         bindings = dict(q=q, k=k, v=v, q_p=sc.q_p, k_p=sc.k_p, factors=sc.factors, causal=sc.causal,
                         mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group,
                         rank=rank, in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, device=sc.device,

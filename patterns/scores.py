@@ -127,6 +127,22 @@ def strip_scale(x: Any, view: GraphView, ctx: MatchContext, factors: list) -> An
     return x
 
 
+def kv_heads(sc: "Scores", v: Any, v_p: Optional[tuple], view: GraphView) -> tuple[Any, Any, int]:
+    """``(k, v, group)`` for the kernels: the un-repeated k (and v) and the GQA group when the
+    program repeated the kv heads (``repeat_kv``, ``repeat_interleave``) — k and v alike, or k
+    alone when there is no v (a score without ``P V``) — or SDPA's ``enable_gqa`` passed them
+    un-repeated; else ``(sc.k, v, 1)``."""
+    if sc.k_ungrouped is sc.k and sc.group > 1:  # SDPA's enable_gqa: k and v come un-repeated
+        return sc.k, v, sc.group
+    if sc.rank == 4 and v_p is None and sc.group > 1:
+        if v is None:
+            return sc.k_ungrouped, None, sc.group
+        v0, gv = ungroup(v, view)
+        if gv == sc.group:  # k and v repeated alike: read the un-repeated heads
+            return sc.k_ungrouped, v0, gv
+    return sc.k, v, 1
+
+
 def ungroup(x: Any, view: GraphView) -> tuple[Any, int]:
     """Undo a GQA head repeat of a ``[B, Hkv·g, N, D]`` operand: ``repeat_kv`` (unsqueeze,
     expand, reshape) or ``repeat_interleave(g, dim=1)``. Returns (pre-repeat tensor, g)."""
