@@ -164,3 +164,69 @@ def test_fp16_close_to_float64(qkv):
     for g, w in zip(got, want):
         assert g.dtype == torch.float16
         torch.testing.assert_close(g.double(), w, rtol=2e-3, atol=2e-3)
+
+
+def _compiled_vs_eager(fn, *args, grad_leaves=()):
+    """Run ``fn`` compiled with fuser and in float64 eager on copies of ``args``; compare
+    outputs (and gradients of ``grad_leaves``, indices into args) and return fuser's report."""
+    torch._dynamo.reset()
+    rep = fuser.explain(fn, *[a.detach().clone().requires_grad_(a.requires_grad) for a in args])
+    torch._dynamo.reset()
+    mine = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    ref = [a.detach().double().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
+    got, want = torch.compile(fn, backend="fuser")(*mine), fn(*ref)
+    for g, w in zip(got, want):
+        assert g.requires_grad == w.requires_grad
+        torch.testing.assert_close(g.detach().double(), w.detach(), rtol=2e-5, atol=2e-5)
+    for i in grad_leaves:
+        gg = torch.autograd.grad(sum(x.sum() for x in got if x.requires_grad), mine[i], retain_graph=True)[0]
+        gw = torch.autograd.grad(sum(x.sum() for x in want if x.requires_grad), ref[i])[0]
+        torch.testing.assert_close(gg.double(), gw, rtol=1e-4, atol=1e-4)
+    return rep
+
+
+def test_in_place_write_between_a_score_reader_and_pv(qkv):
+    # v written after the score is read and before P V: eager's P V sees the new v. The
+    # replacement would have to go before the score's reader, where the new v does not exist yet:
+    # declined, and the program runs as written.
+    q, k, v = qkv
+
+    def fn(q, k, v, w):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        gated = p.sum(-2) * w
+        v.add_(1.0)
+        return p @ v, gated
+
+    with torch.no_grad():
+        rep = _compiled_vs_eager(fn, q, k, v, torch.randn(B, H, N))
+    assert not rep.matches
+    assert any(r.pattern == "h2o" and "before one of its inputs" in r.reason for r in rep.rejected)
+
+
+def test_in_place_write_to_k_after_the_scores(qkv):
+    # k written after the scores, before the sum: the fused op must read k as the program did
+    q, k, v = qkv
+
+    def fn(q, k, v):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        k.mul_(2.0)
+        return p @ v, p.sum(-2)
+
+    with torch.no_grad():
+        _compiled_vs_eager(fn, q, k, v)
+
+
+def test_no_grad_block_inside_a_training_program(qkv):
+    # q needs a gradient, but the H2O scores are computed under torch.no_grad(), as H2O does
+    # during training with eviction: no gradient flows through them, in eager or in fuser
+    q, k, v = qkv
+
+    def fn(q, k, v):
+        out = q * 2.0
+        with torch.no_grad():
+            p = torch.softmax(q @ k.mT * 0.25, -1)
+            score = p.sum(-2)
+        return out, score
+
+    rep = _compiled_vs_eager(fn, q.clone().requires_grad_(), k, v, grad_leaves=(0,))
+    assert [m.pattern for m in rep.matches] == ["h2o"]
