@@ -1176,6 +1176,23 @@ GPU_CASES = [
 ]
 
 
+def _check_gpu_backward(g, q1, k1, q2, k2, stats1, stats2, delta, ref_grads, tol, kw):
+    """Both backward modes, trainable and frozen teacher, against the float64 gradients:
+    poisoned outputs, no NaN, grads not asked for are None, relative error below ``tol``."""
+    for mode in BWD_MODES:
+        for need in (ALL, FROZEN):
+            with launch.poison_outputs():
+                grads = attention_kl.backward(g, q1, k1, q2, k2, stats1, stats2, delta, bwd_mode=mode,
+                                              needs_grad=need, **kw)
+            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
+                if not n:
+                    assert gr is None
+                    continue
+                assert not gr.isnan().any(), f"{name} NaN ({mode})"
+                e = _rel(gr, r)
+                assert e < tol, f"{name} ({mode}, {need}): error {e:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_reference(case):
@@ -1206,18 +1223,7 @@ def test_gpu_matches_reference(case):
         assert lse_err < 1e-3, f"lse1 error {lse_err:.3g}"
         d_err = (delta.double() * LN2 - ref["delta"]).abs().max().item()
         assert d_err < 1e-3 * (1 + ref["delta"].abs().max().item()), f"delta error {d_err:.3g}"
-    for mode in BWD_MODES:
-        for need in (ALL, FROZEN):
-            with launch.poison_outputs():
-                grads = attention_kl.backward(g, q1, k1, q2, k2, lse1, lse2, delta, bwd_mode=mode,
-                                              needs_grad=need, **kw)
-            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
-                if not n:
-                    assert gr is None
-                    continue
-                assert not gr.isnan().any(), f"{name} NaN ({mode})"
-                e = _rel(gr, r)
-                assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+    _check_gpu_backward(g, q1, k1, q2, k2, lse1, lse2, delta, ref_grads, bwd_tol, kw)
 
 
 @pytest.mark.gpu
@@ -1307,15 +1313,7 @@ def test_gpu_fills_match_reference(case):
         assert e < 1e-3, f"rows error {e:.3g} (split_k={split})"
         d_err = (delta.double() * LN2 - ref["mean"]).abs().max().item()
         assert d_err < 1e-3 * (1 + ref["mean"].abs().max().item()), f"delta error {d_err:.3g}"
-    for mode in BWD_MODES:
-        for need in (ALL, FROZEN):
-            with launch.poison_outputs():
-                grads = attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, bwd_mode=mode, needs_grad=need, **kw)
-            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
-                if n:
-                    assert not gr.isnan().any(), f"{name} NaN ({mode})"
-                    e = _rel(gr, r)
-                    assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+    _check_gpu_backward(g, q1, k1, q2, k2, s1, s2, delta, ref_grads, bwd_tol, kw)
 
 
 GPU_ZERO_CASES = [
@@ -1355,12 +1353,4 @@ def test_gpu_zero_hidden_matches_reference(case):
             assert e < 1e-3, f"{name} error {e:.3g} (split_k={split})"
         d_err = (delta.double() * LN2 - ref["mean_zh"]).abs().max().item()
         assert d_err < 1e-3 * (1 + ref["mean_zh"].abs().max().item()), f"delta error {d_err:.3g}"
-    for mode in BWD_MODES:
-        for need in (ALL, FROZEN):
-            with launch.poison_outputs():
-                grads = attention_kl.backward(g, q1, k1, q2, k2, s1, s2, delta, bwd_mode=mode, needs_grad=need, **kw)
-            for name, gr, r, n in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, need):
-                if n:
-                    assert not gr.isnan().any(), f"{name} NaN ({mode})"
-                    e = _rel(gr, r)
-                    assert e < bwd_tol, f"{name} ({mode}, {need}): error {e:.3g}"
+    _check_gpu_backward(g, q1, k1, q2, k2, s1, s2, delta, ref_grads, bwd_tol, kw)
