@@ -98,10 +98,10 @@ def _cfg(bm, bn, w, s):
 # key block (and ragged ones) at test sizes.
 _INTERP = [_cfg(16, 32, 4, 1), _cfg(32, 16, 4, 1), _cfg(16, 16, 4, 1)]
 
-# GPUs. sm90 fp16/bf16, D <= 128: swept on the H100 (2026-11-23, B=1, H=32, D=128, fp16, N 1024..16384,
+# GPUs. sm90 fp16/bf16, D = 128: swept on the H100 (2026-11-23, B=1, H=32, D=128, fp16, N 1024..16384,
 # causal and not; 24 configs BLOCK_M {32, 64, 128} x BLOCK_N {64, 128} x warps {4, 8} x stages {2, 3}):
 # (128, 128, 4, 2) was best or within 3% at N >= 4096; (64, 64, 4, 3) / (32, 128, 4, 3) at N <= 2048.
-# Other rows are not measured: a program holds one [BLOCK_N, D] key tile and streams [BLOCK_M, D]
+# The D <= 64 row takes the same first choice, not measured; other rows are not measured: a program holds one [BLOCK_N, D] key tile and streams [BLOCK_M, D]
 # query tiles, like the attention backward's dK/dV kernel without V and dO.
 _TABLE = {
     ("sm90", 64, 2): [_cfg(128, 128, 4, 2), _cfg(64, 128, 4, 3), _cfg(64, 64, 4, 3)],
