@@ -128,7 +128,7 @@ def fuzz(specs: Iterable[Spec], *, out_dir: Optional[str] = None, minimise: bool
         stats.add(o)
         state = o.status if o.status != "fail" else f"FAIL {o.kind}"
         fused = f"fused {o.fused}" if o.fused else ("declined" if o.declined else "unmatched")
-        log(f"[{n:4d}] seed {spec.seed:<10d} {spec.pattern:<12s} {state:<18s} {fused:<9s} {o.seconds:5.1f}s"
+        log(f"[{n:4d}] seed {spec.seed:<10d} {spec.pattern + ('+h2o' if spec.score != 'none' else ''):<16s} {state:<18s} {fused:<9s} {o.seconds:5.1f}s"
             + (f"  {o.failures[0]}" if o.failures else "")[:220])
         if o.status != "fail":
             continue
@@ -167,7 +167,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--minimise-runs", type=int, default=40, help="runs allowed per shrink (default 40)")
     ap.add_argument("--program", type=int, nargs="+", default=None, metavar="PROGRAM_SEED",
                     help="run (and shrink) these programs, by the program seed printed for each")
-    ap.add_argument("--pattern", choices=["attention", "attention_kl"], default=None, help="only this pattern")
+    ap.add_argument("--pattern", choices=["attention", "attention_kl", "h2o"], default=None,
+                    help="only this pattern (h2o: attention programs that also read column sums of P)")
     ap.add_argument("--fast", action="store_true",
                     help="run fuser's rewritten graphs through aot_eager instead of Inductor (~3x faster; "
                          "misses bugs in the interplay with Inductor)")
@@ -187,7 +188,9 @@ def main(argv: Optional[list] = None) -> int:
         while made < args.count:
             s = program_spec(args.seed, i)
             i += 1
-            if args.pattern and s.pattern != args.pattern:
+            if args.pattern == "h2o" and s.score == "none":
+                continue
+            if args.pattern and args.pattern != "h2o" and s.pattern != args.pattern:
                 continue
             made += 1
             yield s

@@ -31,6 +31,10 @@ from typing import Optional
 # --------------------------------------------------------------------------------------------
 
 PATTERNS = ("attention", "attention_kl")
+#: H2O heavy-hitter scores read from the attention probabilities P (attention programs only):
+#: ``"none"``; column sums ``P.sum(-2)`` or ``torch.sum(P, -2)`` returned next to ``O`` (as one
+#: flat tensor, ``torch.cat``); ``"score_only"``: the column sums alone (no ``P V``)
+SCORES = ("none", "sum", "torch_sum", "score_only")
 QK_FORMS = ("@", "matmul", "method", "einsum", "einsum_ellipsis", "bmm")
 KT_FORMS = ("transpose", "mT", "permute")
 PV_FORMS = ("@", "matmul", "einsum")
@@ -179,6 +183,8 @@ class Spec:
     kl_factor: bool = False
     kl_mask_sides: str = "both"
     gqa_side: str = "both"
+    # H2O
+    score: str = "none"
 
     @property
     def heads(self) -> int:
@@ -309,6 +315,7 @@ def sample(rng: random.Random, seed: int = 0) -> Spec:
         kl_mask_sides=_maybe(rng, 0.1, "student", "both"),
         gqa_side=rng.choice(["both", "teacher", "student"]),
         data_values=_maybe(rng, 0.4, "visible_first", "random"),
+        score=_maybe(rng, 0.25, rng.choice(SCORES[1:]), "none"),
     )
     # make the combinations that have hidden bugs before more likely than independent draws
     # would: state changes of the module the program reads, finite fills below the scores
@@ -319,6 +326,8 @@ def sample(rng: random.Random, seed: int = 0) -> Spec:
         between = "mask_buffer_fill"
     if between and rng.random() < 0.6:
         spec = dataclasses.replace(spec, between=between)
+    if spec.score != "none" and rng.random() < 0.7:  # the H2O op is for inference: make it fusable
+        spec = dataclasses.replace(spec, grad=rng.choice(["none", "no_grad"]))
     if spec.fill in ("-1e4", "-3e4") and spec.dtype == "float32" and rng.random() < 0.35:
         spec = dataclasses.replace(spec, shift=rng.choice([-20000.0, -40000.0]))
     return normalize(spec)
@@ -430,6 +439,8 @@ def _normalize_once(spec: Spec) -> Spec:
             r["kl_mask_sides"] = d.kl_mask_sides
         if r["group"] == 1:
             r["gqa_side"] = d.gqa_side
+    if kl:
+        r["score"] = d.score
     else:
         for f in ("kl_spelling", "kl_reduction", "kl_teacher", "kl_zeroing", "kl_factor", "kl_mask_sides", "gqa_side"):
             r[f] = getattr(d, f)
@@ -808,6 +819,10 @@ def _render_attention(spec: Spec, indent: int) -> _Lines:
     elif spec.p_through == "cast":
         L(f"p = p.to({vv}.dtype)")
     _inplace(spec, L, "inside_late", {"s": "s"})
+    if spec.score in ("sum", "score_only"):
+        L("sc = p.sum(-2)")
+    elif spec.score == "torch_sum":
+        L("sc = torch.sum(p, dim=-2)")
     nog = spec.no_grad_block == "pv"
     if nog:
         L("with torch.no_grad():")
@@ -818,7 +833,12 @@ def _render_attention(spec: Spec, indent: int) -> _Lines:
     if spec.out_post == "transpose_reshape":
         L("o = o.transpose(1, 2).reshape(o.size(0), o.size(2), -1)")
     _inplace(spec, L, "after", {"out": "o", "s": "s"})
-    L("return o")
+    if spec.score == "none":
+        L("return o")
+    elif spec.score == "score_only":
+        L("return sc")  # o is dead code: the graph holds the column sums alone
+    else:
+        L("return torch.cat([o.flatten(), sc.flatten()])")
     return L
 
 
