@@ -619,7 +619,7 @@ def forward(
     """
     _check_supported(mask_fill, causal_fill, mask_pred)
     variants.check_variant(causal, mask_kind)
-    _check_plan(plan, cache, diagonals if plan == "diag_cache" else 0, None, causal)
+    _check_plan(plan, cache)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if v is None:
