@@ -1,31 +1,55 @@
-"""H2O column sums, plan "two kernels": launchers, allocation, config table.
+"""H2O column sums: the plans' launchers, layouts, workspace and config tables.
 
 H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
 Models", NeurIPS 2023) scores each key for KV-cache eviction by the column sums of the attention
 probabilities: with ``P = softmax(scale · Q Kᵀ (+ mask), dim=-1)`` ``[B, Hq, Nq, Nk]``,
 ``score[b, h, j] = Σ_i P[b, h, i, j]``, next to the usual ``out = P V``.
 
-A row-parallel kernel cannot finish the column sums (a column's terms need every row's final
-statistics, known only once its whole row has been streamed), so the plan runs two kernels
-(``docs/math.md``, "H2O column sums"):
+A column's terms need every row's final softmax statistics, known only once the whole row has
+been streamed (``docs/math.md``, "H2O column sums"). Plans (:data:`PLANS`):
 
-- kernel 0, the attention forward (:func:`fuser.codegen.attention.forward` with the statistics
-  stored): ``out`` and per row the base-2 ``LSE₂ = m₂ + log₂ l`` (``+inf`` for a row with no
-  visible key), or with an additive mask the two-part statistics ``(m₂, log₂ l)``;
-- kernel 1 (``templates/h2o_colsum.py.jinja``): column-parallel, grid ``(cdiv(Nk, BLOCK_N),
-  B·Hq)``; each program loads one block of keys and streams the query blocks that can see it
-  (causal: only those at or below the diagonal), recomputing ``P = exp2(s' − LSE₂)`` (or
-  ``exp2((s' − m₂) − log₂ l)``) with ``s' = scale·log₂e·q·k (+ mask·log₂e)``, and sums it over the
-  rows.
+``"two_kernel"``
+    kernel 0, the attention forward (:func:`fuser.codegen.attention.forward` with the statistics
+    stored; without ``out``, the statistics-only row pass of ``templates/h2o_fwd.py.jinja``: no V
+    loads, no P V dots): ``out`` and per row the base-2 ``LSE₂ = m₂ + log₂ l`` (``+inf`` for a
+    row with no visible key), or with an additive mask the two-part statistics ``(m₂, log₂ l)``;
+    kernel 1 (``templates/h2o_colsum.py.jinja``): column-parallel, grid ``(cdiv(Nk, BLOCK_N),
+    B·Hq)``; each program loads one block of keys and streams the query blocks that can see it
+    (causal: only those at or below the diagonal), recomputing ``P = exp2(s' − LSE₂)`` (or
+    ``exp2((s' − m₂) − log₂ l)``) with ``s' = scale·log₂e·q·k (+ mask·log₂e)``, and sums it over
+    the rows. Deterministic.
+``"one_kernel"``
+    ``templates/h2o_fwd.py.jinja`` with ``one_kernel``: row-parallel, one program per query
+    block, two passes over the visible keys: pass 1 the row max and sum (online softmax, no V),
+    pass 2 recomputes ``P`` with the final statistics, accumulates ``O = P V`` (normalised
+    already: no rescaling) and adds the tile's column sums into ``score`` with float32
+    ``tl.atomic_add`` (``score`` zeroed first). Q Kᵀ twice, as two_kernel, but one launch and no
+    statistics through HBM; ``Nq / BLOCK_M`` atomic adds per score element. **Not
+    deterministic**: the order in which the query blocks' atomics land varies, so ``score`` can
+    differ bitwise between runs at float32 rounding (``out`` does not).
+``"diag_cache"``
+    two_kernel where kernel 0 (``h2o_fwd.py.jinja`` with ``cache_ranges``) also writes the float32
+    base-2 scores ``s'`` (scaled, masked, ``-inf`` where hidden) of a set of cached
+    ``[T, T]`` tiles (``T = BLOCK_M = BLOCK_N``, equal in both kernels) into a compact
+    workspace, and kernel 1 reads those tiles instead of recomputing ``Q Kᵀ``: ``exp2(s' − LSE₂)``
+    of the stored ``s'`` is what a recompute gives (``docs/math.md``, "Caching tiles between the
+    kernels"). The set is given by ``diagonals`` K and a layout (:data:`CACHE_LAYOUTS`,
+    :func:`cached_tiles`): ``"balanced"`` the cyclic block diagonals ``(c − r) mod n < K``
+    (``n = max(row blocks, key blocks)``), ``"causal"`` (causal masks only) every visible tile
+    of the first K query blocks: the short kernel-0 rows whose tiles belong to the long kernel-1
+    columns. Per query block and per key block the cached tiles form at most two contiguous
+    ranges, so both kernels split their loops into reuse and recompute ranges (no branch in
+    any loop). ``diagonals=0`` is two_kernel. The workspace (:func:`workspace_bytes`) is
+    allocated once per size and device and reused across calls.
 
 Variants: causal ``"none"``, ``"top_left"``, ``"bottom_right"`` (one rendered kernel serves both
 alignments through the runtime causal offset), mask kinds ``"none"``, ``"bool_keep"``,
 ``"bool_drop"``, ``"additive"`` (hidden entries ``-inf``; an additive mask gives the two-part
-statistics, supported), row-broadcast masks. Not supported (``ValueError``): finite fills
-(``mask_fill``, ``causal_fill``) and index predicates (``mask_pred``).
+statistics), row-broadcast masks, ``need_out`` False. Not supported (``ValueError``): finite
+fills (``mask_fill``, ``causal_fill``) and index predicates (``mask_pred``).
 
-Sizes (B, H, Nq, Nk, the causal offset) are runtime arguments; the sequence lengths and the
-offset are ``do_not_specialize``, so a new length does not recompile.
+Sizes (B, H, Nq, Nk, the causal offset, the workspace's slot count) are runtime arguments; the
+sequence lengths and the offset are ``do_not_specialize``, so a new length does not recompile.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
 copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), fp32 / fp16 /
@@ -34,22 +58,33 @@ bf16; ``score`` ``[B, Hq, Nk]`` float32.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
-from typing import Optional
+import threading
+from typing import Optional, Sequence
 
 import torch
 
 from . import attention, launch, variants
 from .render import RenderedKernel, render
 
-__all__ = ["forward", "colsum_kernel", "candidate_configs", "alloc_score", "SUPPORTED"]
+__all__ = [
+    "forward", "colsum_kernel", "fwd_kernel", "kernels_for", "candidate_configs", "alloc_score",
+    "cached_tiles", "diagonal_count", "workspace_bytes", "program_tiles", "PLANS", "CACHE_LAYOUTS", "SUPPORTED",
+]
 
 TEMPLATE = "h2o_colsum.py.jinja"
+FWD_TEMPLATE = "h2o_fwd.py.jinja"
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
 
-#: What this plan supports, for error messages.
+#: The plans :func:`forward` runs (module docstring).
+PLANS = ("two_kernel", "one_kernel", "diag_cache")
+#: The diag_cache layouts (:func:`cached_tiles`).
+CACHE_LAYOUTS = ("balanced", "causal")
+
+#: What the plans support, for error messages.
 SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('none', 'bool_keep', 'bool_drop', "
              "'additive') with hidden entries -inf; no finite mask_fill/causal_fill, no mask_pred")
 
@@ -59,30 +94,94 @@ SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('non
 # --------------------------------------------------------------------------------------------
 
 
-def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret: bool) -> RenderedKernel:
-    """Render the column-sum kernel module of one static variant (``causal``: a mode or a bool;
-    the statistics are two-part exactly for ``mask_kind="additive"``, as in the forward).
+def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret: bool,
+                  cache_ranges: int = 0) -> RenderedKernel:
+    """Render the column-pass kernel module of one static variant (``causal``: a mode or a bool;
+    the statistics are two-part exactly for ``mask_kind="additive"``, as in the forward;
+    ``cache_ranges`` 1 or 2: diag_cache's column pass reading that many cached ranges per key
+    block, 0: two_kernel's).
 
     Raises:
-        ValueError: unknown causal mode or mask kind.
+        ValueError: unknown causal mode or mask kind, ``cache_ranges`` not in 0..2.
     """
     variants.check_variant(causal, mask_kind)
+    if cache_ranges not in (0, 1, 2):
+        raise ValueError(f"cache_ranges must be 0, 1 or 2, got {cache_ranges!r}")
     causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     name = ("h2o_colsum" + ("_causal" if causal else "") + variants.MASK_SUFFIX[mask_kind]
-            + ("_rowbcast" if row else "") + ("_interp" if interpret else ""))
+            + ("_rowbcast" if row else "") + (f"_cache{cache_ranges}" if cache_ranges else "")
+            + ("_interp" if interpret else ""))
     return render(
         TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
-        two_part=mask_kind == "additive", interpret=bool(interpret),
+        two_part=mask_kind == "additive", cache_ranges=int(cache_ranges), interpret=bool(interpret),
+    )
+
+
+def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool, one_kernel: bool,
+               cache_ranges: int, interpret: bool) -> RenderedKernel:
+    """Render the row-parallel H2O kernel module (``templates/h2o_fwd.py.jinja``): the whole
+    one_kernel plan (``one_kernel``), or kernel 0 storing the statistics (and ``out`` with
+    ``need_out``), writing the cached tiles' scores with ``cache_ranges`` 1 or 2 (diag_cache).
+
+    Raises:
+        ValueError: unknown causal mode or mask kind, ``cache_ranges`` not in 0..2, or
+            ``cache_ranges`` with ``one_kernel``.
+    """
+    variants.check_variant(causal, mask_kind)
+    if cache_ranges not in (0, 1, 2) or (one_kernel and cache_ranges):
+        raise ValueError(f"cache_ranges must be 0, 1 or 2 (0 with one_kernel), got {cache_ranges!r}")
+    causal = variants.is_causal(causal)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    name = ("h2o_" + ("onekernel" if one_kernel else "fwd") + ("_causal" if causal else "")
+            + variants.MASK_SUFFIX[mask_kind] + ("_rowbcast" if row else "") + ("" if need_out else "_noout")
+            + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_interp" if interpret else ""))
+    return render(
+        FWD_TEMPLATE, name,
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, two_part=mask_kind == "additive",
+        need_out=bool(need_out), one_kernel=bool(one_kernel), cache_ranges=int(cache_ranges),
+        interpret=bool(interpret),
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool):
-    """The imported column-sum module of one static variant (rendered once per process)."""
-    kernel = colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret)
+def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool, cache_ranges: int = 0):
+    """The imported column-pass module of one static variant (rendered once per process)."""
+    kernel = colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret,
+                           cache_ranges=cache_ranges)
     return kernel, launch.kernel_module(kernel, interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_module(causal: bool, mask_kind: str, row: bool, need_out: bool, one_kernel: bool, cache_ranges: int,
+                interpret: bool):
+    """The imported row-parallel module of one static variant (rendered once per process)."""
+    kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_out=need_out,
+                        one_kernel=one_kernel, cache_ranges=cache_ranges, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+def _cache_ranges(cache: str) -> int:
+    """Contiguous ranges per query block and per key block a layout needs in the kernels."""
+    return 1 if cache == "causal" else 2
+
+
+def kernels_for(*, plan: str, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool,
+                interpret: bool, diagonals: int = 0, cache: str = "balanced") -> list[RenderedKernel]:
+    """The kernel modules a plan runs for one static variant (for reports), in launch order."""
+    _check_plan(plan, cache)
+    row = bool(mask_row_broadcast) and mask_kind != "none"
+    kw = dict(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret)
+    if plan == "one_kernel":
+        return [fwd_kernel(need_out=need_out, one_kernel=True, cache_ranges=0, **kw)]
+    ranges = _cache_ranges(cache) if plan == "diag_cache" and diagonals > 0 else 0
+    if ranges == 0 and need_out:
+        first = attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
+                                     interpret=interpret)
+    else:
+        first = fwd_kernel(need_out=need_out, one_kernel=False, cache_ranges=ranges, **kw)
+    return [first, colsum_kernel(cache_ranges=ranges, **kw)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +196,11 @@ def _cfg(bm, bn, w, s):
 # Interpreter: small tiles keep the CPU interpreter fast and still give several query blocks per
 # key block (and ragged ones) at test sizes.
 _INTERP = [_cfg(16, 32, 4, 1), _cfg(32, 16, 4, 1), _cfg(16, 16, 4, 1)]
+_INTERP_PLANS = {
+    "one_kernel": [_cfg(16, 16, 4, 1), _cfg(32, 16, 4, 1), _cfg(16, 32, 4, 1)],
+    # diag_cache: one square tile T for both kernels (the cached tiles are [T, T])
+    "diag_cache": [_cfg(16, 16, 4, 1), _cfg(32, 32, 4, 1)],
+}
 
 # GPUs. sm90 fp16/bf16, D = 128: swept on the H100 (2026-11-23, B=1, H=32, D=128, fp16, N 1024..16384,
 # causal and not; 24 configs BLOCK_M {32, 64, 128} x BLOCK_N {64, 128} x warps {4, 8} x stages {2, 3}):
@@ -118,29 +222,320 @@ _TABLE = {
     ("cuda", 256, 4): [_cfg(16, 16, 4, 1)],
 }
 
+# GPUs, the other plans: NOT MEASURED (guesses for the lead to tune on the H100).
+# one_kernel: a forward-shaped program (a [BLOCK_M, D] query tile resident, key tiles streamed
+# twice), so the attention forward's tile shapes, a little smaller for the second pass's atomics.
+# diag_cache: one square tile for both kernels; 64 keeps a cached fp32 tile at 16 KiB.
+_TABLE_PLANS = {
+    "one_kernel": {
+        ("sm90", 64, 2): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+        ("sm90", 128, 2): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)],
+        ("sm90", 256, 2): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
+        ("sm90", 64, 4): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
+        ("sm90", 128, 4): [_cfg(32, 32, 4, 2), _cfg(32, 16, 4, 1)],
+        ("sm90", 256, 4): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        ("cuda", 64, 2): [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2)],
+        ("cuda", 128, 2): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
+        ("cuda", 256, 2): [_cfg(32, 32, 4, 1), _cfg(16, 32, 4, 1)],
+        ("cuda", 64, 4): [_cfg(32, 32, 4, 2), _cfg(16, 32, 4, 2)],
+        ("cuda", 128, 4): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        ("cuda", 256, 4): [_cfg(16, 16, 4, 1)],
+    },
+    "diag_cache": {
+        ("sm90", 64, 2): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
+        ("sm90", 128, 2): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
+        ("sm90", 256, 2): [_cfg(32, 32, 4, 2), _cfg(64, 64, 8, 2)],
+        ("sm90", 64, 4): [_cfg(32, 32, 4, 2), _cfg(64, 64, 4, 2)],
+        ("sm90", 128, 4): [_cfg(32, 32, 4, 2), _cfg(16, 16, 4, 1)],
+        ("sm90", 256, 4): [_cfg(16, 16, 4, 1)],
+        ("cuda", 64, 2): [_cfg(64, 64, 4, 2), _cfg(32, 32, 4, 2)],
+        ("cuda", 128, 2): [_cfg(32, 32, 4, 2), _cfg(64, 64, 8, 2)],
+        ("cuda", 256, 2): [_cfg(32, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        ("cuda", 64, 4): [_cfg(32, 32, 4, 2), _cfg(16, 16, 4, 2)],
+        ("cuda", 128, 4): [_cfg(16, 16, 4, 1)],
+        ("cuda", 256, 4): [_cfg(16, 16, 4, 1)],
+    },
+}
+
 
 def _dim_bucket(head_dim: int) -> int:
     width = max(launch.next_power_of_2(head_dim), 16)
     return 64 if width <= 64 else 128 if width <= 128 else 256
 
 
-def candidate_configs(*, head_dim: int, dtype: torch.dtype, device) -> list[dict]:
-    """Launch configs of the column-sum kernel (``BLOCK_M`` query rows per step, ``BLOCK_N`` keys
-    per program, ``num_warps``, ``num_stages``), best first (the first is the default): the
-    interpreter's table on CPU tensors, else by device kind, head-dim bucket and dtype size."""
+def candidate_configs(*, head_dim: int, dtype: torch.dtype, device, plan: str = "two_kernel") -> list[dict]:
+    """Launch configs, best first (the first is the default): the interpreter's table on CPU
+    tensors, else by device kind, head-dim bucket and dtype size.
+
+    ``plan="two_kernel"``: the column pass (``BLOCK_M`` query rows per step, ``BLOCK_N`` keys per
+    program; kernel 0 uses the attention forward's table). ``"one_kernel"``: the one kernel
+    (``BLOCK_M`` rows per program, ``BLOCK_N`` keys per step). ``"diag_cache"``: both kernels,
+    ``BLOCK_M == BLOCK_N`` (the cached tile is square).
+
+    Raises:
+        ValueError: unknown plan.
+    """
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
     dev = launch.device_kind(device)
     if dev == "interpreter":
-        return [dict(c) for c in _INTERP]
+        return [dict(c) for c in (_INTERP if plan == "two_kernel" else _INTERP_PLANS[plan])]
     size = 4 if dtype == torch.float32 else 2
-    return [dict(c) for c in _TABLE[(dev, _dim_bucket(head_dim), size)]]
+    table = _TABLE if plan == "two_kernel" else _TABLE_PLANS[plan]
+    return [dict(c) for c in table[(dev, _dim_bucket(head_dim), size)]]
 
 
-def _configs(config: Optional[dict], q: torch.Tensor) -> list[dict]:
+def _configs(config: Optional[dict], q: torch.Tensor, plan: str = "two_kernel") -> list[dict]:
     """The given config alone (missing keys from the default), or every candidate (default first)."""
-    cands = candidate_configs(head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
+    cands = candidate_configs(head_dim=q.shape[-1], dtype=q.dtype, device=q.device, plan=plan)
     if config:
         return [launch.check_config({**cands[0], **config})]
     return [launch.check_config(c) for c in cands]
+
+
+def _diag_config(config: Optional[dict], fwd_config: Optional[dict], q: torch.Tensor) -> tuple[dict, dict]:
+    """diag_cache's (kernel 1 config, kernel 0 config): one square tile T for both; ``fwd_config``
+    may change kernel 0's warps and stages, not its tile."""
+    cfg = _configs(config, q, "diag_cache")[0]
+    if cfg["BLOCK_M"] != cfg["BLOCK_N"]:
+        raise ValueError(f"diag_cache needs BLOCK_M == BLOCK_N (square cached tiles), got {cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
+    fwd = dict(cfg, **(fwd_config or {}))
+    if (fwd["BLOCK_M"], fwd["BLOCK_N"]) != (cfg["BLOCK_M"], cfg["BLOCK_N"]):
+        raise ValueError("diag_cache: fwd_config may set num_warps and num_stages only; both kernels use config's "
+                         f"tile {cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
+    return cfg, launch.check_config(fwd)
+
+
+# --------------------------------------------------------------------------------------------
+# diag_cache layouts: which [T, T] tiles kernel 0 caches for kernel 1 (docs/math.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _visible(n_q: int, n_k: int, tile: int, causal: str) -> tuple[list[int], list[int]]:
+    """Per query block r the end of its visible key blocks ``[0, hi_r)`` and per key block c the
+    first query block that sees it (``[lo_c, n_r)``; ``n_r`` when none): the tiles the kernels
+    visit (a tile is visited iff one of its entries is visible)."""
+    n_r, n_c = launch.cdiv(n_q, tile), launch.cdiv(n_k, tile)
+    if causal == "none":
+        return [n_c] * n_r, [0] * n_c
+    off = variants.causal_offset(causal, n_q, n_k)
+    row_hi = [min(max(launch.cdiv(min((r + 1) * tile, n_q) + off, tile), 0), n_c) for r in range(n_r)]
+    col_lo = []
+    for c in range(n_c):
+        first = max(c * tile - off, 0)  # the first query that sees key c * tile
+        col_lo.append(n_r if first >= n_q else first // tile)
+    return row_hi, col_lo
+
+
+def _layout(n_r: int, n_c: int, diagonals: int, cache: str, row_hi: Sequence[int]) -> list[tuple[int, int]]:
+    """The cached tiles (r, c), row-major, among the visible ones (``c < row_hi[r]``)."""
+    k = int(diagonals)
+    if k <= 0:
+        return []
+    if cache == "balanced":
+        n = max(n_r, n_c)
+        return [(r, c) for r in range(n_r) for c in range(row_hi[r]) if (c - r) % n < k]
+    # causal: every visible tile of the first K query blocks
+    return [(r, c) for r in range(min(k, n_r)) for c in range(row_hi[r])]
+
+
+def cached_tiles(n_blocks, diagonals: int, cache: str, causal) -> list[tuple[int, int]]:
+    """The tiles ``(r, c)`` (query block, key block) diag_cache caches, row-major, pure Python.
+
+    Args:
+        n_blocks: blocks per side of a square grid (``Nq = Nk = n_blocks · T``), or
+            ``(n_row_blocks, n_key_blocks)``.
+        diagonals: K, in ``0..max(n_row_blocks, n_key_blocks)``.
+        cache: ``"balanced"``: the cyclic block diagonals ``(c − r) mod n < K``, ``n =
+            max(n_row_blocks, n_key_blocks)`` (every query block caches K tiles, every key block
+            about K); ``"causal"``: every visible tile of the query blocks ``r < K``.
+        causal: a causal mode (top-left alignment of the grid for ``"top_left"`` and ``True``;
+            ``"bottom_right"`` aligns the last rows and keys) or a bool; only visible tiles are
+            cached (for causal, those with ``c ≤ r`` on a square grid).
+
+    Raises:
+        ValueError: unknown layout, K out of range, the causal layout without causal masking.
+    """
+    n_r, n_c = (n_blocks, n_blocks) if isinstance(n_blocks, int) else (int(n_blocks[0]), int(n_blocks[1]))
+    mode = causal if isinstance(causal, str) else ("top_left" if causal else "none")
+    _check_plan("diag_cache", cache, diagonals, max(n_r, n_c), mode)
+    row_hi, _ = _visible(n_r, n_c, 1, mode)
+    return _layout(n_r, n_c, diagonals, cache, row_hi)
+
+
+def program_tiles(n_blocks, diagonals: int, cache: str, causal) -> dict:
+    """The per-program tile counts of diag_cache on the grid of :func:`cached_tiles`: ``"rows"``
+    (kernel 0, per query block: ``(visited, written)``) and ``"cols"`` (kernel 1, per key block:
+    ``(recomputed, read)``); K = 0 is two_kernel. For the balance derivation in
+    ``docs/math.md`` and the cost model."""
+    n_r, n_c = (n_blocks, n_blocks) if isinstance(n_blocks, int) else (int(n_blocks[0]), int(n_blocks[1]))
+    mode = causal if isinstance(causal, str) else ("top_left" if causal else "none")
+    tiles = set(cached_tiles((n_r, n_c), diagonals, cache, mode))
+    row_hi, col_lo = _visible(n_r, n_c, 1, mode)
+    rows = [(row_hi[r], sum((r, c) in tiles for c in range(row_hi[r]))) for r in range(n_r)]
+    cols = []
+    for c in range(n_c):
+        read = sum((r, c) in tiles for r in range(col_lo[c], n_r))
+        cols.append((n_r - col_lo[c] - read, read))
+    return {"rows": rows, "cols": cols}
+
+
+def _ranges(items: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted integers as maximal contiguous half-open ranges."""
+    out: list[list[int]] = []
+    for x in sorted(items):
+        if out and out[-1][1] == x:
+            out[-1][1] = x + 1
+        else:
+            out.append([x, x + 1])
+    return [tuple(r) for r in out]
+
+
+def _pad_ranges(rs: list[tuple[int, int]], want: int, what: str) -> list[int]:
+    """Ranges as ``2 · want`` ints; empty ranges sit at the previous range's end (the kernels
+    clamp each bound to the previous one)."""
+    if len(rs) > want:
+        raise AssertionError(f"{what}: {len(rs)} cached ranges, the kernels take {want}")
+    flat: list[int] = []
+    end = rs[0][0] if rs else 0
+    for a, b in rs:
+        flat += [a, b]
+        end = b
+    while len(flat) < 2 * want:
+        flat += [end, end]
+    return flat
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(n_q: int, n_k: int, tile: int, causal: str, diagonals: int, cache: str):
+    """``(row_tab, col_tab, n_slots, tiles)`` of a layout (plain lists; rows of 5 and 4 ints)."""
+    n_r, n_c = launch.cdiv(n_q, tile), launch.cdiv(n_k, tile)
+    row_hi, col_lo = _visible(n_q, n_k, tile, causal)
+    tiles = _layout(n_r, n_c, diagonals, cache, row_hi)
+    want = _cache_ranges(cache)
+    by_row: dict[int, list[int]] = collections.defaultdict(list)
+    by_col: dict[int, list[int]] = collections.defaultdict(list)
+    for r, c in tiles:
+        by_row[r].append(c)
+        by_col[c].append(r)
+    row_tab, slot = [], 0
+    for r in range(n_r):
+        rs = _ranges(by_row[r])
+        row_tab += _pad_ranges(rs, 2, f"query block {r}") + [slot]
+        if want == 1:
+            assert len(rs) <= 1
+        slot += len(by_row[r])
+    col_tab = []
+    for c in range(n_c):
+        rs = _ranges(by_col[c])
+        assert all(a >= col_lo[c] for a, _ in rs)
+        col_tab += _pad_ranges(rs, want, f"key block {c}") + [0] * (2 if want == 1 else 0)
+    return row_tab, col_tab, slot, tiles
+
+
+# The workspace and the layout tables, kept across calls (keyed by device, dtype, size); the
+# workspace holds scratch data only between a call's two kernels. Bounded: the least recently
+# used entries go first.
+_WS_KEEP = 4
+_TAB_KEEP = 64
+_ws_lock = threading.Lock()
+_workspaces: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
+_tab_tensors: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 workspace of ``numel`` elements on ``device``, allocated on first use of that
+    (device, dtype, size) and reused by later calls (poisoned when first allocated under
+    :func:`~fuser.codegen.launch.poison_outputs`)."""
+    key = (str(device), torch.float32, int(numel))
+    with _ws_lock:
+        ws = _workspaces.get(key)
+        if ws is None:
+            ws = launch.empty((max(int(numel), 1),), torch.float32, device)
+            _workspaces[key] = ws
+            while len(_workspaces) > _WS_KEEP:
+                _workspaces.popitem(last=False)
+        _workspaces.move_to_end(key)
+        return ws
+
+
+def _table_tensors(device: torch.device, n_q: int, n_k: int, tile: int, causal: str, diagonals: int, cache: str):
+    """``(row_tab, col_tab, n_slots)`` as int32 tensors on ``device`` (copied there once per layout)."""
+    key = (str(device), n_q, n_k, tile, causal, diagonals, cache)
+    with _ws_lock:
+        hit = _tab_tensors.get(key)
+        if hit is not None:
+            _tab_tensors.move_to_end(key)
+            return hit
+    row_tab, col_tab, n_slots, _ = _tables(n_q, n_k, tile, causal, diagonals, cache)
+    out = (torch.tensor(row_tab, dtype=torch.int32).to(device), torch.tensor(col_tab, dtype=torch.int32).to(device),
+           n_slots)
+    with _ws_lock:
+        _tab_tensors[key] = out
+        while len(_tab_tensors) > _TAB_KEEP:
+            _tab_tensors.popitem(last=False)
+    return out
+
+
+def clear_workspaces() -> None:
+    """Drop the kept workspaces and layout tables (their memory is freed once unused)."""
+    with _ws_lock:
+        _workspaces.clear()
+        _tab_tensors.clear()
+
+
+def _check_plan(plan: str, cache: str, diagonals: int = 0, count: Optional[int] = None, causal: str = "none") -> None:
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    if cache not in CACHE_LAYOUTS:
+        raise ValueError(f"cache must be one of {CACHE_LAYOUTS}, got {cache!r}")
+    if not isinstance(diagonals, int) or isinstance(diagonals, bool) or diagonals < 0 or (
+            count is not None and diagonals > count):
+        top = "" if count is None else f"..{count}"
+        raise ValueError(f"diagonals must be an int in 0{top} (the block diagonals of this shape and config), "
+                         f"got {diagonals!r}")
+    if plan == "diag_cache" and cache == "causal" and diagonals > 0 and causal not in ("top_left", "bottom_right"):
+        raise ValueError("cache='causal' (the mask-aware layout) needs causal masking ('top_left' or 'bottom_right'); "
+                         f"got causal={causal!r}: use cache='balanced'")
+
+
+def _tile(config: Optional[dict], q: torch.Tensor) -> int:
+    cfg = _configs(config, q, "diag_cache")[0]
+    if cfg["BLOCK_M"] != cfg["BLOCK_N"]:
+        raise ValueError(f"diag_cache needs BLOCK_M == BLOCK_N (square cached tiles), got {cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
+    return cfg["BLOCK_M"]
+
+
+def diagonal_count(q: torch.Tensor, k: torch.Tensor, causal: str = "none", config: Optional[dict] = None) -> int:
+    """How many block diagonals diag_cache's ``diagonals`` may range over (``0..`` this) for
+    q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]`` and the tile of ``config`` (the default diag_cache
+    config when None): ``max(cdiv(Nq, T), cdiv(Nk, T))``. With ``cache="causal"`` every K at or
+    past the number of query blocks caches every visible tile."""
+    variants.check_variant(causal, "none")
+    t = _tile(config, q)
+    return max(launch.cdiv(q.shape[2], t), launch.cdiv(k.shape[2], t))
+
+
+def workspace_bytes(q: torch.Tensor, k: torch.Tensor, *, plan: str, diagonals: int, cache: str,
+                    config: Optional[dict] = None, causal: Optional[str] = None) -> int:
+    """Extra HBM a plan allocates beyond ``out``, ``score`` and the statistics: for diag_cache
+    the cached tiles, ``B · Hq · slots · T² · 4`` bytes (``T`` the config's tile), else 0.
+
+    ``causal``: the causal mode the call will use (only visible tiles are cached); default
+    ``"top_left"`` for ``cache="causal"``, ``"none"`` for ``"balanced"``.
+
+    Raises:
+        ValueError: unknown plan or layout, K out of range.
+    """
+    causal = causal if causal is not None else ("top_left" if cache == "causal" else "none")
+    _check_plan(plan, cache)
+    if plan != "diag_cache" or diagonals == 0:
+        return 0
+    count = diagonal_count(q, k, causal, config)
+    _check_plan(plan, cache, diagonals, count, causal)
+    t = _tile(config, q)
+    n_slots = _tables(q.shape[2], k.shape[2], t, causal, diagonals, cache)[2]
+    return q.shape[0] * q.shape[1] * n_slots * t * t * 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,13 +570,16 @@ def forward(
     mask: Optional[torch.Tensor] = None,
     mask_kind: str = "none",
     need_out: bool = True,
+    plan: str = "two_kernel",
+    diagonals: int = 0,
+    cache: str = "balanced",
     config: Optional[dict] = None,
     fwd_config: Optional[dict] = None,
     mask_fill: float = NEG_INF,
     causal_fill: float = NEG_INF,
     mask_pred=None,
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """H2O column sums and attention output (plan "two kernels", see the module docstring).
+    """H2O column sums and attention output with one of :data:`PLANS` (module docstring).
 
     Args:
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]`` or ``None`` (only
@@ -193,10 +591,18 @@ def forward(
         mask: broadcastable to ``[B, Hq, Nq, Nk]``; ``mask_kind`` ``"bool_keep"`` (True =
             visible), ``"bool_drop"`` (True = hidden), ``"additive"`` (float, added to the
             scaled scores), or ``"none"`` without a mask.
-        need_out: also return ``out``; kernel 0 runs either way, for the statistics.
-        config: the column-sum kernel's config (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
-            ``num_stages``; missing keys from the default); ``None``: the table's candidates.
-        fwd_config: kernel 0's config (:func:`fuser.codegen.attention.forward`'s ``config``).
+        need_out: also return ``out``; without it no kernel loads V.
+        plan: ``"two_kernel"``, ``"one_kernel"`` (score by atomics: not bitwise deterministic)
+            or ``"diag_cache"``.
+        diagonals: diag_cache's K, in ``0..diagonal_count(q, k, causal, config)``; 0 runs
+            two_kernel. Ignored by the other plans.
+        cache: diag_cache's layout, ``"balanced"`` or ``"causal"`` (causal masking only).
+        config: two_kernel: the column pass's config; one_kernel: the kernel's; diag_cache: both
+            kernels' (``BLOCK_M == BLOCK_N``). Keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+            ``num_stages``; missing keys from the plan's default; ``None``: the plan's table.
+        fwd_config: two_kernel: kernel 0's config (:func:`fuser.codegen.attention.forward`'s
+            ``config``, or the statistics-only pass's without ``need_out``); diag_cache: kernel
+            0's ``num_warps``/``num_stages`` (its tile is ``config``'s); one_kernel: ignored.
         mask_fill, causal_fill, mask_pred: only the defaults (``-inf``, ``-inf``, ``None``) are
             supported; anything else is rejected.
 
@@ -207,42 +613,140 @@ def forward(
         query sees scores 0).
 
     Raises:
-        ValueError: a finite fill or a predicate, an unknown causal mode or mask kind, a mask
-            that does not match ``mask_kind``, ``v`` missing with ``need_out``, or the shape,
-            dtype and head-dim errors of :func:`fuser.codegen.attention.forward`.
+        ValueError: an unknown plan or layout, ``diagonals`` out of range, the causal layout
+            without causal masking, a non-square diag_cache tile, a finite fill or a predicate,
+            an unknown causal mode or mask kind, a mask that does not match ``mask_kind``, ``v``
+            missing with ``need_out``, or the shape, dtype and head-dim errors of
+            :func:`fuser.codegen.attention.forward`.
     """
     _check_supported(mask_fill, causal_fill, mask_pred)
     variants.check_variant(causal, mask_kind)
+    _check_plan(plan, cache)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if v is None:
         if need_out:
             raise ValueError("H2O column sums: need_out=True needs v")
-        # kernel 0 wants a value tensor; k has the right [B, Hkv, Nk, *] shape (its output is dropped)
+        # the shape checks want a value tensor; k has the right [B, Hkv, Nk, *] shape (never read)
         v = k
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError("q, k must be 4-D [B, H, N, D]")
-    two_part = mask_kind == "additive"  # the forward's two-part statistics (attention.two_part_stats)
-    # Kernel 0: the attention forward, for its statistics (and out). When out is not wanted a
-    # statistics-only forward (no V loads, no P V dots) would do: a later optimisation.
-    out, stats = attention.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
-                                   need_lse=True, config=fwd_config)
+    attention._check_inputs(q, k, v, causal, mask, mask_kind)
+    variants.check_mask(mask, mask_kind)
+    if plan == "diag_cache":
+        count = diagonal_count(q, k, causal, config)
+        _check_plan(plan, cache, diagonals, count, causal)
+        if diagonals == 0:
+            plan = "two_kernel"
+    if plan == "one_kernel":
+        return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config)
+    return _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config,
+                       diagonals if plan == "diag_cache" else 0, cache)
+
+
+def _empty_result(q, k, v, need_out: bool):
+    """``(out, score)`` when there is nothing to stream (no query rows, no keys, or B·H = 0)."""
     score = alloc_score(q, k)
+    score.zero_()
+    out = None
+    if need_out:
+        out = attention.alloc_out(q, v)
+        out.zero_()
+    return out, score
+
+
+def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config):
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
-    if score.numel() == 0:
-        return (out if need_out else None), score
-    if n_q == 0:  # no query sees any key
-        score.zero_()
-        return (out if need_out else None), score
+    if b * hq == 0 or n_q == 0 or n_k == 0:
+        return _empty_result(q, k, v, need_out)
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
-    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret)
-    configs = _configs(config, q)
+    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), True, 0, interpret)
+    score = alloc_score(q, k)
+    out = attention.alloc_out(q, v) if need_out else None
+    args = [q, k] + ([v, out] if need_out else []) + [score] + ([mask4] if mask4 is not None else [])
+    precision = launch.dot_precision(q.dtype)
+
+    def run(cfg):
+        score.zero_()  # the kernel adds into it (and a retried config starts over)
+        with launch.launching(interpret):
+            module.launch_h2o_fwd(*args, qk_scale=float(scale) * LOG2E,
+                                  causal_offset=variants.causal_offset(causal, n_q, n_k),
+                                  config=cfg, input_precision=precision)
+
+    key = (kernel.path, "one_kernel", q.dtype, d, v.shape[-1] if need_out else 0,
+           None if mask4 is None else mask4.dtype, precision)
+    launch.launch_first_fitting(key, _configs(config, q, "one_kernel"), run)
+    return out, score
+
+
+def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs, cache_args=None, ranges=0):
+    """Kernel 0 from ``templates/h2o_fwd.py.jinja``: the statistics (and out with ``need_out``),
+    and with ``cache_args`` = ``(ws, row_tab, n_slots)`` the cached tiles' scores; the first of
+    ``configs`` that fits. Returns ``(out or None, stats)``."""
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    interpret = launch.interpreted(q.device)
+    two_part = mask_kind == "additive"
+    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), False, ranges, interpret)
+    out = attention.alloc_out(q, v) if need_out else None
+    stats = attention.alloc_lse(q, two_part)
+    args = [q, k] + ([v, out] if need_out else []) + [stats] + ([mask4] if mask4 is not None else [])
+    if cache_args is not None:
+        args += list(cache_args)
+    precision = launch.dot_precision(q.dtype)
+
+    def run(cfg):
+        with launch.launching(interpret):
+            module.launch_h2o_fwd(*args, qk_scale=float(scale) * LOG2E,
+                                  causal_offset=variants.causal_offset(causal, n_q, n_k),
+                                  config=cfg, input_precision=precision)
+
+    key = (kernel.path, "h2o_fwd", q.dtype, d, v.shape[-1] if need_out else 0,
+           None if mask4 is None else mask4.dtype, precision)
+    launch.launch_first_fitting(key, configs, run)
+    return out, stats
+
+
+def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config, diagonals, cache):
+    """two_kernel (``diagonals == 0``) or diag_cache: kernel 0, then the column pass."""
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    if b * hq == 0 or n_q == 0 or n_k == 0:
+        return _empty_result(q, k, v, need_out)
+    interpret = launch.interpreted(q.device)
+    mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
+    row = bool(row_broadcast) and mask_kind != "none"
+    two_part = mask_kind == "additive"
+    ranges = 0
+    if diagonals > 0:
+        cfg, fwd_cfg = _diag_config(config, fwd_config, q)
+        tile = cfg["BLOCK_M"]
+        ranges = _cache_ranges(cache)
+        row_tab, col_tab, n_slots = _table_tensors(q.device, n_q, n_k, tile, causal, diagonals, cache)
+        ws = _workspace(q.device, b * hq * n_slots * tile * tile)
+        out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, [fwd_cfg],
+                                 (ws, row_tab, n_slots), ranges)
+        configs = [cfg]
+    else:
+        if need_out:
+            # kernel 0: the attention forward, for its statistics and out
+            out, stats = attention.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+                                           need_lse=True, config=fwd_config)
+        else:
+            # kernel 0 without out: the statistics-only row pass (no V loads, no P V dots)
+            out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, False,
+                                     attention._configs(fwd_config, q, v, causal, "fwd"))
+        configs = _configs(config, q)
+    score = alloc_score(q, k)
+    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges)
     args = [q, k, stats, score]
     if mask4 is not None:
         args.append(mask4)
+    if ranges:
+        args += [ws, row_tab, col_tab, n_slots]
     precision = launch.dot_precision(q.dtype)
     assert stats.shape == ((b, hq, 2, n_q) if two_part else (b, hq, n_q)) and stats.is_contiguous()
 

@@ -203,13 +203,16 @@ def _tune_load() -> dict[str, dict]:
         return {}
 
 
-def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any]) -> dict:
+def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any],
+             timer: Callable[[Callable[[], Any]], float] | None = None) -> dict:
     """Return the fastest of ``candidates`` for ``key``, timing them on first use.
 
     Args:
         key: identifies the problem: kernel family, shapes, dtypes, GPU name.
         candidates: configs (plain JSON-able dicts); the first is the default.
         run: launches the kernel(s) with one config; must not change its inputs.
+        timer: milliseconds of one call of a function; default ``triton.testing.do_bench``
+            (GPU; median of 20 ms of runs). Interpreted kernels pass :func:`wall_clock_ms`.
 
     Returns:
         The winning config. Winners are kept in memory and in ``<cache>/autotune.json``, so
@@ -223,12 +226,16 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any]) -
         if key in disk:
             _tune_mem[key] = disk[key]
             return disk[key]
-    import triton.testing
+    if timer is None:
+        import triton.testing
+
+        def timer(fn):
+            return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
     best, best_ms = candidates[0], float("inf")
     for cfg in candidates:
         try:
-            ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+            ms = timer(lambda: run(cfg))
         except Exception as exc:  # a config that cannot run here is simply not a candidate
             log.debug("fuser: autotune %s: config %s failed: %s", key, cfg, exc)
             continue
@@ -244,6 +251,20 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any]) -
         tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
         os.replace(tmp, _tune_file())
     return best
+
+
+def wall_clock_ms(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """The median wall-clock milliseconds of ``repeats`` calls of ``fn`` after one warm-up call
+    (for :func:`autotune` where no GPU timer applies: kernels in Triton's interpreter)."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 #: The input dtypes fuser's kernels take (one dtype for all tensor inputs of a call).

@@ -51,7 +51,7 @@ class H2OPattern(Pattern):
     """Attention probabilities summed over the query axis (H2O heavy-hitter scores)."""
 
     name = "h2o"
-    plan_choices = {"impl": ("fuser", "inductor")}
+    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("two_kernel", "one_kernel", "diag_cache", "autotune")}
 
     def anchors(self, view: GraphView):
         return [n for n in view.graph.nodes if view.op(n) == "softmax"]
@@ -174,92 +174,24 @@ class H2OPattern(Pattern):
 
     # -- planning ------------------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
-        b = m.bindings
-        dev = b["device"]
-        lead = (1,) * (4 - b["rank"])  # [B·H, N, D] operands: B = 1
-        sq = lead + tuple(permuted(shape(b["q"]), b["q_p"]))
-        sk = lead + tuple(permuted(shape(b["k"]), b["k_p"]))
-        subs = {cm.B: _int(sq[0]), cm.H: _int(sq[1]), cm.NQ: _int(sq[2]), cm.NK: _int(sk[2]), cm.D: _int(sq[3])}
-        dv = _int(shape(b["v"])[-1]) if b["v"] is not None else 0
-        pairs = cm.NQ * cm.NK
-        if b["causal"] != "none":
-            offset = 0 if b["causal"] == "top_left" else cm.NK - cm.NQ
-            pairs = cm.pairs_causal(cm.NQ, cm.NK, offset)
-        bh = cm.B * cm.H
-        elt = torch.finfo(b["in_dtype"]).bits // 8
-        model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
-        kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
-        d = subs[cm.D]
-        # two kernels: Q Kᵀ twice (forward and the column pass), P V once; only q, k, v, out,
-        # the LSE and the score cross HBM
-        fuser_terms = {
-            "flops": bh * pairs * (4 * cm.D + 2 * dv),
-            "exps": 2 * bh * pairs,
-            "bytes": elt * bh * (2 * cm.NQ * cm.D + 2 * cm.NK * cm.D + cm.NQ * dv + cm.NK * dv) + 4 * bh * (cm.NQ + cm.NK),
-            "tiles": sympy.ceiling(cm.NQ / 128) * bh,
-            "launches": 2,
-        }
-        eff = cm.efficiency(EFFICIENCY, d)
-        out = [Candidate("fuser[two_kernel]", {"impl": "fuser"}, fuser_terms,
-                         cm.estimate_ms(fuser_terms, subs, model, kind, eff),
-                         "attention forward (O, LSE), then a column-parallel pass recomputing P from the LSE")]
-        if dev.type != "cpu":
-            ind_terms = {
-                "flops": bh * pairs * (2 * cm.D + 2 * dv),
-                "exps": bh * cm.NQ * cm.NK,
-                # scores written, read by the softmax, P written, read by the sum and by P V
-                "bytes": bh * cm.NQ * cm.NK * (4 + 4 + 4 + 4 + elt),
-                "launches": 5,
-            }
-            out.append(Candidate("inductor", {"impl": "inductor"}, ind_terms,
-                                 cm.estimate_ms(ind_terms, subs, model, kind, cm.efficiency(cm.EAGER_MATMUL, d)),
-                                 "left to Inductor: scores and P materialised"))
-        return out
+        from fuser.patterns.h2o_plans import candidates
+
+        return candidates(m, ctx)
 
     def kernels(self, m: Match, plan: Candidate) -> list:
-        from fuser.codegen import attention, h2o
+        from fuser.patterns.h2o_plans import kernels_for
 
-        if plan.params.get("impl") != "fuser":
-            return []
-        b = m.bindings
-        ms = b["mask_shape"]
-        row = bool(ms is not None and (len(ms) < 2 or ms[-2] == 1))
-        interpret = b["device"].type == "cpu"
-        fwd = attention.fwd_kernel(causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
-                                   need_lse=True, interpret=interpret)
-        return [fwd, h2o.colsum_kernel(causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
-                                       interpret=interpret)]
+        return kernels_for(m, plan)
 
     # -- emission --------------------------------------------------------------------------
     def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> dict:
-        b = m.bindings
-        if plan.params.get("impl") != "fuser":
-            raise ValueError(f"h2o plan {plan.name} emits nothing")
-        e = Emitter(graph, b["rank"], b["compute_dtype"])
-        with graph.inserting_before(m.insertion_point):
-            dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
-            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
-            k = e.operand(b["k"], b["k_p"], b["in_dtype"])
-            v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
-            mask = e.mask(b["mask_terms"], b["mask_shape"])
-            op = e.node("call_function", torch.ops.fuser.h2o.default,
-                        (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], v is not None))
-            score = e.unrank(e.node("call_function", operator.getitem, (op, 1)))
-            if b["score_dtype"] != torch.float32:
-                score = e.node("call_method", "to", (score, b["score_dtype"]))
-            new = {"score": score}
-            if v is not None:
-                out = e.unrank(e.node("call_function", operator.getitem, (op, 0)))
-                if b["out_dtype"] != b["compute_dtype"]:
-                    out = e.node("call_method", "to", (out, b["out_dtype"]))
-                new["out"] = out
-        return new
+        from fuser.patterns.h2o_plans import emit
+
+        return emit(m, plan, graph)
 
 
-# Fraction of the matrix-unit peak the two H2O kernels reach, by head-dim bucket (<=64, <=128,
-# <=256). NOT MEASURED: taken as the attention forward's (patterns/attention_plans.py) until
-# benchmarks/h2o.py measures them on the H100.
-EFFICIENCY = (0.50, 0.60, 0.38)
+# The plans' efficiencies (NOT MEASURED) and cost terms live in patterns/h2o_plans.py.
+from .h2o_plans import EFFICIENCY  # noqa: E402,F401
 
 
 def _int(x) -> int:

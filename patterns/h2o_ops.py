@@ -5,13 +5,26 @@ Inductor treat it as an opaque kernel with known output shapes; it neither mutat
 its inputs. It has no autograd formula: the pattern declines regions whose outputs need
 gradients (H2O scores keys during inference). The kernels are in ``codegen/h2o.py``.
 
-``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out) -> (out, score)``
+``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan) -> (out, score)``
     q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` or None (any strides;
     GQA when ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
     ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
-    "bool_drop", "additive"}``. Returns ``out = softmax(scale·q kᵀ + mask) v`` ``[B, Hq, Nq, Dv]``
-    in q's dtype (an empty tensor when ``need_out`` is False or v is None) and the column sums
-    ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32.
+    "bool_drop", "additive"}``; ``plan`` a ``"key=value;..."`` string (:func:`plan_string`):
+    ``plan=two_kernel|one_kernel|diag_cache|autotune``, ``diagonals=<K>``,
+    ``cache=balanced|causal`` and, for ``autotune``, ``try=<plan>/<K>/<cache>,...`` (the plans
+    to time; "" is two_kernel). Returns ``out = softmax(scale·q kᵀ + mask) v``
+    ``[B, Hq, Nq, Dv]`` in q's dtype (an empty tensor when ``need_out`` is False or v is None)
+    and the column sums ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32.
+
+With dynamic shapes a K chosen at compile time can exceed the block diagonals of a later,
+shorter call: it is clamped to :func:`fuser.codegen.h2o.diagonal_count` (and the causal layout
+without causal masking, impossible from the planner, falls back to ``balanced``).
+
+``plan=autotune`` times the listed plans on the first call of each shape bucket (sequence
+lengths rounded up to powers of two) with :func:`fuser.codegen.launch.autotune` — on the GPU with
+Triton's ``do_bench``, in the interpreter with the wall clock — and remembers the fastest in
+memory and in the autotune cache file; ``one_kernel`` is left out under
+``torch.use_deterministic_algorithms(True)`` (its atomics are not deterministic).
 """
 
 from __future__ import annotations
@@ -22,10 +35,87 @@ import torch
 
 from ..codegen import attention as attention_kernels
 from ..codegen import h2o as kernels
+from ..codegen import launch
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+def plan_string(plan: str = "two_kernel", diagonals: int = 0, cache: str = "balanced",
+                tries: tuple = ()) -> str:
+    """The op's ``plan`` argument: ``"plan=diag_cache;diagonals=4;cache=causal"``; ``tries``
+    (``plan="autotune"``) a sequence of ``(plan, diagonals, cache)`` to time."""
+    text = f"plan={plan};diagonals={int(diagonals)};cache={cache}"
+    if tries:
+        text += ";try=" + ",".join(f"{p}/{int(kk)}/{c}" for p, kk, c in tries)
+    return text
+
+
+def parse_plan(plan: str) -> dict:
+    """``"plan=diag_cache;diagonals=4;cache=causal"`` -> ``{"plan": "diag_cache", "diagonals": 4,
+    "cache": "causal", "tries": []}`` (defaults: two_kernel, 0, balanced).
+
+    Raises:
+        ValueError: an entry that is not ``key=value`` or an unknown key.
+    """
+    out = {"plan": "two_kernel", "diagonals": 0, "cache": "balanced", "tries": []}
+    for part in plan.split(";"):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        if not eq or key not in ("plan", "diagonals", "cache", "try"):
+            raise ValueError(f"fuser::h2o plan entry {part!r}: expected plan=, diagonals=, cache= or try=")
+        if key == "diagonals":
+            out[key] = int(value)
+        elif key == "try":
+            for item in value.split(","):
+                p, kk, c = item.split("/")
+                out["tries"].append((p, int(kk), c))
+        else:
+            out[key] = value
+    return out
+
+
+def _fit(q, k, causal: str, plan: str, diagonals: int, cache: str) -> dict:
+    """The plan's keyword arguments for :func:`fuser.codegen.h2o.forward` at this call's shape
+    (K clamped to the block diagonals; the causal layout only with causal masking)."""
+    if plan != "diag_cache":
+        return {"plan": plan}
+    if cache == "causal" and causal == "none":
+        cache = "balanced"
+    count = kernels.diagonal_count(q, k, causal) if q.shape[2] and k.shape[2] else 0
+    return {"plan": plan, "diagonals": min(int(diagonals), count), "cache": cache}
+
+
+def _tune_key(q, k, v, mask, causal: str, mask_kind: str, need_out: bool, tries) -> str:
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dv = v.shape[-1] if v is not None else 0
+    return (f"h2o.plan|{launch.gpu_name(q.device)}|{q.dtype}|B{b}|H{hq}/{hkv}|Nq{launch.next_power_of_2(nq)}|"
+            f"Nk{launch.next_power_of_2(nk)}|D{d}/{dv}|{causal}|{mask_kind}|"
+            f"{None if mask is None else mask.dtype}|out{int(need_out)}|"
+            + ",".join(f"{p}/{kk}/{c}" for p, kk, c in tries))
+
+
+def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_out: bool, tries) -> dict:
+    """The fastest of ``tries`` (``(plan, diagonals, cache)`` triples; two_kernel when empty) for
+    this problem, timed on first use (see :func:`fuser.codegen.launch.autotune`): the keyword
+    arguments of :func:`fuser.codegen.h2o.forward` for it."""
+    tries = [t for t in tries if not (t[0] == "one_kernel" and torch.are_deterministic_algorithms_enabled())]
+    if not tries:
+        tries = [("two_kernel", 0, "balanced")]
+    cands = [{"plan": p, "diagonals": kk, "cache": c} for p, kk, c in tries]
+    if len(cands) == 1:
+        best = cands[0]
+    else:
+        def run(cfg):
+            kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_out=need_out,
+                            **_fit(q, k, causal, cfg["plan"], cfg["diagonals"], cfg["cache"]))
+
+        timer = launch.wall_clock_ms if launch.interpreted(q.device) else None
+        best = launch.autotune(_tune_key(q, k, v, mask, causal, mask_kind, need_out, tries), cands, run, timer=timer)
+    return _fit(q, k, causal, best["plan"], best["diagonals"], best["cache"])
 
 
 @torch.library.custom_op("fuser::h2o", mutates_args=())
@@ -38,15 +128,21 @@ def h2o(
     causal: str,
     mask_kind: str,
     need_out: bool,
+    plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     want_out = need_out and v is not None
+    p = parse_plan(plan)
+    if p["plan"] == "autotune":
+        kw = tuned_plan(q, k, v if want_out else None, mask, scale, causal, mask_kind, want_out, p["tries"])
+    else:
+        kw = _fit(q, k, causal, p["plan"], p["diagonals"], p["cache"])
     out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
-                                 mask_kind=mask_kind, need_out=want_out)
+                                 mask_kind=mask_kind, need_out=want_out, **kw)
     return (out if out is not None else _empty(q)), score
 
 
 @h2o.register_fake
-def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out):
+def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan):
     b, hq, n_q, _ = q.shape
     n_k = k.shape[2]
     score = q.new_empty((b, hq, n_k), dtype=torch.float32)

@@ -388,3 +388,507 @@ def test_gpu_one_compile_for_many_lengths():
         h2o.forward(q, k, v, scale=0.125, causal="bottom_right")
         counts.append(len(compiled_keys(fn)))
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}"
+
+
+# =============================================================================================
+# The other plans: one_kernel (row-parallel, score by atomics) and diag_cache (kernel 0 caches the
+# base-2 scores of a set of tiles for the column pass), both layouts
+# =============================================================================================
+
+PLAN_CASES = [
+    # id, plan kwargs
+    ("one_kernel", dict(plan="one_kernel")),
+    ("diag_balanced_K2", dict(plan="diag_cache", diagonals=2, cache="balanced")),
+    ("diag_causal_K2", dict(plan="diag_cache", diagonals=2, cache="causal")),
+]
+
+
+def _plan_ok(plan_kw, causal):
+    return not (plan_kw.get("cache") == "causal" and causal == "none")
+
+
+def _check_plan(q, k, v, plan_kw, *, causal="none", mask=None, mask_kind="none", scale=None, need_out=True,
+                config=None, tol=None):
+    """One plan's kernels (outputs poisoned) against the float64 reference; returns (out, score, ref score)."""
+    dtype = q.dtype
+    tol = TOL[dtype] if tol is None else tol
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kw = dict(scale=scale, causal=causal, mask=mask, mask_kind=mask_kind)
+    h2o.clear_workspaces()  # a fresh (poisoned) workspace: a cached tile read before it is written shows up
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, need_out=need_out, config=config, **plan_kw, **kw)
+    ref_out, ref_score = reference(q, k, v, **kw)
+    b, hq, n_q = q.shape[:3]
+    assert score.shape == (b, hq, k.shape[2]) and score.dtype == torch.float32 and score.is_contiguous()
+    assert torch.isfinite(score).all(), "score has NaN/inf"
+    err = _rel(score, ref_score)
+    assert err < tol, f"score: relative error {err:.3g} >= {tol}"
+    assert (score[ref_score == 0] == 0).all(), "keys no query sees must score 0"
+    assert (score >= 0).all() and (score <= n_q * (1 + 1e-3)).all()
+    if not need_out:
+        assert out is None
+    else:
+        assert out.shape == ref_out.shape and out.dtype == dtype and not out.isnan().any()
+        e = _rel(out, ref_out)
+        assert e < tol, f"out: relative error {e:.3g} >= {tol}"
+    return out, score, ref_score
+
+
+PLAN_SHAPES = [c for c in SHAPES if c[0] in ("ragged_none", "none_q>k", "top_left_q<k_unseen_keys", "top_left_q>k",
+                                            "bottom_right_q<k", "bottom_right_q>k_empty_rows", "mqa_4_1_bottom_right",
+                                            "single_query", "single_key")]
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+@pytest.mark.parametrize("case", PLAN_SHAPES, ids=[c[0] for c in PLAN_SHAPES])
+def test_plans_fp32(case, plan):
+    name, b, hq, hkv, n_q, n_k, d, dv, causal = case
+    _, plan_kw = plan
+    if not _plan_ok(plan_kw, causal):
+        pytest.skip("the causal layout needs causal masking")
+    plan_kw = dict(plan_kw)
+    if plan_kw["plan"] == "diag_cache":
+        q0 = torch.empty(1, 1, n_q, 1)
+        plan_kw["diagonals"] = min(plan_kw["diagonals"], h2o.diagonal_count(q0, torch.empty(1, 1, n_k, 1), causal))
+    q, k, v = _qkv(SHAPES.index(case), b, hq, hkv, n_q, n_k, d, dv)
+    out, score, _ = _check_plan(q, k, v, plan_kw, causal=causal)
+    if name == "bottom_right_q>k_empty_rows":
+        assert (out[:, :, : n_q - n_k] == 0).all()
+
+
+def _sizes(n_q, n_k, causal, cfg=None):
+    return h2o.diagonal_count(torch.empty(1, 1, n_q, 1), torch.empty(1, 1, n_k, 1), causal, cfg)
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_diag_cache_every_k_both_layouts(causal):
+    # every K in 0..count (count = 3 blocks of 16 here) for both layouts; K = 0 is two_kernel, bitwise
+    n_q, n_k = (40, 45) if causal != "bottom_right" else (37, 45)
+    q, k, v = _qkv(51, 1, 2, 1, n_q, n_k, 16, 16)
+    count = _sizes(n_q, n_k, causal)
+    assert count == 3
+    scale = 0.3
+    with launch.poison_outputs():
+        base_out, base_score = h2o.forward(q, k, v, scale=scale, causal=causal, plan="two_kernel")
+    for cache in h2o.CACHE_LAYOUTS:
+        if cache == "causal" and causal == "none":
+            continue
+        for kk in range(count + 1):
+            out, score, _ = _check_plan(q, k, v, dict(plan="diag_cache", diagonals=kk, cache=cache), causal=causal,
+                                        scale=scale)
+            if kk == 0:
+                assert torch.equal(score, base_score) and torch.equal(out, base_out)
+            else:
+                # the cached s' is what kernel 1 would recompute: the column sums match two_kernel to rounding
+                assert _rel(score, base_score) < 1e-6
+                assert _rel(out, base_out) < 1e-6
+
+
+def test_diag_cache_every_k_non_square_grid():
+    # Nq != Nk with more key blocks than query blocks and the reverse (n = max of the two)
+    for n_q, n_k in ((20, 70), (70, 20)):
+        q, k, v = _qkv(52, 1, 2, 2, n_q, n_k, 16, 16)
+        count = _sizes(n_q, n_k, "none")
+        assert count == 5
+        for kk in range(count + 1):
+            _check_plan(q, k, v, dict(plan="diag_cache", diagonals=kk, cache="balanced"))
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+def test_plans_gqa_fp16(plan):
+    q, k, v = _qkv(53, 2, 4, 2, 67, 53, 64, 48, dtype=torch.float16)
+    _check_plan(q, k, v, plan[1], causal="bottom_right")
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+def test_plans_bf16(plan):
+    q, k, v = _qkv(54, 1, 2, 1, 40, 37, 32, 32, dtype=torch.bfloat16)
+    _check_plan(q, k, v, plan[1], causal="top_left")
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+@pytest.mark.parametrize("causal", ["none", "top_left"])
+def test_plans_large_scores_keep_the_max(plan, causal):
+    if not _plan_ok(plan[1], causal):
+        pytest.skip("the causal layout needs causal masking")
+    q, k, v = _qkv(55, 1, 2, 2, 45, 50, 32, 32)
+    scale = 30 * 32 ** -0.5
+    assert ((q @ k.mT).double() * scale * math.log2(math.e)).max() > 128
+    _check_plan(q, k, v, plan[1], causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+@pytest.mark.parametrize("row", [True, False], ids=["rowbcast", "full"])
+@pytest.mark.parametrize("kind", ["bool_keep", "bool_drop", "additive"])
+def test_plans_mask_kinds(kind, row, plan):
+    b, hq, hkv, n_q, n_k = 2, 2, 1, 37, 50
+    q, k, v = _qkv(56, b, hq, hkv, n_q, n_k, 16, 16)
+    gen = torch.Generator().manual_seed(57)
+    shape = (b, 1, 1, n_k) if row else (b, hq, n_q, n_k)
+    if kind == "additive":
+        mask = torch.randn(*shape, generator=gen)
+        mask[mask < -1.0] = -math.inf
+        mask[(mask > 1.2)] = F32_MIN
+    else:
+        mask = torch.rand(*shape, generator=gen) > 0.3
+    causal = "bottom_right" if row or plan[1].get("cache") == "causal" else "none"
+    _check_plan(q, k, v, plan[1], mask=mask, mask_kind=kind, causal=causal)
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+def test_plans_fully_masked_rows_and_batches(plan):
+    b, h, n_q, n_k = 2, 2, 37, 50
+    q, k, v = _qkv(58, b, h, h, n_q, n_k, 16, 16)
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., 41:] = False
+    keep[1] = False  # no row of batch 1 sees a key
+    out, score, _ = _check_plan(q, k, v, plan[1], mask=keep, mask_kind="bool_keep", causal="top_left")
+    assert (score[1] == 0).all() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+def test_plans_need_out_false(plan):
+    q, k, v = _qkv(59, 2, 4, 2, 37, 50, 32, 32)
+    _, score, _ = _check_plan(q, k, v, plan[1], causal="bottom_right", need_out=False)
+    with launch.poison_outputs():
+        out, without_v = h2o.forward(q, k, None, scale=32 ** -0.5, causal="bottom_right", need_out=False, **plan[1])
+    assert out is None and torch.allclose(without_v, score, rtol=1e-6, atol=1e-7)
+
+
+def test_two_kernel_need_out_false_runs_the_statistics_only_pass():
+    # without out, kernel 0 is the statistics-only row pass (no V): its LSE differs from the
+    # attention forward's only by rounding
+    q, k, v = _qkv(60, 1, 2, 2, 37, 50, 32, 32)
+    _, with_out, _ = _check_plan(q, k, v, {}, causal="top_left")
+    _, without, _ = _check_plan(q, k, v, {}, causal="top_left", need_out=False)
+    assert _rel(without, with_out) < 1e-6
+    kerns = h2o.kernels_for(plan="two_kernel", causal="top_left", mask_kind="none", mask_row_broadcast=False,
+                            need_out=False, interpret=True)
+    assert kerns[0].name.startswith("h2o_fwd_causal_noout") and "V_head" not in kerns[0].source
+
+
+def test_one_kernel_explicit_configs_and_rerun():
+    q, k, v = _qkv(61, 1, 2, 2, 50, 45, 32, 32)
+    for cfg in h2o.candidate_configs(head_dim=32, dtype=q.dtype, device=q.device, plan="one_kernel"):
+        _check_plan(q, k, v, dict(plan="one_kernel"), causal="top_left", config=cfg)
+    # score is zeroed inside forward: a second call does not add to the first
+    _, s1 = h2o.forward(q, k, v, scale=0.2, plan="one_kernel")
+    _, s2 = h2o.forward(q, k, v, scale=0.2, plan="one_kernel")
+    assert torch.allclose(s1, s2, rtol=1e-6, atol=1e-7)
+
+
+def test_diag_cache_tiles_32_and_fwd_config():
+    q, k, v = _qkv(62, 1, 2, 2, 70, 75, 32, 32)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32}
+    count = _sizes(70, 75, "top_left", cfg)
+    assert count == 3
+    for cache in h2o.CACHE_LAYOUTS:
+        _check_plan(q, k, v, dict(plan="diag_cache", diagonals=2, cache=cache, fwd_config={"num_warps": 2}),
+                    causal="top_left", config=cfg)
+
+
+# --- the cached tiles: written by kernel 0, read by kernel 1 -----------------------------------
+
+
+def _base2_scores(q, k, scale, causal):
+    """s' = scale·log2(e)·q·k, -inf above the causal diagonal, float64 [B, H, Nq, Nk]."""
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.double() @ kk.mT) * scale * math.log2(math.e)
+    n_q, n_k = q.shape[2], k.shape[2]
+    if causal != "none":
+        off = 0 if causal == "top_left" else n_k - n_q
+        hidden = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + off
+        s = s.masked_fill(hidden, -math.inf)
+    return s
+
+
+@pytest.mark.parametrize("cache,causal", [("balanced", "none"), ("balanced", "top_left"), ("causal", "bottom_right")])
+def test_diag_cache_writes_exactly_the_cached_tiles(cache, causal):
+    n_q, n_k, t, kk = 37, 45, 16, 2
+    q, k, v = _qkv(63, 1, 2, 1, n_q, n_k, 16, 16)
+    scale = 0.4
+    h2o.clear_workspaces()
+    with launch.poison_outputs():
+        h2o.forward(q, k, v, scale=scale, causal=causal, plan="diag_cache", diagonals=kk, cache=cache)
+    nbytes = h2o.workspace_bytes(q, k, plan="diag_cache", diagonals=kk, cache=cache, causal=causal)
+    (ws,) = [w for key, w in h2o._workspaces.items()]
+    assert ws.numel() * 4 == nbytes
+    n_slots = nbytes // (4 * 2 * t * t)
+    tiles = h2o._tables(n_q, n_k, t, causal, kk, cache)[3]
+    assert len(tiles) == n_slots
+    want = _base2_scores(q, k, scale, causal)
+    ws = ws.view(2, n_slots, t, t)
+    for slot, (r, c) in enumerate(tiles):  # slots are the tiles in row-major order
+        got = ws[:, slot]
+        rows, cols = min(t, n_q - r * t), min(t, n_k - c * t)
+        ref = want[0, :, r * t: r * t + rows, c * t: c * t + cols]
+        assert not got.isnan().any(), f"tile {(r, c)} not written"
+        part = got[:, :rows, :cols].double()
+        fin = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(part), fin) and torch.allclose(part[fin], ref[fin], rtol=1e-5, atol=1e-5)
+        assert (got[:, :, cols:] == -math.inf).all()  # keys past Nk are hidden
+
+
+def test_diag_cache_column_pass_reads_the_cache(monkeypatch):
+    # add 1 (base 2) to every cached s' between the kernels: exactly the cached tiles' P doubles
+    n_q, n_k, t, kk, scale, causal = 40, 45, 16, 2, 0.3, "top_left"
+    q, k, v = _qkv(64, 1, 2, 2, n_q, n_k, 16, 16)
+    real = h2o._colsum_module
+
+    class Tampered:
+        def __init__(self, module):
+            self.module = module
+
+        def launch_colsum(self, *args, **kw):
+            args[4].add_(1.0)  # ws (no mask in this call): q, k, lse, score, ws, row_tab, col_tab, n_slots
+            return self.module.launch_colsum(*args, **kw)
+
+    def tampered(*a):
+        kernel, module = real(*a)
+        return kernel, (Tampered(module) if a[-1] else module)
+
+    monkeypatch.setattr(h2o, "_colsum_module", tampered)
+    h2o.clear_workspaces()
+    _, score = h2o.forward(q, k, v, scale=scale, causal=causal, plan="diag_cache", diagonals=kk, cache="balanced")
+    p = probabilities(q, k, scale=scale, causal=causal)
+    weight = torch.ones(n_q, n_k, dtype=torch.float64)
+    for r, c in h2o._tables(n_q, n_k, t, causal, kk, "balanced")[3]:
+        weight[r * t:(r + 1) * t, c * t:(c + 1) * t] = 2.0
+    assert _rel(score, (p * weight).sum(-2)) < 1e-5
+
+
+def test_workspace_reused_across_calls():
+    q, k, v = _qkv(65, 1, 2, 2, 37, 45, 16, 16)
+    h2o.clear_workspaces()
+    kw = dict(scale=0.3, causal="top_left", plan="diag_cache", diagonals=2)
+    h2o.forward(q, k, v, cache="balanced", **kw)
+    (first,) = h2o._workspaces.values()
+    ptr = first.data_ptr()
+    for seed in (66, 67):
+        q2, k2, v2 = _qkv(seed, 1, 2, 2, 37, 45, 16, 16)
+        _, score = h2o.forward(q2, k2, v2, cache="balanced", **kw)
+        assert _rel(score, reference(q2, k2, scale=0.3, causal="top_left")[1]) < 1e-4
+        assert len(h2o._workspaces) == 1 and next(iter(h2o._workspaces.values())).data_ptr() == ptr
+    # another size gets its own; the cache stays bounded
+    for n in range(5):
+        qq, kk_, vv = _qkv(68, 1, 2, 2, 37 + 16 * n, 45, 16, 16)
+        h2o.forward(qq, kk_, vv, cache="balanced", **kw)
+    assert len(h2o._workspaces) <= h2o._WS_KEEP
+
+
+def test_workspace_bytes():
+    q, k = torch.empty(2, 4, 64, 32), torch.empty(2, 2, 64, 32)
+    for plan in ("two_kernel", "one_kernel"):
+        assert h2o.workspace_bytes(q, k, plan=plan, diagonals=0, cache="balanced") == 0
+    assert h2o.workspace_bytes(q, k, plan="diag_cache", diagonals=0, cache="balanced") == 0
+    # 4 blocks of 16: balanced K caches K tiles per query block
+    assert h2o.workspace_bytes(q, k, plan="diag_cache", diagonals=3, cache="balanced") == 2 * 4 * 12 * 16 * 16 * 4
+    # causal layout, top-left: query blocks 0..K-1 cache 1 + 2 + ... + K tiles
+    assert h2o.workspace_bytes(q, k, plan="diag_cache", diagonals=3, cache="causal") == 2 * 4 * 6 * 16 * 16 * 4
+    with pytest.raises(ValueError, match="diagonals"):
+        h2o.workspace_bytes(q, k, plan="diag_cache", diagonals=5, cache="balanced")
+
+
+# --- layouts (pure Python) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_balanced_layout_is_the_cyclic_diagonals(n):
+    for kk in range(n + 1):
+        tiles = h2o.cached_tiles(n, kk, "balanced", False)
+        assert tiles == [(r, c) for r in range(n) for c in range(n) if (c - r) % n < kk]
+        bal = h2o.program_tiles(n, kk, "balanced", False)
+        # every query block writes K tiles, every key block reads K: balanced
+        assert all(w == kk for _, w in bal["rows"]) and all(rd == kk and rc == n - kk for rc, rd in bal["cols"])
+        for line in range(n):  # at most two contiguous ranges per query block and per key block
+            assert len(h2o._ranges([c for r, c in tiles if r == line])) <= 2
+            assert len(h2o._ranges([r for r, c in tiles if c == line])) <= 2
+
+
+@pytest.mark.parametrize("n", [1, 4, 8, 16])
+def test_causal_layout_balance(n):
+    # square top-left grid: query block r visits r + 1 tiles, key block c visits n - c
+    for kk in range(n + 1):
+        tiles = h2o.cached_tiles(n, kk, "causal", "top_left")
+        assert tiles == [(r, c) for r in range(min(kk, n)) for c in range(r + 1)]
+        assert len(tiles) == kk * (kk + 1) // 2
+        bal = h2o.program_tiles(n, kk, "causal", True)
+        rows, cols = bal["rows"], bal["cols"]
+        assert [v for v, _ in rows] == [r + 1 for r in range(n)]  # kernel 0 visits what it did
+        assert [w for _, w in rows] == [r + 1 if r < kk else 0 for r in range(n)]
+        # kernel 1: key block c recomputes n - max(c, K) tiles and reads max(K - c, 0)
+        assert cols == [(n - max(c, kk), max(kk - c, 0)) for c in range(n)]
+        # the longest column pass recomputes n - K tiles (was n); kernel 0's longest row (n tiles,
+        # no writes) is unchanged while K (1 + w) <= n, w the cost of a tile write relative to a tile
+        assert max(rc for rc, _ in cols) == n - kk
+        if 2 * kk <= n:
+            assert max(v + w for v, w in rows) == n
+        for line in range(n):  # one contiguous range per query block and per key block
+            assert len(h2o._ranges([c for r, c in tiles if r == line])) <= 1
+            assert len(h2o._ranges([r for r, c in tiles if c == line])) <= 1
+
+
+def test_cached_tiles_bottom_right_and_rectangular():
+    # 2 query blocks, 4 key blocks, bottom-right: query block 0 sees key blocks 0..2, block 1 all
+    assert h2o.cached_tiles((2, 4), 1, "causal", "bottom_right") == [(0, 0), (0, 1), (0, 2)]
+    assert h2o.cached_tiles((2, 4), 4, "causal", "bottom_right") == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                                     (1, 2), (1, 3)]
+    # balanced on a 3 x 5 grid: cyclic diagonals modulo 5
+    assert h2o.cached_tiles((3, 5), 2, "balanced", "none") == [(0, 0), (0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]
+
+
+def test_plan_errors():
+    q, k, v = _qkv(69, 1, 2, 2, 40, 40, 16, 16)
+    with pytest.raises(ValueError, match="plan must be one of"):
+        h2o.forward(q, k, v, scale=1.0, plan="three_kernel")
+    with pytest.raises(ValueError, match="cache must be one of"):
+        h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, cache="diagonal")
+    for bad in (-1, 4, 1.5, True):
+        with pytest.raises(ValueError, match="diagonals must be an int in 0..3"):
+            h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=bad)
+    with pytest.raises(ValueError, match="needs causal masking"):
+        h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, cache="causal")
+    with pytest.raises(ValueError, match="BLOCK_M == BLOCK_N"):
+        h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, config={"BLOCK_M": 16, "BLOCK_N": 32})
+    with pytest.raises(ValueError, match="fwd_config"):
+        h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, fwd_config={"BLOCK_M": 32})
+    with pytest.raises(ValueError, match="finite mask_fill"):
+        h2o.forward(q, k, v, scale=1.0, plan="one_kernel", mask=torch.ones(40, 40, dtype=torch.bool),
+                    mask_kind="bool_keep", mask_fill=-1e4)
+    with pytest.raises(ValueError, match="needs v"):
+        h2o.forward(q, k, None, scale=1.0, plan="one_kernel")
+    with pytest.raises(ValueError, match="cache must be one of"):
+        h2o.cached_tiles(4, 1, "rows", False)
+    with pytest.raises(ValueError, match="causal masking"):
+        h2o.cached_tiles(4, 1, "causal", False)
+
+
+@pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
+def test_plans_empty_sizes(plan):
+    q, k, v = torch.randn(2, 2, 0, 32), torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 16)
+    kw = dict(plan[1], diagonals=0) if plan[1]["plan"] == "diag_cache" else plan[1]
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, scale=0.1, causal="top_left", **kw)
+    assert out.shape == (2, 2, 0, 16) and (score == 0).all()
+    q, k, v = torch.randn(1, 2, 7, 32), torch.randn(1, 2, 0, 32), torch.randn(1, 2, 0, 16)
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, scale=0.1, causal="top_left", **kw)
+    assert score.shape == (1, 2, 0) and (out == 0).all()
+
+
+def test_plan_kernels_render_and_do_not_specialize_lengths():
+    names = set()
+    for causal in (False, True):
+        for kind in ("none", "bool_keep", "additive"):
+            for need_out in (False, True):
+                for one, ranges in ((True, 0), (False, 0), (False, 1), (False, 2)):
+                    kern = h2o.fwd_kernel(causal=causal, mask_kind=kind, mask_row_broadcast=False, need_out=need_out,
+                                          one_kernel=one, cache_ranges=ranges, interpret=False)
+                    names.add(kern.name)
+                    src = kern.source
+                    assert ("tl.atomic_add" in src) == one and ("WS_seg" in src) == (ranges > 0)
+                    assert ("V_head" in src) == need_out
+                    fn = launch.kernel_module(kern, False).h2o_fwd_kernel
+                    nospec = {p.name for p in fn.params if p.do_not_specialize}
+                    assert nospec == {"N_Q", "N_K", "CAUSAL_OFFSET"} | ({"N_SLOTS"} if ranges else set())
+            for ranges in (1, 2):
+                kern = h2o.colsum_kernel(causal=causal, mask_kind=kind, mask_row_broadcast=False, interpret=False,
+                                         cache_ranges=ranges)
+                assert "_colsum_cached" in kern.source
+                names.add(kern.name)
+    assert len(names) == 2 * 3 * (2 * 4 + 2)
+    with pytest.raises(ValueError):
+        h2o.fwd_kernel(causal=False, mask_kind="none", mask_row_broadcast=False, need_out=True, one_kernel=True,
+                       cache_ranges=1, interpret=True)
+
+
+def test_plan_config_tables():
+    for plan in ("one_kernel", "diag_cache"):
+        for dev in ("sm90", "cuda"):
+            for bucket in (64, 128, 256):
+                for size in (2, 4):
+                    cands = h2o._TABLE_PLANS[plan][(dev, bucket, size)]
+                    assert cands
+                    for c in cands:
+                        launch.check_config(c)
+                        assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+                        if plan == "diag_cache":
+                            assert c["BLOCK_M"] == c["BLOCK_N"]
+        for c in h2o.candidate_configs(head_dim=80, dtype=torch.float16, device="cpu", plan=plan):
+            assert c["num_stages"] == 1 and c["BLOCK_M"] <= 32 and c["BLOCK_N"] <= 32
+
+
+def test_cached_quantity_float32_scores_vs_fp16_exponentials():
+    # docs/math.md, "Caching tiles between the kernels": caching the float32 s' gives what a
+    # recompute gives; caching fp16 exponentials exp2(s' - m_running) (with the running max per
+    # row and tile, rescaled by exp2(m_running - LSE) in kernel 1) rounds every P to 11 bits and
+    # flushes the small ones to 0 — at 30-sigma logits whole columns lose their (tiny) mass
+    gen = torch.Generator().manual_seed(70)
+    n, d, t = 256, 32, 32
+    q, k = torch.randn(2, n, d, generator=gen), torch.randn(2, n, d, generator=gen)
+    for mult in (1.0, 30.0):
+        qk_scale = d ** -0.5 * mult * math.log2(math.e)
+        ref = torch.softmax((q.double() @ k.double().mT) * (d ** -0.5 * mult), -1).sum(-2)
+        s2 = (q @ k.mT) * qk_scale  # float32 s', as both kernels compute it
+        m = torch.full((2, n), -math.inf)
+        l = torch.zeros(2, n)
+        m_at = []
+        for j in range(0, n, t):  # kernel 0's online softmax over key tiles
+            m_new = torch.maximum(m, s2[..., j:j + t].amax(-1))
+            l = l * torch.exp2(m - m_new) + torch.exp2(s2[..., j:j + t] - m_new[..., None]).sum(-1)
+            m = m_new
+            m_at.append(m.clone())
+        lse = m + torch.log2(l)
+        cached_s = torch.exp2(s2 - lse[..., None]).sum(-2)
+        fp16 = torch.cat([(torch.exp2(s2[..., j:j + t] - m_at[i][..., None]).half().float()
+                           * torch.exp2(m_at[i] - lse)[..., None]).sum(-2) for i, j in enumerate(range(0, n, t))], -1)
+        e32, e16 = _rel(cached_s, ref), _rel(fp16, ref)
+        assert e32 < 3e-6 and e16 > 4 * e32, (mult, e32, e16)
+        worst16 = ((fp16.double() - ref).abs() / ref).max().item()
+        worst32 = ((cached_s.double() - ref).abs() / ref).max().item()
+        assert worst32 < 1e-3
+        if mult == 30.0:
+            assert worst16 > 0.5  # some key's whole score is lost to fp16 underflow
+
+
+# --- GPU: every plan at real sizes (the lead runs these) ----------------------------------------
+
+GPU_PLAN_CASES = [
+    ("one_kernel", dict(plan="one_kernel")),
+    ("diag_balanced_K4", dict(plan="diag_cache", diagonals=4, cache="balanced")),
+    ("diag_causal_K8", dict(plan="diag_cache", diagonals=8, cache="causal")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", GPU_PLAN_CASES, ids=[p[0] for p in GPU_PLAN_CASES])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_plans_match_reference(case, plan):
+    _, dtype, b, hq, hkv, n_q, n_k, d, causal, mask_spec = case
+    plan_kw = dict(plan[1])
+    if plan_kw.get("cache") == "causal" and causal == "none":
+        plan_kw["cache"] = "balanced"
+    dev = torch.device("cuda")
+    q, k, v = _qkv(104, b, hq, hkv, n_q, n_k, d, d, dtype=dtype, device=dev)
+    gen = torch.Generator().manual_seed(105)
+    mask, mask_kind = None, "none"
+    if mask_spec == "keypad":
+        keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+        keep[0, ..., n_k - 300:] = False
+        keep[1] = False
+        mask, mask_kind = keep.to(dev), "bool_keep"
+    elif mask_spec == "bias":
+        mask, mask_kind = torch.randn(b, hq, n_q, n_k, generator=gen).to(dev), "additive"
+    kw = dict(scale=d ** -0.5, causal=causal, mask=mask, mask_kind=mask_kind)
+    if "diagonals" in plan_kw:
+        plan_kw["diagonals"] = min(plan_kw["diagonals"], h2o.diagonal_count(q, k, causal))
+    h2o.clear_workspaces()
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, **plan_kw, **kw)
+    ref_out, ref_score = reference(q, k, v, **kw)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert not score.isnan().any() and _rel(score, ref_score) < tol
+    assert not out.isnan().any() and _rel(out, ref_out) < tol
+    assert (score[ref_score == 0] == 0).all()
+    _, s_none = h2o.forward(q, k, None, need_out=False, **plan_kw, **kw)
+    assert _rel(s_none, ref_score) < tol

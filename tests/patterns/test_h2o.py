@@ -230,3 +230,114 @@ def test_no_grad_block_inside_a_training_program(qkv):
 
     rep = _compiled_vs_eager(fn, q.clone().requires_grad_(), k, v, grad_leaves=(0,))
     assert [m.pattern for m in rep.matches] == ["h2o"]
+
+
+# --- plans: what the planner offers, forcing a plan, autotune -----------------------------------
+
+N_PLANS = 70  # several 16-row tiles of the interpreter's diag_cache config
+
+
+def _plan_qkv(n=N_PLANS):
+    g = torch.Generator().manual_seed(7)
+    return tuple(torch.randn(B, H, n, D, generator=g) for _ in range(3))
+
+
+def test_explain_lists_every_plan_with_its_estimate():
+    q, k, v = _plan_qkv()
+    with torch.no_grad():
+        rep = fuser.explain(causal_fp32_softmax, q, k, v)
+    (m,) = rep.matches
+    names = [c.name for c in m.alternatives]
+    assert names[:2] == ["fuser[two_kernel]", "fuser[one_kernel]"]
+    diag = [c for c in m.alternatives if c.params.get("plan") == "diag_cache"]
+    # K in {n/4, n/2} of the 5 block diagonals (n/8 rounds to 0), both layouts under causal masking
+    assert sorted((c.params["diagonals"], c.params["cache"]) for c in diag) == [
+        (1, "balanced"), (1, "causal"), (2, "balanced"), (2, "causal")]
+    assert "fuser[diag_cache K=2 causal]" in names
+    for c in diag:
+        assert c.cost["workspace"] != 0 and "tiles of 16x16" in c.note
+    one = m.alternatives[1]
+    assert not one.deterministic and "atomics" in one.cost
+    text = str(rep)
+    for name in names:
+        assert name in text
+    assert m.plan in m.alternatives and m.plan.estimate_ms == min(c.estimate_ms for c in m.alternatives)
+
+
+def test_non_causal_offers_only_the_balanced_layout():
+    q, k, v = _plan_qkv()
+    with torch.no_grad():
+        rep = fuser.explain(scores_and_out, q, k, v)
+    caches = {c.params.get("cache") for c in rep.matches[0].alternatives if c.params.get("plan") == "diag_cache"}
+    assert caches == {"balanced"}
+
+
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel", "diag_cache"])
+def test_forced_plan_runs_and_matches_eager(plan):
+    q, k, v = _plan_qkv()
+    opts = {"fuser.plan": f"h2o.plan={plan}"}
+    with torch.no_grad():
+        rep = fuser.explain(causal_fp32_softmax, q, k, v, options=opts)
+        assert rep.matches[0].plan.params["plan"] == plan and "forced" in rep.matches[0].reason
+        if plan == "diag_cache":
+            assert any("_cache1" in kern.name or "_cache2" in kern.name for kern in rep.matches[0].kernels)
+        torch._dynamo.reset()
+        got = torch.compile(causal_fp32_softmax, backend="fuser", options=opts)(q, k, v)
+        want = causal_fp32_softmax(*(t.double() for t in (q, k, v)))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+
+
+def test_deterministic_algorithms_leave_out_one_kernel():
+    q, k, v = _plan_qkv()
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            rep = fuser.explain(causal_fp32_softmax, q, k, v, options={"fuser.autotune": True})
+    finally:
+        torch.use_deterministic_algorithms(old)
+    m = rep.matches[0]
+    assert m.plan.params["plan"] != "one_kernel"
+    tune = [c for c in m.alternatives if c.params["plan"] == "autotune"][0]
+    assert all(p != "one_kernel" for p, _, _ in tune.params["tries"]) and tune.deterministic
+
+
+def test_autotune_times_the_best_plans_on_the_interpreter():
+    from fuser.codegen import launch
+
+    q, k, v = _plan_qkv(66)  # a shape bucket no other test tunes
+    opts = {"fuser.autotune": True}
+    before = {key for key in launch._tune_mem if key.startswith("h2o.plan|")}
+    with torch.no_grad():
+        rep = fuser.explain(causal_fp32_softmax, q, k, v, options=opts)
+        m = rep.matches[0]
+        assert m.plan.name == "fuser[plan=autotune]", str(rep)
+        tries = m.plan.params["tries"]
+        ranked = sorted((c for c in m.alternatives if c.params["plan"] != "autotune"), key=lambda c: c.estimate_ms)
+        assert list(tries) == [(c.params["plan"], c.params["diagonals"], c.params["cache"]) for c in ranked[:3]]
+        torch._dynamo.reset()
+        got = torch.compile(causal_fp32_softmax, backend="fuser", options=opts)(q, k, v)
+        want = causal_fp32_softmax(*(t.double() for t in (q, k, v)))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+    tuned = {key for key in launch._tune_mem if key.startswith("h2o.plan|")} - before
+    assert len(tuned) == 1
+    winner = launch._tune_mem[tuned.pop()]
+    assert (winner["plan"], winner["diagonals"], winner["cache"]) in tries
+
+
+def test_h2o_op_plan_strings():
+    from fuser.patterns import h2o_ops
+    from fuser.patterns.h2o_reference import reference
+
+    q, k, v = _plan_qkv(45)
+    _, want = reference(q, k, v, scale=0.25, causal="bottom_right")
+    for text in ("", h2o_ops.plan_string("one_kernel"), h2o_ops.plan_string("diag_cache", 2, "causal"),
+                 h2o_ops.plan_string("diag_cache", 99, "causal")):  # K clamped to this shape's 3 diagonals
+        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text)
+        torch.testing.assert_close(score.double(), want, rtol=2e-5, atol=2e-5)
+    assert h2o_ops.parse_plan("plan=diag_cache;diagonals=3;cache=causal;try=one_kernel/0/balanced") == {
+        "plan": "diag_cache", "diagonals": 3, "cache": "causal", "tries": [("one_kernel", 0, "balanced")]}
+    with pytest.raises(ValueError, match="plan entry"):
+        h2o_ops.parse_plan("plan=one_kernel;split=2")

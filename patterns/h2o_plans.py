@@ -1,0 +1,232 @@
+"""Plans for an H2O match — their symbolic costs — and the graph code each emits.
+
+Candidates (``codegen/h2o.py`` has the kernels, ``docs/math.md`` "H2O column sums" the math):
+
+``fuser[two_kernel]``
+    the attention forward (O, LSE), then a column-parallel pass recomputing P: per visible
+    (query, key) pair ``4D + 2Dv`` FLOPs (Q Kᵀ twice, P V once) and two exps; deterministic.
+``fuser[one_kernel]``
+    one row-parallel kernel, two passes over the keys (statistics, then P, P V and the column
+    sums by float32 atomics): the same FLOPs and exps, one launch, no statistics through HBM,
+    ``Nk · ⌈Nq / BLOCK_M⌉`` atomic adds per head; **not deterministic** (the atomics' order).
+``fuser[diag_cache K=<K> <layout>]``
+    two_kernel where kernel 0 also writes the float32 scores of the cached tiles (``|C|`` tiles of
+    ``T × T``, from :func:`fuser.codegen.h2o.cached_tiles`'s layout at the example shapes) and the
+    column pass reads them: ``2·D·T²`` FLOPs fewer per cached tile, ``2·4·T²`` bytes more (written
+    once, read once). Offered at a few K (an eighth, a quarter and half of the block diagonals),
+    the ``balanced`` layout always and the ``causal`` layout under causal masking.
+``fuser[plan=autotune]``
+    under ``fuser.autotune``: the three best-estimated plans above timed on the first call of a
+    shape (``patterns/h2o_ops.py``), the fastest kept.
+``inductor``
+    on CUDA: leave the region to Inductor (scores and P materialised).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fuser import costmodel as cm
+from fuser.codegen import h2o as kernels
+from fuser.codegen import launch
+from fuser.graph import permuted, shape
+from fuser.pattern import Candidate, Match, MatchContext
+from fuser.static import symint_value
+
+from . import h2o_ops
+from .scores import Emitter
+
+#: the nominal query-block height for tile and atomic counts (the GPU tables' usual BLOCK_M)
+BLOCK_M = 128
+
+# Fraction of the matrix-unit peak the H2O kernels reach, by head-dim bucket (<=64, <=128, <=256).
+# NOT MEASURED: taken as the attention forward's (patterns/attention_plans.py) for every plan
+# until benchmarks/h2o.py measures them on the H100.
+EFFICIENCY = {
+    "two_kernel": (0.50, 0.60, 0.38),
+    "one_kernel": (0.50, 0.60, 0.38),
+    "diag_cache": (0.50, 0.60, 0.38),
+}
+
+
+def _int(x) -> int:
+    return int(symint_value(x))
+
+
+def _shapes(m: Match) -> tuple[dict, int]:
+    """Shape symbol -> value at the example shapes, and Dv (0 without P V)."""
+    b = m.bindings
+    lead = (1,) * (4 - b["rank"])  # [B·H, N, D] operands: B = 1
+    sq = lead + tuple(permuted(shape(b["q"]), b["q_p"]))
+    sk = lead + tuple(permuted(shape(b["k"]), b["k_p"]))
+    subs = {cm.B: _int(sq[0]), cm.H: _int(sq[1]), cm.NQ: _int(sq[2]), cm.NK: _int(sk[2]), cm.D: _int(sq[3])}
+    dv = _int(shape(b["v"])[-1]) if b["v"] is not None else 0
+    return subs, dv
+
+
+def diag_options(m: Match, subs: dict) -> list[tuple[int, str, int, int]]:
+    """diag_cache's offered ``(K, layout, cached tiles |C| per head, tile T)`` at the example
+    shapes: K in {n/8, n/4, n/2} (n the block diagonals), the balanced layout, and the causal
+    layout under causal masking."""
+    b = m.bindings
+    dev = b["device"]
+    t = kernels.candidate_configs(head_dim=subs[cm.D], dtype=b["in_dtype"], device=dev, plan="diag_cache")[0]["BLOCK_M"]
+    n_q, n_k = subs[cm.NQ], subs[cm.NK]
+    if n_q == 0 or n_k == 0:
+        return []
+    n = max(launch.cdiv(n_q, t), launch.cdiv(n_k, t))
+    ks = sorted({kk for kk in (n // 8, n // 4, n // 2) if kk >= 1})
+    layouts = ("balanced", "causal") if b["causal"] != "none" else ("balanced",)
+    out = []
+    for cache in layouts:
+        for kk in ks:
+            tiles = len(kernels._tables(n_q, n_k, t, b["causal"], kk, cache)[3])
+            out.append((kk, cache, tiles, t))
+    return out
+
+
+def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: int = 0) -> dict:
+    """Symbolic cost terms of one plan (see the module docstring); ``cached`` tiles of ``tile²``
+    per head for diag_cache (a number at the example shapes)."""
+    b = m.bindings
+    pairs = cm.NQ * cm.NK
+    if b["causal"] != "none":
+        offset = 0 if b["causal"] == "top_left" else cm.NK - cm.NQ
+        pairs = cm.pairs_causal(cm.NQ, cm.NK, offset)
+    bh = cm.B * cm.H
+    elt = torch.finfo(b["in_dtype"]).bits // 8
+    if plan == "inductor":
+        return {
+            "flops": bh * pairs * (2 * cm.D + 2 * dv),
+            "exps": bh * cm.NQ * cm.NK,
+            # scores written, read by the softmax, P written, read by the sum and by P V
+            "bytes": bh * cm.NQ * cm.NK * (4 + 4 + 4 + 4 + elt),
+            "launches": 5,
+        }
+    io = elt * bh * (cm.NQ * cm.D + cm.NK * cm.D + cm.NQ * dv + cm.NK * dv) + 4 * bh * cm.NK
+    terms = {
+        # Q Kᵀ twice (both passes or both kernels), P V once
+        "flops": bh * pairs * (4 * cm.D + 2 * dv),
+        "exps": 2 * bh * pairs,
+        "tiles": sympy.ceiling(cm.NQ / BLOCK_M) * bh,
+    }
+    if plan == "one_kernel":
+        terms["bytes"] = io + elt * bh * cm.NK * cm.D  # k streamed twice; no statistics
+        terms["atomics"] = bh * cm.NK * sympy.ceiling(cm.NQ / BLOCK_M)
+        terms["launches"] = 1
+        return terms
+    # two kernels: q and k read again by the column pass, the statistics written and read
+    terms["bytes"] = io + elt * bh * (cm.NQ * cm.D + cm.NK * cm.D) + 8 * bh * cm.NQ
+    terms["launches"] = 2
+    if plan == "diag_cache" and cached:
+        area = tile * tile
+        terms["flops"] = terms["flops"] - bh * cached * 2 * area * cm.D
+        terms["workspace"] = bh * cached * area * 4
+        terms["bytes"] = terms["bytes"] + 2 * terms["workspace"]  # written by kernel 0, read by kernel 1
+    return terms
+
+
+def estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, plan: str) -> float:
+    """Milliseconds of one plan: :func:`fuser.costmodel.estimate_ms` plus the atomics."""
+    d = subs[cm.D]
+    table = cm.EAGER_MATMUL if plan == "inductor" else EFFICIENCY[plan]
+    base = {k: v for k, v in terms.items() if k in ("flops", "bytes", "exps", "tiles", "launches")}
+    t = cm.estimate_ms(base, subs, model, kind, cm.efficiency(table, d))
+    if "atomics" in terms:
+        t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
+    return t
+
+
+def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
+    """Every plan this match can run with, each with its estimate at the example shapes."""
+    b = m.bindings
+    dev = b["device"]
+    subs, dv = _shapes(m)
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
+    out: list[Candidate] = []
+
+    def add(name, params, terms, plan, note, deterministic=True):
+        out.append(Candidate(name, {"impl": "fuser", **params}, terms, estimate(terms, subs, model, kind, plan), note,
+                             deterministic=deterministic))
+
+    base = {"diagonals": 0, "cache": "balanced"}
+    add("fuser[two_kernel]", {"plan": "two_kernel", **base}, cost_terms(m, "two_kernel", subs, dv), "two_kernel",
+        "attention forward (O, LSE), then a column-parallel pass recomputing P from the LSE")
+    add("fuser[one_kernel]", {"plan": "one_kernel", **base}, cost_terms(m, "one_kernel", subs, dv), "one_kernel",
+        "one row-parallel kernel: statistics pass, then P V and the column sums by float32 atomics "
+        "(score not bitwise deterministic)", deterministic=False)
+    for kk, cache, tiles, t in diag_options(m, subs):
+        add(f"fuser[diag_cache K={kk} {cache}]", {"plan": "diag_cache", "diagonals": kk, "cache": cache},
+            cost_terms(m, "diag_cache", subs, dv, tiles, t), "diag_cache",
+            f"two kernels; kernel 0 caches the float32 scores of {tiles} tiles of {t}x{t} per head "
+            f"({cache} layout, K={kk}) for the column pass")
+    if ctx.options.autotune:
+        ranked = sorted(out, key=lambda c: c.estimate_ms)
+        strict = torch.are_deterministic_algorithms_enabled()
+        tries = tuple((c.params["plan"], c.params["diagonals"], c.params["cache"]) for c in ranked
+                      if c.deterministic or not strict)[:3]
+        best = ranked[0]
+        out.append(Candidate("fuser[plan=autotune]", {"impl": "fuser", "plan": "autotune", "diagonals": 0,
+                                                      "cache": "balanced", "tries": tries},
+                             dict(best.cost), best.estimate_ms * 0.999,
+                             "times " + ", ".join(f"{p}" + (f" K={kk} {c}" if p == "diag_cache" else "")
+                                                  for p, kk, c in tries) + " on the first call of a shape",
+                             deterministic=all(p != "one_kernel" for p, _, _ in tries)))
+    if dev.type != "cpu":
+        terms = cost_terms(m, "inductor", subs, dv)
+        out.append(Candidate("inductor", {"impl": "inductor"}, terms, estimate(terms, subs, model, kind, "inductor"),
+                             "left to Inductor: scores and P materialised"))
+    return out
+
+
+def kernels_for(m: Match, plan: Candidate) -> list:
+    """The kernel modules a fuser plan runs (for reports); all tried plans for autotune."""
+    if plan.params.get("impl") != "fuser":
+        return []
+    b = m.bindings
+    ms = b["mask_shape"]
+    row = bool(ms is not None and (len(ms) < 2 or ms[-2] == 1))
+    p = plan.params
+    tries = (p.get("tries") or ()) if p["plan"] == "autotune" else ((p["plan"], p["diagonals"], p["cache"]),)
+    out = []
+    for name, kk, cache in tries:
+        for k in kernels.kernels_for(plan=name, causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
+                                     need_out=b["v"] is not None, interpret=b["device"].type == "cpu", diagonals=kk,
+                                     cache=cache):
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def emit(m: Match, plan: Candidate, graph: fx.Graph) -> dict:
+    """Insert the plan's replacement before the region's insertion point; return the new
+    output nodes by name (``"score"``, and ``"out"`` with P V)."""
+    b = m.bindings
+    if plan.params.get("impl") != "fuser":
+        raise ValueError(f"h2o plan {plan.name} emits nothing")
+    p = plan.params
+    text = h2o_ops.plan_string(p["plan"], p["diagonals"], p["cache"], tuple(p.get("tries") or ()))
+    e = Emitter(graph, b["rank"], b["compute_dtype"])
+    with graph.inserting_before(m.insertion_point):
+        dyn = [(v, pw) for v, pw in b["factors"] if not isinstance(v, float)]
+        q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
+        k = e.operand(b["k"], b["k_p"], b["in_dtype"])
+        v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
+        mask = e.mask(b["mask_terms"], b["mask_shape"])
+        op = e.node("call_function", torch.ops.fuser.h2o.default,
+                    (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], v is not None, text))
+        score = e.unrank(e.node("call_function", operator.getitem, (op, 1)))
+        if b["score_dtype"] != torch.float32:
+            score = e.node("call_method", "to", (score, b["score_dtype"]))
+        new = {"score": score}
+        if v is not None:
+            out = e.unrank(e.node("call_function", operator.getitem, (op, 0)))
+            if b["out_dtype"] != b["compute_dtype"]:
+                out = e.node("call_method", "to", (out, b["out_dtype"]))
+            new["out"] = out
+    return new
