@@ -215,7 +215,11 @@ def window_causal(windows: list, causal: str, nq, nk) -> str:
 def _slice_text(s: slice) -> str:
     """``s`` as written, with graph values by name: ``-w:``, ``neg:``, ``:8``, ``::2``."""
     def part(x):
-        return "" if x is None else (x.name if isinstance(x, fx.Node) else str(x))
+        if isinstance(x, fx.Node):
+            if x.op == "call_function" and x.target is operator.neg and isinstance(x.args[0], fx.Node):
+                return "-" + user_name(x.args[0])
+            return user_name(x)
+        return "" if x is None else str(x)
     text = f"{part(s.start)}:{part(s.stop)}"
     return text + (f":{part(s.step)}" if s.step is not None else "")
 
