@@ -55,12 +55,15 @@ class ScorePath:
     reader to the score, as the region takes them.
 
     Attributes:
-        nodes: casts, inactive dropout, query windows and reductions, in order; the last is
-            the score (``end``).
-        steps: the reductions as written: ``(op, dims, keepdim, over_queries)`` with ``op``
-            ``"sum"`` or ``"mean"``, ``dims`` the dims of the tensor it reads (non-negative),
-            ``over_queries`` whether the query axis is among them. The fused op sums the query
-            axis; :func:`_score_output` replays the rest on its column sums.
+        nodes: casts, inactive dropout, slices and reductions, in order; the last is the score
+            (``end``).
+        steps: what :func:`score_output` replays on the op's column sums (with the query axis
+            put back as a unit dim), as written: ``(op, dims, keepdim, over_queries)`` with
+            ``op`` ``"sum"`` or ``"mean"``, ``dims`` the dims of the tensor it reads
+            (non-negative), ``over_queries`` whether the query axis is among them; or
+            ``("slice", index, axes)``: a basic slice of P's other axes (``[..., :-w]``: keys
+            before the window), ``index`` with the query axis left whole, ``axes`` the P axes it
+            slices. Slices of other axes commute with the sum over the queries.
         windows: slices of the query axis between P and the reduction over it (SnapKV's
             observation window ``P[..., -w:, :]``), in order: the op reads ``q`` sliced the same
             way (the softmax is row-wise, so the rows of P are the softmax of those rows).
@@ -79,12 +82,22 @@ class ScorePath:
     def describe(self, rank: int) -> str:
         """The reductions in words, e.g. ``"sum over batch, then sum over queries"``."""
         names = AXES[rank]
-        axes, out = list(range(rank)), []
-        for op, dims, keepdim, _ in self.steps:
+        axes, out, keep = list(range(rank)), [], False
+        for op, dims, keepdim, *_ in (st for st in self.steps if st[0] != "slice"):
             out.append(f"{op} over {', '.join(names[axes[d]] for d in dims)}")
+            keep = keep or keepdim
             if not keepdim:
                 axes = [a for i, a in enumerate(axes) if i not in dims]
-        return ", then ".join(out) + (" (keepdim)" if any(k for _, _, k, _ in self.steps) else "")
+        return ", then ".join(out) + (" (keepdim)" if keep else "")
+
+    def describe_slices(self, rank: int) -> str:
+        """The slices in words, e.g. ``"queries[-w:], keys[:-w]"``; empty when there are none."""
+        names = AXES[rank]
+        out = [f"queries[{_slice_text(s)}]" for s in self.windows]
+        for st in self.steps:
+            if st[0] == "slice":
+                out += [f"{names[a]}[{_slice_text(s)}]" for a, s in st[2]]
+        return ", ".join(out)
 
 
 AXES = {4: ("batch", "heads", "queries", "keys"), 3: ("batch·heads", "queries", "keys")}
@@ -110,21 +123,20 @@ def _active_dropout(x: fx.Node, view: GraphView) -> Optional[str]:
             "the fused H2O op does not drop out (H2O scores keys in eval mode)")
 
 
-def _query_window(x: fx.Node, prev: fx.Node, qdim: int, rank: int) -> Optional[slice]:
-    """The slice ``x`` takes of ``prev``'s dim ``qdim`` when ``x`` is ``prev[idx]`` with ``idx``
-    slicing that dim alone (``P[..., -w:, :]``, ``P[:, :, -w:]``); else None."""
+def _slices(x: fx.Node, prev: fx.Node, rank: int) -> Optional[tuple]:
+    """``idx``, one slice per dim of ``prev`` (of rank ``rank``), when ``x`` is ``prev[idx]``
+    with basic slices only (``P[..., -w:, :]``, ``P[:, :, -w:]``, ``P[..., -w:, :-w]``); else
+    None (ints, new dims, tensor indices)."""
     if not (x.op == "call_function" and x.target is operator.getitem and x.args[0] is prev):
         return None
     idx = x.args[1] if isinstance(x.args[1], tuple) else (x.args[1],)
     if sum(i is Ellipsis for i in idx) > 1 or not all(i is Ellipsis or isinstance(i, slice) for i in idx):
-        return None  # ints, None (new dims), tensors, several ellipses
+        return None
     if Ellipsis in idx:
         at = idx.index(Ellipsis)
         idx = idx[:at] + (slice(None),) * (rank - len(idx) + 1) + idx[at + 1:]
     idx = idx + (slice(None),) * (rank - len(idx))
-    if len(idx) != rank or any(s != slice(None) for d, s in enumerate(idx) if d != qdim):
-        return None
-    return idx[qdim]
+    return idx if len(idx) == rank else None
 
 
 def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
@@ -137,9 +149,10 @@ def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
     prev, x = p, first
     while True:
         c = view.canon(x)
-        window = _query_window(x, prev, axes.index(query), len(axes)) if query not in reduced else None
+        idx = _slices(x, prev, len(axes))
         if c is not None and c.op in REDUCTIONS and c.args[0] is prev:
-            dims = tuple(range(len(axes))) if c.attrs["dim"] is None else tuple(c.attrs["dim"])
+            # dim=None and dim=() both reduce every dim, as in torch
+            dims = tuple(c.attrs["dim"] or range(len(axes)))
             over = {axes[d] for d in dims}
             if key in over:
                 if query in reduced:
@@ -152,8 +165,16 @@ def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
                 axes = [a for i, a in enumerate(axes) if i not in dims]
             nodes.append(x)
             end = len(nodes)
-        elif window is not None:
-            windows.append(window)
+        elif idx is not None:
+            qdim = axes.index(query) if query in axes else None
+            if qdim is not None and idx[qdim] != slice(None):
+                if query in reduced:  # a keepdim sum over the queries, sliced: not worth the words
+                    break
+                windows.append(idx[qdim])
+                idx = idx[:qdim] + (slice(None),) + idx[qdim + 1:]
+            sliced = tuple((axes[d], s) for d, s in enumerate(idx) if s != slice(None))
+            if sliced:
+                steps.append(("slice", idx, sliced))
             nodes.append(x)
         elif _through(x, prev, view):
             nodes.append(x)
@@ -357,9 +378,9 @@ class H2OPattern(Pattern):
             "shape": f"q{tuple(sq)} k{tuple(sk)}", "outputs": ", ".join(outputs),
             "score": path.describe(rank),
         }
-        if path.windows:
-            summary["window"] = " then ".join(f"queries[{_slice_text(s)}]" for s in path.windows)
-            if sc.causal != "none":
+        if path.describe_slices(rank):
+            summary["window"] = path.describe_slices(rank)
+            if path.windows and sc.causal != "none":
                 summary["window_causal"] = score_causal
         if sc.buffers:
             summary["assumes_constant"] = sorted(set(sc.buffers))
@@ -499,7 +520,11 @@ def score_output(e: Emitter, b: dict, colsum: fx.Node, q_rows: fx.Node) -> fx.No
             score = e.node("call_function", operator.truediv, (score, _rows(e, q_rows)))
     else:
         score = e.node("call_method", "unsqueeze", (score, rank - 2))
-        for op, dims, keepdim, over_queries in steps:
+        for op, *args in steps:
+            if op == "slice":
+                score = e.node("call_function", operator.getitem, (score, args[0]))
+                continue
+            dims, keepdim, over_queries = args
             score = e.node("call_method", op, (score, dims, keepdim))
             if op == "mean" and over_queries:
                 score = e.node("call_function", operator.truediv, (score, _rows(e, q_rows)))

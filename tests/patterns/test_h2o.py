@@ -3,6 +3,7 @@ reasons, and compiled results against float64 eager (CPU, Triton's interpreter).
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -416,6 +417,43 @@ def test_snapkv_window_with_a_symbolic_width_does_not_recompile(qkv2):
     with torch.no_grad():
         rep = fuser.explain(snapkv, *qkv2, 6, dynamic=True)
     assert [m.summary["window"] for m in rep.fused] == ["queries[-w:]"]
+
+
+def kvpress_snapkv_from_attentions(q, k, v):
+    # kvpress' SnapKVPress.score with the eager attentions: the window's queries and the keys
+    # before it, averaged over the window (the key slice commutes with the sum over queries)
+    w = 6
+    attentions = _causal_p(q, k)
+    return attentions @ v, attentions[..., -w:, :-w].mean(dim=-2)
+
+
+def kvpress_snapkv_window_attention(q, k):
+    # kvpress' SnapKVPress.compute_window_attention: the window's queries against every key with
+    # a bottom-right causal mask, softmax in float32, the keys before the window, the mean over
+    # the queries, then pooled (outside the region)
+    w, n = 6, k.shape[2]
+    attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
+    attn += torch.full((w, n), float("-inf"), device=q.device).triu(n - w + 1)
+    attn = torch.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = attn[..., :-w].mean(dim=-2)
+    return F.avg_pool1d(scores, kernel_size=5, padding=2, stride=1)
+
+
+def test_kvpress_snapkv_spellings(qkv2):
+    q, k, v = qkv2
+    _fused(kvpress_snapkv_from_attentions, q, k, v, window="queries[-6:], keys[:-6]", window_causal="bottom_right",
+           score="mean over queries")
+    _fused(kvpress_snapkv_window_attention, q, k, causal="bottom_right", window="keys[:-6]", outputs="score")
+    # kvpress builds that mask as torch.ones_like(attn_weights) * -inf: it reads the scores (for
+    # their shape only), so the region's scores would have to exist: declined, with the reason
+
+    def ones_like_mask(q, k):
+        w, n = 6, k.shape[2]
+        attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
+        attn += torch.triu(torch.ones_like(attn) * float("-inf"), diagonal=n - w + 1)
+        return torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-w].mean(dim=-2)
+
+    _declined(ones_like_mask, q, k, reason=r"also used by 'ones_like'")
 
 
 def test_window_causal_alignments(qkv2):
