@@ -150,7 +150,7 @@ def main() -> int:
                   + ", ".join(f"{e:.2e}" for e in errs) + f" (tolerance {tol:g})\n")
             failed |= not fused or max(errs) > tol
             if name.startswith("SnapKV window"):
-                k2, v2 = compress(k, v, got[0], ratio=0.5)
+                k2, _ = compress(k, v, got[0], ratio=0.5)
                 print(f"   compressed the cache with these scores: {n} -> {k2.shape[2]} keys per kv head\n")
     if failed:
         print("MISMATCH or not fused: see above", file=sys.stderr)

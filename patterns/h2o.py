@@ -10,15 +10,24 @@ kernel that recomputes ``P`` from the LSE and sums it (``docs/math.md``).
 
 What is matched (``view`` canonical ops): a softmax over the keys of scores that
 :func:`patterns.scores.analyze_scores` accepts (the same Q Kᵀ, scale, mask, causal and GQA
-spellings as attention), whose probabilities — through casts — are read by exactly one sum over
-the query axis (``P.sum(-2)``, ``P.sum(2)`` on ``[B, H, Nq, Nk]``, ``torch.sum(P, 1)`` on
-``[B·H, Nq, Nk]``) and at most one matmul
-``P @ V``. The region's outputs are named: ``"score"`` (the sum) and, when present, ``"out"``.
+spellings as attention), whose probabilities — through casts and eval-mode dropout — are read by
+at most one matmul ``P @ V`` and by one score (:class:`ScorePath`): a chain of sums and means
+whose reduced axes include the queries and not the keys (``P.sum(-2)``, ``P.sum(0).sum(1)``,
+``P.sum((1, 2))``, ``P.mean(-2)``, keepdim; ``torch.sum(P, 1)`` on ``[B·H, Nq, Nk]``), with
+basic slices anywhere before the sum over the queries. The fused op computes the per-(b, h)
+column sums; the rest of the chain is replayed on them (:func:`score_output`), slices of the
+query axis (SnapKV's window ``P[..., -w:, :]``) are applied to q and to the mask's rows
+(:func:`window_rows`: the softmax is row-wise), with the causal alignment of the window's rows
+worked out by :func:`window_causal`, and ``P V`` over every row then comes from the attention
+op (:func:`window_out`). The region's outputs are named: ``"score"`` (the chain's last
+reduction) and, when present, ``"out"``.
 
-Declined with a reason: P read by anything else; a sum over another axis (over the keys it is
-1); gradients through the outputs (the op has no backward yet); finite fills and index
-predicates (the column-sum kernel hides keys with ``-inf`` or adds a mask tensor); scores of
-rank other than 3 (``[B·H, Nq, Nk]``, FlexGen/OPT) or 4; ``P V`` with a permuted v or output.
+Declined with a reason: P read by anything else; a sum over the keys (each row sums to 1); a
+sum over the queries of something computed from P; active dropout; gradients through the
+outputs (the op has no backward yet); finite fills and index predicates (the column-sum kernel
+hides keys with ``-inf`` or adds a mask tensor); a window of a causal mask that neither kernel
+alignment expresses; scores of rank other than 3 (``[B·H, Nq, Nk]``, FlexGen/OPT) or 4;
+``P V`` with a permuted v or output.
 """
 
 from __future__ import annotations

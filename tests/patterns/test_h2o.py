@@ -279,6 +279,11 @@ def _p(q, k):
     return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
 
 
+def _with_pv(p, v, score):
+    """``(P V, score(P))``."""
+    return p @ v, score(p)
+
+
 def _causal_p(q, k, fill=float("-inf")):
     # top-left causal with a -inf fill, the mask built from sizes (proven causal by its values)
     n, m = q.size(-2), k.size(-2)
@@ -295,7 +300,7 @@ REDUCTIONS = [
     ("keepdim", lambda q, k, v: _p(q, k).sum(-2, keepdim=True), "sum over queries (keepdim)"),
     ("keepdim_chain", lambda q, k, v: _p(q, k).sum(2, keepdim=True).sum(0), "sum over queries, then sum over batch (keepdim)"),
     ("mean", lambda q, k, v: _p(q, k).mean(-2), "mean over queries"),
-    ("torch_mean_with_pv", lambda q, k, v: (lambda p: (p @ v, torch.mean(p, dim=2)))(_p(q, k)), "mean over queries"),
+    ("torch_mean_with_pv", lambda q, k, v: _with_pv(_p(q, k), v, lambda p: torch.mean(p, dim=2)), "mean over queries"),
     ("mean_batch_queries", lambda q, k, v: _p(q, k).mean((0, 2)), "mean over batch, queries"),
     ("sum_then_mean", lambda q, k, v: _p(q, k).sum(0).mean(1), "sum over batch, then mean over queries"),
     ("bmm_layout", lambda q, k, v: torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).mT) * 0.25, -1).sum((0, 1)),
@@ -457,7 +462,7 @@ def test_kvpress_snapkv_spellings(qkv2):
 
 
 def test_window_causal_alignments(qkv2):
-    q, k, v = qkv2
+    q, k, _ = qkv2
     # a prefix of top-left rows stays top-left
     _fused(lambda q, k: _causal_p(q, k)[:, :, :9].sum(-2), q, k, window="queries[:9]", window_causal="top_left")
 
@@ -578,7 +583,7 @@ def test_near_misses_are_declined_with_reasons(qkv2):
     _declined(keys_then_queries, q, k, reason=r"summed over the keys")
     _declined(finite_fill, q, k, reason=r"finite mask fills are not supported by the H2O kernels")
     # eval-mode dropout passes P on unchanged: fused
-    _fused(lambda q, k, v: (lambda p: (p @ v, F.dropout(p, 0.1, training=False).sum(-2)))(_p(q, k)), q, k, v)
+    _fused(lambda q, k, v: _with_pv(_p(q, k), v, lambda p: F.dropout(p, 0.1, training=False).sum(-2)), q, k, v)
 
 
 def test_no_grad_block_inside_a_training_program(qkv):
