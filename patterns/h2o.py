@@ -154,7 +154,8 @@ def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
     reduced; it ends at the last reduction. None when it never reduces the query axis; a reason
     string when it reduces the key axis first (each row of P sums to 1)."""
     query, key = rank - 2, rank - 1
-    axes, reduced, nodes, steps, windows, end = list(range(rank)), set(), [], [], [], 0
+    axes, reduced, nodes, steps, windows = list(range(rank)), set(), [], [], []
+    end = end_steps = 0  # how many nodes and steps the path keeps: up to its last reduction
     prev, x = p, first
     while True:
         c = view.canon(x)
@@ -173,7 +174,7 @@ def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
             if not c.attrs["keepdim"]:
                 axes = [a for i, a in enumerate(axes) if i not in dims]
             nodes.append(x)
-            end = len(nodes)
+            end, end_steps = len(nodes), len(steps)
         elif idx is not None:
             qdim = axes.index(query) if query in axes else None
             if qdim is not None and idx[qdim] != slice(None):
@@ -195,7 +196,7 @@ def _score_path(first: fx.Node, p: fx.Node, rank: int, view: GraphView):
         prev, x = x, readers[0]
     if query not in reduced:
         return None
-    return ScorePath(nodes[:end], steps, windows, frozenset(reduced))
+    return ScorePath(nodes[:end], steps[:end_steps], windows, frozenset(reduced))
 
 
 def _not_p(p: fx.Node, rank: int, readers: list, view: GraphView) -> Optional[str]:

@@ -316,6 +316,28 @@ def test_reductions_over_batch_heads_and_queries(case, qkv2):
     _fused(fn, *qkv2, score=words)
 
 
+SLICES = [
+    # slices of the other axes commute with the sum over the queries: applied to the score
+    ("heads", lambda q, k, v: _p(q, k)[:, 1:3].sum(2), "heads[1:3]"),
+    ("keys_strided", lambda q, k, v: _p(q, k)[..., ::2].sum(-2), "keys[::2]"),
+    # two windows of the queries, one after the other: q is sliced twice the same way
+    ("two_windows", lambda q, k, v: _p(q, k)[:, :, 2:][:, :, -5:].mean(-2), "queries[2:], queries[-5:]"),
+    ("bmm_window", lambda q, k, v: torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).mT), -1)[:, -4:].sum(1),
+     "queries[-4:]"),
+    # an empty window: eager's sum over no rows is 0, and so is the op's
+    ("empty_window", lambda q, k, v: _p(q, k)[:, :, N2 + 1:].sum(-2), f"queries[{N2 + 1}:]"),
+    # a slice of the score (after the last sum) reads the region's output: not in the region
+    ("slice_after_the_sum", lambda q, k, v: _p(q, k).sum(2, keepdim=True)[..., 2:], None),
+]
+
+
+@pytest.mark.parametrize("case", SLICES, ids=[c[0] for c in SLICES])
+def test_slices_of_p(case, qkv2):
+    _, fn, words = case
+    m = _fused(fn, *qkv2, window=words)
+    assert m.outputs["score"].name.startswith(("sum", "mean"))
+
+
 def test_mean_over_a_symbolic_number_of_queries(qkv2):
     # P.mean(-2) divides by Nq: a size read at run time, so a new length does not recompile
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -486,7 +508,8 @@ def test_window_causal_alignments(qkv2):
     # rows from the middle: neither alignment
     _declined(lambda q, k: _causal_p(q, k)[:, :, 3:9].sum(-2), q, k,
               reason=r"\[3:9\] under a top_left causal mask.*neither a prefix nor a suffix")
-    # no causal mask: any slice, strided too
+    # a strided window under a causal mask: declined; without one, any slice, strided too
+    _declined(lambda q, k: _causal_p(q, k)[:, :, ::2].sum(-2), q, k, reason=r"strided window of queries \(::2\)")
     _fused(lambda q, k: _p(q, k)[:, :, 3:20:3].sum(-2), q, k, window="queries[3:20:3]")
 
 
