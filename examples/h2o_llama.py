@@ -21,7 +21,9 @@ What a real model needs for the region to be fused (what this example does):
   compiled graph; fuser proves it causal, but with a finite fill (``finfo.min`` added), which the
   H2O kernels do not take yet: ``explain()`` says "finite mask fills are not supported by the
   H2O kernels yet" (run with ``--mask eager`` to see it; the attention pattern, without the
-  score, does take finite fills). Here the mask function is transformers' ``sdpa_mask`` (True
+  score, does take finite fills). With a padding ``attention_mask`` the same eager mask depends
+  on that input: it is data, an additive mask the kernels load, and it is fused; only the
+  provably causal one (no padding) is declined. Here the mask function is transformers' ``sdpa_mask`` (True
   where a key is visible) with ``allow_is_causal_skip=False``, and the attention function
   applies it with ``masked_fill(~mask, -inf)``. (Without ``allow_is_causal_skip=False``,
   ``sdpa_mask`` returns None for an unpadded prefill run eagerly — SDPA would then use
