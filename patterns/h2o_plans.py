@@ -24,11 +24,8 @@ Candidates (``codegen/h2o.py`` has the kernels, ``docs/math.md`` "H2O column sum
 
 from __future__ import annotations
 
-import operator
-
 import sympy
 import torch
-import torch.fx as fx
 
 from fuser import costmodel as cm
 from fuser.codegen import h2o as kernels
@@ -37,8 +34,6 @@ from fuser.graph import permuted, shape
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
-from . import h2o_ops
-from .scores import Emitter
 
 #: the nominal query-block height for tile and atomic counts (the GPU tables' usual BLOCK_M)
 BLOCK_M = 128
@@ -201,32 +196,3 @@ def kernels_for(m: Match, plan: Candidate) -> list:
             if k not in out:
                 out.append(k)
     return out
-
-
-def emit(m: Match, plan: Candidate, graph: fx.Graph) -> dict:
-    """Insert the plan's replacement before the region's insertion point; return the new
-    output nodes by name (``"score"``, and ``"out"`` with P V)."""
-    b = m.bindings
-    if plan.params.get("impl") != "fuser":
-        raise ValueError(f"h2o plan {plan.name} emits nothing")
-    p = plan.params
-    text = h2o_ops.plan_string(p["plan"], p["diagonals"], p["cache"], tuple(p.get("tries") or ()))
-    e = Emitter(graph, b["rank"], b["compute_dtype"])
-    with graph.inserting_before(m.insertion_point):
-        dyn = [(v, pw) for v, pw in b["factors"] if not isinstance(v, float)]
-        q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
-        k = e.operand(b["k"], b["k_p"], b["in_dtype"])
-        v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
-        mask = e.mask(b["mask_terms"], b["mask_shape"])
-        op = e.node("call_function", torch.ops.fuser.h2o.default,
-                    (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], v is not None, text))
-        score = e.unrank(e.node("call_function", operator.getitem, (op, 1)))
-        if b["score_dtype"] != torch.float32:
-            score = e.node("call_method", "to", (score, b["score_dtype"]))
-        new = {"score": score}
-        if v is not None:
-            out = e.unrank(e.node("call_function", operator.getitem, (op, 0)))
-            if b["out_dtype"] != b["compute_dtype"]:
-                out = e.node("call_method", "to", (out, b["out_dtype"]))
-            new["out"] = out
-    return new

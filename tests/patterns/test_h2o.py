@@ -3,6 +3,9 @@ reasons, and compiled results against float64 eager (CPU, Triton's interpreter).
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,6 +217,396 @@ def test_in_place_write_to_k_after_the_scores(qkv):
 
     with torch.no_grad():
         _compiled_vs_eager(fn, q, k, v)
+
+
+# -- issue 9 part B: the remaining spellings of the score ------------------------------------
+# Batch of 2 so that sums over the batch are seen; every case runs compiled (the kernels in
+# Triton's interpreter) against float64 eager, and its bindings are checked in the report.
+
+B2, N2 = 2, 24
+
+
+@pytest.fixture
+def qkv2():
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(B2, H, N2, D, generator=g) for _ in range(3))
+
+
+def _to64(args):
+    return [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+def _fused(fn, *args, rtol=2e-5, atol=2e-5, dynamic=None, **expected):
+    """``fn`` compiled with fuser (one fused H2O region whose summary has ``expected``), its
+    outputs equal to float64 eager's within the tolerances, in the dtypes and shapes eager
+    gives; returns the match."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fn, *args, dynamic=dynamic)
+        want, like = fn(*_to64(args)), fn(*args)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+    m = rep.fused[0]
+    for key, value in expected.items():
+        assert m.summary.get(key) == value, f"{key}: {m.summary.get(key)!r} != {value!r}\n{rep}"
+    got = rep.output if isinstance(rep.output, tuple) else (rep.output,)
+    want = want if isinstance(want, tuple) else (want,)
+    like = like if isinstance(like, tuple) else (like,)
+    assert len(got) == len(want)
+    for g, w, e in zip(got, want, like):
+        assert (g.shape, g.dtype) == (e.shape, e.dtype)  # eager's, at the inputs' dtype
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol)
+    return m
+
+
+def _declined(fn, *args, reason, compare=True):
+    """Nothing fused; ``explain()`` names the H2O near-miss with ``reason`` (a regular
+    expression), and the program's results are eager's (unless ``compare`` is False: dropout
+    draws other random numbers compiled)."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fn, *args)
+        want = fn(*args)
+    assert not rep.fused, str(rep)
+    assert any(r.pattern == "h2o" and re.search(reason, r.reason) for r in rep.rejected), str(rep)
+    assert re.search(reason, str(rep).replace("\n        ", " "))
+    got = rep.output if isinstance(rep.output, tuple) else (rep.output,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want) if compare else ():
+        torch.testing.assert_close(g, w)
+
+
+def _p(q, k):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+
+
+def _with_pv(p, v, score):
+    """``(P V, score(P))``."""
+    return p @ v, score(p)
+
+
+def _causal_p(q, k, fill=float("-inf")):
+    # top-left causal with a -inf fill, the mask built from sizes (proven causal by its values)
+    n, m = q.size(-2), k.size(-2)
+    hide = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(hide, fill), dim=-1)
+
+
+REDUCTIONS = [
+    # the H2O reference code: batch, then queries
+    ("sum0_sum1", lambda q, k, v: _p(q, k).sum(0).sum(1), "sum over batch, then sum over queries"),
+    ("sum_dims_0_2", lambda q, k, v: _p(q, k).sum(dim=(0, 2)), "sum over batch, queries"),
+    ("sum_dims_1_2", lambda q, k, v: _p(q, k).sum((1, 2)), "sum over heads, queries"),
+    ("queries_then_heads", lambda q, k, v: torch.sum(_p(q, k), 2).sum(1), "sum over queries, then sum over heads"),
+    ("keepdim", lambda q, k, v: _p(q, k).sum(-2, keepdim=True), "sum over queries (keepdim)"),
+    ("keepdim_chain", lambda q, k, v: _p(q, k).sum(2, keepdim=True).sum(0), "sum over queries, then sum over batch (keepdim)"),
+    ("mean", lambda q, k, v: _p(q, k).mean(-2), "mean over queries"),
+    ("torch_mean_with_pv", lambda q, k, v: _with_pv(_p(q, k), v, lambda p: torch.mean(p, dim=2)), "mean over queries"),
+    ("mean_batch_queries", lambda q, k, v: _p(q, k).mean((0, 2)), "mean over batch, queries"),
+    ("sum_then_mean", lambda q, k, v: _p(q, k).sum(0).mean(1), "sum over batch, then mean over queries"),
+    ("bmm_layout", lambda q, k, v: torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).mT) * 0.25, -1).sum((0, 1)),
+     "sum over batch·heads, queries"),
+]
+
+
+@pytest.mark.parametrize("case", REDUCTIONS, ids=[c[0] for c in REDUCTIONS])
+def test_reductions_over_batch_heads_and_queries(case, qkv2):
+    # the fused op sums the queries per (b, h); what else the program reduces is an ordinary
+    # torch sum on the small [B, H, Nk] result
+    _, fn, words = case
+    _fused(fn, *qkv2, score=words)
+
+
+SLICES = [
+    # slices of the other axes commute with the sum over the queries: applied to the score
+    ("heads", lambda q, k, v: _p(q, k)[:, 1:3].sum(2), "heads[1:3]"),
+    ("keys_strided", lambda q, k, v: _p(q, k)[..., ::2].sum(-2), "keys[::2]"),
+    # two windows of the queries, one after the other: q is sliced twice the same way
+    ("two_windows", lambda q, k, v: _p(q, k)[:, :, 2:][:, :, -5:].mean(-2), "queries[2:], queries[-5:]"),
+    ("bmm_window", lambda q, k, v: torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).mT), -1)[:, -4:].sum(1),
+     "queries[-4:]"),
+    # an empty window: eager's sum over no rows is 0, and so is the op's
+    ("empty_window", lambda q, k, v: _p(q, k)[:, :, N2 + 1:].sum(-2), f"queries[{N2 + 1}:]"),
+    # a slice of the score (after the last sum) reads the region's output: not in the region
+    ("slice_after_the_sum", lambda q, k, v: _p(q, k).sum(2, keepdim=True)[..., 2:], None),
+]
+
+
+@pytest.mark.parametrize("case", SLICES, ids=[c[0] for c in SLICES])
+def test_slices_of_p(case, qkv2):
+    _, fn, words = case
+    m = _fused(fn, *qkv2, window=words)
+    assert m.outputs["score"].name.startswith(("sum", "mean"))
+
+
+def test_mean_over_a_symbolic_number_of_queries(qkv2):
+    # P.mean(-2) divides by Nq: a size read at run time, so a new length does not recompile
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def fn(q, k, v):
+        p = _p(q, k)
+        return p @ v, p.mean(-2), p.sum(0).mean(1)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(fn, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for n in (19, 31):
+            x = [torch.randn(B2, H, n, D) for _ in range(3)]
+            with pytest.raises(AssertionError):  # not the sum: the division by n is there
+                torch.testing.assert_close(c(*x)[1], _p(*x[:2]).sum(-2))
+            for g, w in zip(c(*x), fn(*_to64(x))):
+                torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+
+
+def kvpress_causal_mean(q, k):
+    # kvpress' ObservedAttention on a causal prefill: key j is seen by the n - j queries after
+    # it, so its mean attention is the column sum divided by n - j (outside the fused region)
+    n = q.size(-2)
+    p = _causal_p(q, k)
+    return p.sum(2) / torch.arange(n, 0, -1, device=q.device)
+
+
+def kvpress_gqa_mean(q, k):
+    # the scores of the query heads that share a kv head, averaged (kvpress with GQA): k repeated
+    # the repeat_kv way, no P V; the view and the mean read the score, outside the region
+    b, h, n, _ = q.shape
+    k2 = _rep_kv(k[:, : h // 2], 2)
+    scores = _p(q, k2).sum(2)
+    return scores.view(b, h // 2, 2, n).mean(2)
+
+
+def test_kvpress_causal_mean_and_gqa_mean(qkv2):
+    q, k, _ = qkv2
+    m = _fused(kvpress_causal_mean, q, k, causal="top_left", outputs="score", score="sum over queries")
+    assert m.outputs["score"].name.startswith("sum")  # the division is not in the region
+    _fused(kvpress_gqa_mean, q, k, gqa_group=2, outputs="score", v="-")
+
+
+def snapkv(q, k, v, w):
+    # SnapKV: the observation window is the last w queries; O over every row
+    p = _causal_p(q, k)
+    return p @ v, p[..., -w:, :].sum(-2)
+
+
+def snapkv_score_only(q, k, w):
+    p = _causal_p(q, k)
+    return p[:, :, -w:].sum(dim=-2)
+
+
+def snapkv_mean_padding(q, k, v, keep, w):
+    s = (q @ k.mT * 0.25).masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, -1)
+    return p @ v, p[:, :, -w:].mean(2)
+
+
+def test_snapkv_window(qkv2):
+    q, k, v = qkv2
+    # top-left causal on Nq = Nk: the window's rows are bottom-right aligned
+    _fused(snapkv, q, k, v, 8, window="queries[-8:]", causal="top_left", window_causal="bottom_right",
+           outputs="out, score")
+    _fused(snapkv_score_only, q, k, 5, window="queries[-5:]", window_causal="bottom_right", outputs="score")
+    # a window longer than the rows is all of them, in eager as in the sliced q
+    _fused(snapkv_score_only, q, k, N2 + 9, window=f"queries[-{N2 + 9}:]")
+    keep = torch.ones(B2, 1, 1, N2, dtype=torch.bool)
+    keep[0, ..., N2 - 7:] = False
+    _fused(snapkv_mean_padding, q, k, v, keep, 6, window="queries[-6:]", score="mean over queries",
+           mask="bool_drop (2, 1, 1, 24)")
+
+
+def test_snapkv_window_slices_a_mask_with_rows(qkv2):
+    # an additive mask [B, 1, Nq, Nk] (transformers' eager mask, finfo.min where hidden) has a
+    # row per query: the op reads the window's rows of it
+    q, k, v = qkv2
+    bias = torch.randn(B2, 1, N2, N2)
+    bias[..., 3:, :2] = torch.finfo(torch.float32).min
+
+    def fn(q, k, v, bias):
+        p = torch.softmax(q @ k.mT * 0.25 + bias, -1)
+        return p @ v, p[:, :, -7:].sum(-2)
+
+    _fused(fn, q, k, v, bias, window="queries[-7:]", mask="additive (2, 1, 24, 24)")
+
+
+def test_snapkv_window_with_a_symbolic_width_does_not_recompile(qkv2):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(snapkv, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for n, w in ((19, 4), (31, 9)):
+            x = [torch.randn(B2, H, n, D) for _ in range(3)]
+            for g, want in zip(c(*x, w), snapkv(*_to64(x), w)):
+                torch.testing.assert_close(g.double(), want, rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(snapkv, *qkv2, 6, dynamic=True)
+    assert [m.summary["window"] for m in rep.fused] == ["queries[-w:]"]
+
+
+def kvpress_snapkv_from_attentions(q, k, v):
+    # kvpress' SnapKVPress.score with the eager attentions: the window's queries and the keys
+    # before it, averaged over the window (the key slice commutes with the sum over queries)
+    w = 6
+    attentions = _causal_p(q, k)
+    return attentions @ v, attentions[..., -w:, :-w].mean(dim=-2)
+
+
+def kvpress_snapkv_window_attention(q, k):
+    # kvpress' SnapKVPress.compute_window_attention: the window's queries against every key with
+    # a bottom-right causal mask, softmax in float32, the keys before the window, the mean over
+    # the queries, then pooled (outside the region)
+    w, n = 6, k.shape[2]
+    attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
+    attn += torch.full((w, n), float("-inf"), device=q.device).triu(n - w + 1)
+    attn = torch.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = attn[..., :-w].mean(dim=-2)
+    return F.avg_pool1d(scores, kernel_size=5, padding=2, stride=1)
+
+
+def test_kvpress_snapkv_spellings(qkv2):
+    q, k, v = qkv2
+    _fused(kvpress_snapkv_from_attentions, q, k, v, window="queries[-6:], keys[:-6]", window_causal="bottom_right",
+           score="mean over queries")
+    _fused(kvpress_snapkv_window_attention, q, k, causal="bottom_right", window="keys[:-6]", outputs="score")
+    # kvpress builds that mask as torch.ones_like(attn_weights) * -inf: it reads the scores (for
+    # their shape only), so the region's scores would have to exist: declined, with the reason
+
+    def ones_like_mask(q, k):
+        w, n = 6, k.shape[2]
+        attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
+        attn += torch.triu(torch.ones_like(attn) * float("-inf"), diagonal=n - w + 1)
+        return torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-w].mean(dim=-2)
+
+    _declined(ones_like_mask, q, k, reason=r"also used by 'ones_like'")
+
+
+def test_window_causal_alignments(qkv2):
+    q, k, _ = qkv2
+    # a prefix of top-left rows stays top-left
+    _fused(lambda q, k: _causal_p(q, k)[:, :, :9].sum(-2), q, k, window="queries[:9]", window_causal="top_left")
+
+    # bottom-right causal (a chunk of 10 queries against 24 keys): a suffix stays bottom-right
+    # without Nq = Nk
+    def chunk(q, k):
+        n, m = q.size(-2), k.size(-2)
+        hide = torch.ones(n, m, dtype=torch.bool).triu(m - n + 1)
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(hide, float("-inf")), -1)
+        return p[:, :, -4:].sum(-2)
+
+    _fused(chunk, q[:, :, :10], k, causal="bottom_right", window_causal="bottom_right")
+
+    # a prefix of bottom-right rows with Nq < Nk has no alignment the kernels compute
+    def chunk_prefix(q, k):
+        n, m = q.size(-2), k.size(-2)
+        hide = torch.ones(n, m, dtype=torch.bool).triu(m - n + 1)
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(hide, float("-inf")), -1)[:, :, :4].sum(-2)
+
+    _declined(chunk_prefix, q[:, :, :10], k, reason=r"window of queries \[:4\] under a bottom_right causal mask.*Nq = Nk")
+    # rows from the middle: neither alignment
+    _declined(lambda q, k: _causal_p(q, k)[:, :, 3:9].sum(-2), q, k,
+              reason=r"\[3:9\] under a top_left causal mask.*neither a prefix nor a suffix")
+    # a strided window under a causal mask: declined; without one, any slice, strided too
+    _declined(lambda q, k: _causal_p(q, k)[:, :, ::2].sum(-2), q, k, reason=r"strided window of queries \(::2\)")
+    _fused(lambda q, k: _p(q, k)[:, :, 3:20:3].sum(-2), q, k, window="queries[3:20:3]")
+
+
+def fp32_softmax_half_sum(q, k, v):
+    # HF eager: the softmax in float32, cast back to the input dtype; the score sums the cast P
+    p = torch.softmax(q @ k.mT * 0.25, dim=-1, dtype=torch.float32).to(q.dtype)
+    return p @ v, p.sum(0).sum(1)
+
+
+def fp32_softmax_fp32_sum(q, k, v):
+    # the score summed in float32 before the cast (accumulated at full precision)
+    p = torch.softmax(q @ k.mT * 0.25, dim=-1, dtype=torch.float32)
+    return p.to(q.dtype) @ v, p.sum(0).sum(1)
+
+
+def test_fp32_softmax_cast_before_or_after_the_sum(qkv2):
+    q, k, v = (t.half() for t in qkv2)
+    # Cast first: eager rounds each P to float16 (relative error u = 2^-11 each, so at most u of
+    # the column sum, all terms being positive) and the sum to float16 (u again): 2u ≈ 1e-3
+    # relative; fuser sums float32 P and rounds once. The tolerance, 2e-3 relative, is 2u with
+    # room for the float32 sums; atol covers columns near 0. O: P and v in float16 as in eager.
+    m = _fused(fp32_softmax_half_sum, q, k, v, rtol=2e-3, atol=2e-3)
+    assert m.bindings["score_dtype"] == torch.float16
+    # Sum first: eager's score is float32 (P not rounded; the softmax's dtype=float32 holds in the
+    # float64 run too, so the reference is float32 P from float64 scores): fuser's float32 column
+    # sums agree to float32 accumulation error, far below float16's; O as above.
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fp32_softmax_fp32_sum, q, k, v)
+        want = fp32_softmax_fp32_sum(*_to64((q, k, v)))
+    assert [m.pattern for m in rep.fused] == ["h2o"]
+    out, score = rep.output
+    assert (out.dtype, score.dtype) == (torch.float16, torch.float32)
+    torch.testing.assert_close(out.double(), want[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(score.double(), want[1].double(), rtol=2e-5, atol=1e-4)
+
+
+def test_masks_layouts_and_gqa(qkv2):
+    q, k, v = qkv2
+
+    def bnhd(q, k, v):
+        # [B, N, H, D] tensors, heads moved the usual way
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        p = torch.softmax(qt @ kt.transpose(2, 3) * 0.25, dim=-1)
+        return (p @ vt).transpose(1, 2), p.sum(0).sum(1)
+
+    _fused(bnhd, *(x.transpose(1, 2).contiguous() for x in (q, k, v)), outputs="out, score")
+
+    def gqa_batch_sum(q, k, v):
+        k2, v2 = _rep_kv(k[:, :2], 2), _rep_kv(v[:, :2], 2)
+        p = _causal_p(q, k2)
+        return p @ v2, p.sum(0).sum(1)
+
+    _fused(gqa_batch_sum, q, k, v, gqa_group=2, causal="top_left")
+
+    def additive_padding(q, k, bias):
+        return torch.softmax(q @ k.mT * 0.25 + bias, -1).sum((0, 2))
+
+    bias = torch.zeros(B2, 1, 1, N2)
+    bias[1, ..., N2 - 5:] = torch.finfo(torch.float32).min
+    _fused(additive_padding, q, k, bias, mask="additive (2, 1, 1, 24)")
+
+
+def test_near_misses_are_declined_with_reasons(qkv2):
+    q, k, v = qkv2
+
+    def p_reused(q, k, v):
+        p = _p(q, k)
+        return p @ v, p.sum(0).sum(1), p.amax(-1)
+
+    def dropout_before_the_sum(q, k, v):
+        p = _p(q, k)
+        return p @ v, F.dropout(p, 0.1, training=True).sum(-2)
+
+    def dropout_before_pv(q, k, v):
+        p = _p(q, k)
+        return F.dropout(p, 0.1, training=True) @ v, p.sum(-2)
+
+    def not_p(q, k, w):
+        p = _p(q, k)
+        return (p * w).sum(-2)
+
+    def keys_then_queries(q, k):
+        return _p(q, k).sum(-1).sum(-1)
+
+    def finite_fill(q, k):
+        return _causal_p(q, k, fill=torch.finfo(torch.float32).min).sum(-2)
+
+    _declined(p_reused, q, k, v, reason=r"also read by 'amax")
+    _declined(dropout_before_the_sum, q, k, v, reason=r"dropout on the attention weights is active .*p=0\.1",
+              compare=False)
+    _declined(dropout_before_pv, q, k, v, reason=r"dropout on the attention weights is active", compare=False)
+    _declined(not_p, q, k, torch.rand(B2, H, N2, N2), reason=r"sums 'mul\w*' over the queries.*not P itself")
+    _declined(keys_then_queries, q, k, reason=r"summed over the keys")
+    _declined(finite_fill, q, k, reason=r"finite mask fills are not supported by the H2O kernels")
+    # eval-mode dropout passes P on unchanged: fused
+    _fused(lambda q, k, v: _with_pv(_p(q, k), v, lambda p: F.dropout(p, 0.1, training=False).sum(-2)), q, k, v)
 
 
 def test_no_grad_block_inside_a_training_program(qkv):
