@@ -42,7 +42,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
