@@ -383,15 +383,25 @@ class H2OBenchmark(common.Benchmark):
         """diag_cache: one implementation per (K, layout), after the other forced plans."""
         if "diag_cache" not in plans() or "plans" not in self.args.impls or run.inputs is None:
             return impls
-        q, k, _ = run.inputs
-        count = kernels().diagonal_count(q, k, run.cfg.mode)
-        sweep = {diag_name(d, lay): common.Impl(lambda run, d=d, lay=lay: self.forced(run, "diag_cache", d, lay),
-                                                info={"plan": "diag_cache", "diagonals": d, "cache": lay})
-                 for lay in cache_layouts(run.cfg.causal, self.args.layouts)
-                 for d in diagonal_sweep(count, self.args.diagonals)}
         names = list(impls)
         at = max((i + 1 for i, nm in enumerate(names) if nm in plans()), default=0)
-        return {**{nm: impls[nm] for nm in names[:at]}, **sweep, **{nm: impls[nm] for nm in names[at:]}}
+        return {**{nm: impls[nm] for nm in names[:at]}, **self.diag_sweep(run),
+                **{nm: impls[nm] for nm in names[at:]}}
+
+    def diag_sweep(self, run: common.ConfigRun) -> dict[str, common.Impl]:
+        """``diag_cache K=<K> <layout>`` for every K of the sweep and every layout; one failing
+        ``diag_cache`` row when ``h2o.diagonal_count`` fails."""
+        q, k, _ = run.inputs
+        try:
+            count = kernels().diagonal_count(q, k, run.cfg.mode)
+        except Exception as exc:  # noqa: BLE001 - one failed row instead of a failed run
+            def failed(run, exc=exc):
+                raise exc
+            return {"diag_cache": common.Impl(failed, info={"plan": "diag_cache"})}
+        return {diag_name(d, lay): common.Impl(lambda run, d=d, lay=lay: self.forced(run, "diag_cache", d, lay),
+                                               info={"plan": "diag_cache", "diagonals": d, "cache": lay})
+                for lay in cache_layouts(run.cfg.causal, self.args.layouts)
+                for d in diagonal_sweep(count, self.args.diagonals)}
 
     def timed(self, fn: Callable, run: common.ConfigRun) -> Callable[[], tuple]:
         return common.runner(fn, run.inputs, "fwd")
@@ -418,6 +428,8 @@ class H2OBenchmark(common.Benchmark):
         h2o = kernels()
         q, k, v = run.inputs
         kw = {"scale": 1.0 / math.sqrt(self.args.dim), "causal": run.cfg.mode, **plan_kwargs(plan, diagonals, cache)}
+        if plan != "two_kernel" and "plan" not in kw:
+            return "h2o.forward takes no plan= argument"
         if hasattr(h2o, "workspace_bytes"):
             try:
                 ws = call_with(h2o.workspace_bytes, q=q, k=k, v=v, causal=run.cfg.mode, plan=plan,
