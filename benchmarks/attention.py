@@ -211,8 +211,7 @@ class Config:
 
 
 def flops(cfg: Config, b: int, h: int) -> float:
-    pairs = cfg.n * (cfg.n + 1) / 2 if cfg.causal else cfg.n * cfg.n
-    fwd = 4.0 * b * h * cfg.dim * pairs
+    fwd = 4.0 * b * h * cfg.dim * common.visible_pairs(cfg.n, cfg.causal)
     return fwd * (3.5 if cfg.mode == "fwdbwd" else 1.0)
 
 
@@ -354,7 +353,7 @@ class AttentionBenchmark(common.Benchmark):
                         f"{lab} vs Inductor", f"{lab} rel err", f"{lab} target"]
         body = []
         for cfg, recs, s in self.rows:
-            row = ([cfg.dim, cfg.n, "causal" if cfg.causal else "none", cfg.mode]
+            row = ([cfg.dim, cfg.n, common.mask_label(cfg.causal), cfg.mode]
                    + [impl_cell(recs.get(i), s, i) for i in impls]
                    + [f"{common.fmt_ms(s['floor_flop_ms'])} / {common.fmt_ms(s['floor_byte_ms'])}"])
             for subj in subjects:
@@ -385,7 +384,7 @@ class AttentionBenchmark(common.Benchmark):
                 err_cell = common.fmt_err(err)
                 if impl in SUBJECTS and err is not None and not (err <= WRONG_TOL):
                     err_cell = "WRONG " + err_cell
-                body.append([cfg.dim, cfg.n, "causal" if cfg.causal else "none", cfg.mode, impl,
+                body.append([cfg.dim, cfg.n, common.mask_label(cfg.causal), cfg.mode, impl,
                              common.fmt_ms(r["ms"]), common.fmt_sig(r.get("tflops")),
                              common.fmt_num(r["extra_mib"], 0), common.first_call_cell(r), err_cell,
                              common.note_cell(r)])

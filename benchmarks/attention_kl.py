@@ -245,7 +245,7 @@ class Config:
 
 
 def pairs(cfg: Config) -> float:
-    return cfg.n * (cfg.n + 1) / 2 if cfg.causal else float(cfg.n) * cfg.n
+    return common.visible_pairs(cfg.n, cfg.causal)
 
 
 def flops(cfg: Config, b: int, h: int, d: int) -> float:
@@ -469,7 +469,7 @@ class AttentionKLBenchmark(common.Benchmark):
         body = []
         for cfg, recs, s in self.rows:
             d = s["fuser"] or {}
-            row = ([cfg.n, mask_label(cfg), cfg.mode, cfg.grads]
+            row = ([cfg.n, common.mask_label(cfg.causal), cfg.mode, cfg.grads]
                    + [common.time_cell(recs.get(i), wrong=i == SUBJECT and bool(d.get("wrong")),
                                        unfused=i == SUBJECT and bool(d) and not d["fused"]) for i in impls]
                    + [d.get("plan") or "—",
@@ -501,7 +501,7 @@ class AttentionKLBenchmark(common.Benchmark):
                 err = fmt_errs(r)
                 if impl == SUBJECT and is_wrong(self.args, r):
                     err = "WRONG " + err
-                body.append([cfg.n, mask_label(cfg), cfg.mode, cfg.grads, impl, common.fmt_ms(r["ms"]),
+                body.append([cfg.n, common.mask_label(cfg.causal), cfg.mode, cfg.grads, impl, common.fmt_ms(r["ms"]),
                              common.fmt_sig(r.get("tflops")), common.fmt_num(r["extra_mib"], 0),
                              common.first_call_cell(r), err, common.note_cell(r)])
         return common.md_table(headers, body, "rllll" + "r" * 5 + "l")
@@ -587,10 +587,6 @@ def target_cell(cfg: Config, d: dict) -> str:
     if not checked and not missed:
         return "—"
     return "✗ " + ", ".join(missed) if missed else "✓"
-
-
-def mask_label(cfg: Config) -> str:
-    return "causal" if cfg.causal else "none"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

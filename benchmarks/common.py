@@ -609,6 +609,16 @@ def time_cell(rec: Optional[dict], wrong: bool = False, unfused: bool = False) -
     return cell
 
 
+def mask_label(causal: bool) -> str:
+    """``causal`` or ``none``: the mask column of the tables."""
+    return "causal" if causal else "none"
+
+
+def visible_pairs(n: int, causal: bool) -> float:
+    """(query, key) pairs a length-``n`` attention computes: N², or N(N+1)/2 when causal."""
+    return n * (n + 1) / 2 if causal else float(n) * n
+
+
 def floor_ms(amount: float, peak_per_s_e12: float) -> float:
     """Time in ms to do ``amount`` (FLOPs, bytes, exps) at ``peak_per_s_e12``·10¹² per second."""
     return amount / (peak_per_s_e12 * 1e12) * 1e3

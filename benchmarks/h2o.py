@@ -299,24 +299,16 @@ class Config:
     @property
     def label(self) -> str:
         gqa = f" H/H_kv={self.heads}/{self.kv_heads}" if self.kv_heads != self.heads else ""
-        return f"N={self.n} {mask_label(self)}{gqa}"
+        return f"N={self.n} {common.mask_label(self.causal)}{gqa}"
 
     @property
     def mode(self) -> str:
         return "top_left" if self.causal else "none"
 
 
-def mask_label(cfg: Config) -> str:
-    return "causal" if cfg.causal else "none"
-
-
-def pairs(cfg: Config) -> float:
-    return cfg.n * (cfg.n + 1) / 2 if cfg.causal else float(cfg.n) * cfg.n
-
-
 def flops(cfg: Config, b: int, d: int) -> float:
     """The two-kernel plan's FLOPs: two Q Kᵀ (forward, column pass) and one P V, 6·D per pair."""
-    return b * cfg.heads * pairs(cfg) * 6.0 * d
+    return b * cfg.heads * common.visible_pairs(cfg.n, cfg.causal) * 6.0 * d
 
 
 def min_bytes(cfg: Config, b: int, d: int, elt: int) -> float:
@@ -542,7 +534,7 @@ class H2OBenchmark(common.Benchmark):
         for cfg, recs, s in self.rows:
             pl = s["planner"]
             fz = recs.get("fuser")
-            row = [cfg.n, mask_label(cfg), f"{cfg.heads}/{cfg.kv_heads}"]
+            row = [cfg.n, common.mask_label(cfg.causal), f"{cfg.heads}/{cfg.kv_heads}"]
             for i in ("eager", "inductor", "fuser"):
                 if show[i]:
                     r = recs.get(i)
@@ -578,7 +570,7 @@ class H2OBenchmark(common.Benchmark):
         body = []
         for cfg, recs, _ in self.rows:
             for name, r in recs.items():
-                body.append([cfg.n, mask_label(cfg), f"{cfg.heads}/{cfg.kv_heads}", name, common.fmt_ms(r["ms"]),
+                body.append([cfg.n, common.mask_label(cfg.causal), f"{cfg.heads}/{cfg.kv_heads}", name, common.fmt_ms(r["ms"]),
                              fmt_pct(r.get("pct_floor")), common.fmt_num(r["extra_mib"], 0),
                              common.fmt_sig(r.get("workspace_mib")), common.first_call_cell(r),
                              ("WRONG " if r.get("wrong") else "") + fmt_errs(r), common.note_cell(r)])
