@@ -39,9 +39,10 @@ did (``fused: <plan>`` or why not). Results: ``benchmarks/results/attention_mask
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -49,6 +50,7 @@ import common  # noqa: E402
 MASKS = ("window", "hf_causal", "prefix")
 IMPLS = ("eager", "inductor", "fuser", "sdpa", "flex")
 BASELINES = ("eager", "inductor", "sdpa", "flex")
+TITLE = "Masked attention: fuser vs eager, Inductor, SDPA, FlexAttention"
 
 
 def parse_args(argv=None):
@@ -62,26 +64,22 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=None, help="sliding-window keys (default 1024)")
     p.add_argument("--prefix", type=int, default=None, help="prefix-LM keys (default 1024)")
     p.add_argument("--modes", choices=("fwd", "fwdbwd", "both"), default="both")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--rep", type=int, default=None)
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="start no new measurement after this many seconds (0: no limit)")
+    p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--peak-tbps", type=float, default=3.0)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--out-dir", default="")
-    p.add_argument("--smoke", action="store_true", help="tiny fp32 sizes; runs on CPU (interpreter)")
+    common.add_driver_args(p, budget_s=480.0, out_name="attention_masks")
     a = p.parse_args(argv)
     s = a.smoke
+    common.finish_driver_args(a, out_name="attention_masks", smoke_rep=3)
+    if s and a.device == "auto":
+        a.device = "cpu"  # the smoke run is the CPU (interpreter) check, on a GPU machine too
     a.seqs = a.seqs or ([48, 80] if s else [4096, 8192])
     a.dim = a.dim or (16 if s else 128)
     a.batch = a.batch or (1 if s else 2)
     a.heads = a.heads or (2 if s else 16)
     a.window = a.window or (16 if s else 1024)
     a.prefix = a.prefix or (20 if s else 1024)
-    a.warmup = a.warmup if a.warmup is not None else (1 if s else 25)
-    a.rep = a.rep if a.rep is not None else (3 if s else 100)
-    a.out = a.out or common.RESULTS_DIR / ("attention_masks_smoke.md" if s else "attention_masks.md")
+    a.dtype = a.dtype or ("fp32" if s else "bf16")
     a.mode_list = ["fwd", "fwdbwd"] if a.modes == "both" else [a.modes]
     return a
 
@@ -143,14 +141,6 @@ def visible_pairs(mask: str, n: int, window: int, prefix: int) -> int:
     return n * (n + 1) // 2 + sum(max(0, p - (i + 1)) for i in range(n))
 
 
-def flex_available() -> Optional[str]:
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # measuring
 # --------------------------------------------------------------------------------------------
@@ -166,7 +156,7 @@ def build(impl: str, mask: str, a, n: int, device: str, scale: float) -> Callabl
         if impl == "eager":
             return fn
         torch._dynamo.reset()
-        kw = {"backend": "fuser"} if impl == "fuser" else {}
+        kw = {"backend": "fuser", "options": dict(a.fuser_options) or None} if impl == "fuser" else {}
         return torch.compile(fn, dynamic=False, **kw)
     if impl == "sdpa":
         if mask == "hf_causal":
@@ -181,111 +171,118 @@ def build(impl: str, mask: str, a, n: int, device: str, scale: float) -> Callabl
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale)
 
 
-def runner(fn: Callable, mode: str, q, k, v, dout) -> Callable[[], Any]:
-    import torch
+@dataclasses.dataclass
+class Config:
+    mask: str
+    n: int
+    mode: str
 
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                return (fn(q, k, v),)
-        return run
+    @property
+    def label(self) -> str:
+        return f"{self.mask} N={self.n} {self.mode}"
 
-    def run():
-        out = fn(q, k, v)
-        return (out, *torch.autograd.grad(out, (q, k, v), dout))
-    return run
+
+class MasksBenchmark(common.Benchmark):
+    """Masked attention: every (mask, N, mode) compiled afresh (static shapes); the reference is
+    FlexAttention on float32 copies on the GPU, eager in float64 on the CPU."""
+
+    title = TITLE
+    name = "masked attention"
+
+    def banner(self) -> str:
+        a, m = self.args, self.meta
+        return (f"masked attention benchmark on {m['device']}: torch {m['torch']}, triton {m['triton']}; "
+                f"B={a.batch} H={a.heads} D={a.dim} dtype={a.dtype} masks={a.masks} seqs={a.seqs} "
+                f"modes={a.mode_list} impls={a.impls}")
+
+    def groups(self):
+        a = self.args
+        return [(mask, [Config(mask, n, mode) for n in a.seqs for mode in a.mode_list]) for mask in a.masks]
+
+    def implementations(self, mask) -> dict[str, common.Impl]:
+        flex_missing = common.flex_available()
+        impls = {}
+        for impl in self.args.impls:
+            def bind(run, impl=impl):
+                if impl == "flex" and flex_missing:
+                    return flex_missing
+                if self.device == "cpu" and impl in ("flex", "sdpa", "inductor"):
+                    return "GPU only in this script"
+                fn = build(impl, mask, self.args, run.cfg.n, self.device, self.args.dim ** -0.5)
+                q, k, v, dout = run.inputs
+                return common.runner(fn, (q, k, v), run.cfg.mode, (q, k, v), dout)
+            impls[impl] = common.Impl(bind, report=impl == "fuser")
+        return impls
+
+    def inputs(self, cfg: Config):
+        """q, k, v (requiring grad) and dout, the same for every mode and mask at one N."""
+        import torch
+
+        a = self.args
+        gen = torch.Generator().manual_seed(cfg.n)
+        shape = (a.batch, a.heads, cfg.n, a.dim)
+        q, k, v, dout = (torch.randn(shape, generator=gen).to(self.device, self.dtype) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        return q, k, v, dout
+
+    def reference(self, run: common.ConfigRun):
+        """FlexAttention on float32 copies on the GPU, eager in float64 on the CPU."""
+        import torch
+
+        cfg = run.cfg
+        ref_impl, ref_dt = ("flex", torch.float32) if self.device == "cuda" else ("eager", torch.float64)
+        if ref_impl == "flex" and common.flex_available():
+            return None
+        q, k, v, dout = run.inputs
+        qr, kr, vr = (t.detach().to(ref_dt).requires_grad_(True) for t in (q, k, v))
+        fn = build(ref_impl, cfg.mask, self.args, cfg.n, self.device, self.args.dim ** -0.5)
+        return tuple(x.detach() for x in common.runner(fn, (qr, kr, vr), cfg.mode, (qr, kr, vr), dout.to(ref_dt))())
+
+    def summarize(self, cfg: Config, recs: dict[str, dict]) -> dict:
+        a = self.args
+        pairs = visible_pairs(cfg.mask, cfg.n, a.window, a.prefix)
+        flops = 4.0 * a.batch * a.heads * a.dim * pairs * (3.5 if cfg.mode == "fwdbwd" else 1.0)
+        tensors = 4 if cfg.mode == "fwd" else 8
+        elt = self.dtype.itemsize
+        nbytes = a.batch * a.heads * cfg.n * (tensors * a.dim * elt + (4 if cfg.mode == "fwdbwd" else 0))
+        floor = max(common.floor_ms(flops, a.peak_tflops), common.floor_ms(nbytes, a.peak_tbps))
+        return {"mask": cfg.mask, "N": cfg.n, "mode": cfg.mode, "floor_ms": floor, "flops": flops, "bytes": nbytes}
+
+    def main_table(self) -> str:
+        rows = []
+        for cfg, recs, s in self.rows:
+            f = common.ok_ms(recs, "fuser")
+            times = {b: common.ok_ms(recs, b) for b in BASELINES}
+            best = min((t for t in times.values() if t), default=None)
+            best_name = next((b for b in BASELINES if best and times[b] == best), "-")
+            fuser = recs.get("fuser", {})
+            rows.append([cfg.mask, cfg.n, cfg.mode]
+                        + [common.fmt_ms(recs[i]["ms"]) if i in recs and recs[i]["ms"]
+                           else (recs[i]["status"] if i in recs else "-") for i in IMPLS]
+                        + [common.fmt_ms(s["floor_ms"]), f"{100 * s['floor_ms'] / f:.0f}%" if f else "-",
+                           f"{best / f:.2f}× ({best_name})" if f and best else "-",
+                           common.fmt_err(fuser.get("rel_err")), common.note_cell(fuser) if fuser else ""])
+        return common.md_table(["mask", "N", "mode", *IMPLS, "floor", "fuser % floor", "vs best", "err", "plan"], rows)
+
+    def legend(self) -> str:
+        a = self.args
+        return (f"- B={a.batch}, H={a.heads}, D={a.dim}, dtype={common.DTYPES[a.dtype]}, "
+                f"window={a.window}, prefix={a.prefix}")
+
+    def render(self, done: bool) -> tuple[str, str, str]:
+        """This benchmark's layout: header, sizes, the column meanings, one table (+ errors)."""
+        errors = self.errors()
+        main = self.main_table()
+        parts = [common.header_md(TITLE, self.meta), self.legend(), *self.notes(), "",
+                 __doc__.split("Columns:")[1].strip().split("Results:")[0].strip(), "", main]
+        if errors:
+            parts += ["", "## Errors", "", errors]
+        return "\n".join(parts), ("## Errors\n\n" + errors) if errors else "", main
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
-    common.setup_environment(force_cpu=a.smoke)
-    import torch
-
-    import fuser  # registers backend="fuser" (an installed fuser also does, by entry point)
-
-    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
-    if device == "cpu":
-        fuser.interpret = True
-    dtype = torch.float32 if a.smoke else torch.bfloat16
-    meta = common.env_header(device)
-    flex_missing = flex_available()
-    collecting = common.fuser_collector()
-    rows, data = [], []
-    scale = a.dim ** -0.5
-    elt = torch.finfo(dtype).bits // 8
-    for mask in a.masks:
-        for n in a.seqs:
-            gen = torch.Generator().manual_seed(n)
-            shape = (a.batch, a.heads, n, a.dim)
-            q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
-            for t in (q, k, v):
-                t.requires_grad_(True)
-            for mode in a.mode_list:
-                recs: dict[str, dict] = {}
-                ref = None
-                # the reference: Flex on float32 copies on the GPU, eager in float64 on the CPU
-                ref_impl, ref_dt = ("flex", torch.float32) if device == "cuda" else ("eager", torch.float64)
-                if ref_impl != "flex" or flex_missing is None:
-                    qr, kr, vr = (t.detach().to(ref_dt).requires_grad_(True) for t in (q, k, v))
-                    ref = runner(build(ref_impl, mask, a, n, device, scale), mode, qr, kr, vr, dout.to(ref_dt))()
-                    ref = tuple(x.detach() for x in ref)
-                    del qr, kr, vr
-                for impl in a.impls:
-                    rec = {"status": "ok", "ms": None, "note": "", "err": None}
-                    recs[impl] = rec
-                    if impl == "flex" and flex_missing:
-                        rec.update(status="skip", note=flex_missing)
-                        continue
-                    if a.budget_s and common.elapsed_s() > a.budget_s:
-                        rec.update(status="skip", note="time budget spent")
-                        continue
-                    if device == "cpu" and impl in ("flex", "sdpa", "inductor"):
-                        rec.update(status="skip", note="GPU only in this script")
-                        continue
-                    try:
-                        fn = build(impl, mask, a, n, device, scale)
-                    except Exception as exc:  # noqa: BLE001
-                        rec.update(status=common.short_error(exc), note=common.describe_error(exc))
-                        continue
-                    chk = (lambda out: common.rel_err(out, ref)) if ref is not None else None
-                    m = common.measure(runner(fn, mode, q, k, v, dout), device, a.warmup, a.rep, check=chk,
-                                       on_first=collecting if impl == "fuser" else None)
-                    rec.update(status=m.status, ms=m.ms, err=m.check, first_call_s=m.first_call_s,
-                               note=common.describe_fuser(m.first_context) if impl == "fuser" else (m.error or ""))
-                    if m.error:
-                        rec["note"] = m.error[:300]
-                    print(f"  {mask:<9} N={n:<6} {mode:<6} {impl:<8} "
-                          f"{common.fmt_ms(m.ms) + ' ms' if m.ok else m.status:>12}  {rec['note']}", flush=True)
-                pairs = visible_pairs(mask, n, a.window, a.prefix)
-                flops = 4.0 * a.batch * a.heads * a.dim * pairs * (3.5 if mode == "fwdbwd" else 1.0)
-                tensors = 4 if mode == "fwd" else 8
-                nbytes = a.batch * a.heads * n * (tensors * a.dim * elt + (4 if mode == "fwdbwd" else 0))
-                floor = max(flops / (a.peak_tflops * 1e12), nbytes / (a.peak_tbps * 1e12)) * 1e3
-                f = recs.get("fuser", {}).get("ms")
-                best = min((recs[b]["ms"] for b in BASELINES if b in recs and recs[b].get("ms")), default=None)
-                best_name = next((b for b in BASELINES if b in recs and recs[b].get("ms") == best), "-")
-                rows.append([mask, n, mode] + [common.fmt_ms(recs[i]["ms"]) if i in recs and recs[i]["ms"]
-                                               else (recs[i]["status"] if i in recs else "-") for i in IMPLS]
-                            + [common.fmt_ms(floor), f"{100 * floor / f:.0f}%" if f else "-",
-                               f"{best / f:.2f}× ({best_name})" if f and best else "-",
-                               common.fmt_err(recs.get("fuser", {}).get("err")), recs.get("fuser", {}).get("note", "")])
-                data.append({"mask": mask, "N": n, "mode": mode, "floor_ms": floor, "flops": flops, "bytes": nbytes,
-                             "results": recs})
-                md = "\n".join([
-                    common.header_md("Masked attention: fuser vs eager, Inductor, SDPA, FlexAttention", meta),
-                    f"- B={a.batch}, H={a.heads}, D={a.dim}, dtype={str(dtype).replace('torch.', '')}, "
-                    f"window={a.window}, prefix={a.prefix}",
-                    "", __doc__.split("Columns:")[1].strip().split("Results:")[0].strip(), "",
-                    common.md_table(["mask", "N", "mode", *IMPLS, "floor", "fuser % floor", "vs best", "err", "plan"],
-                                    rows)])
-                common.write_outputs(a.out, md, {"meta": meta, "args": {k: str(v) for k, v in vars(a).items()},
-                                                 "configs": data, "complete": False}, a.out_dir or None)
-            del q, k, v, dout
-            common.free_memory(device)
-    common.write_outputs(a.out, md, {"meta": meta, "args": {k: str(v) for k, v in vars(a).items()},
-                                     "configs": data, "complete": True}, a.out_dir or None)
-    print(md)
-    return 0
+    return MasksBenchmark(parse_args(argv)).main()
 
 
 if __name__ == "__main__":

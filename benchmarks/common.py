@@ -16,6 +16,13 @@ Nothing here is specific to one pattern:
   allocated before it), and ``triton.testing.do_bench(..., return_mode="median")``.
   Any exception is caught and recorded as ``OOM`` or ``err: <message>``.
 - :func:`env_header`, :func:`md_table`, :func:`write_outputs`, number formatting.
+- :class:`Benchmark`, the driver every ``benchmarks/<pattern>.py`` runs on: a grid of
+  configurations (in groups that share compiled functions) times a dict of implementations
+  (:class:`Impl`: name -> a builder returning the timed region, or why it is skipped), each
+  measured with :func:`measure` and checked against a reference; after every configuration
+  the rows are rewritten as markdown + JSON (+ plot at the end) by :func:`write_outputs`, with
+  the environment header, so a run cut short by an error or its time budget keeps what it
+  measured. A script supplies the grid, the implementations, the reference and the tables.
 """
 
 from __future__ import annotations
@@ -34,11 +41,21 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 START_TIME = time.perf_counter()
+
+#: ``--dtype`` choices -> torch dtype names.
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+#: Peak rates of an H100 SXM5 (80 GB HBM3), from NVIDIA's datasheet: HBM3 bandwidth and dense
+#: (no sparsity) fp16/bf16 tensor-core throughput. Floors computed from these are what the
+#: hardware could do at best; ``attention.py`` and ``attention_kl.py`` default to rates measured
+#: on the H100 instead (790 TFLOP/s bf16, 3.0 TB/s).
+H100_PEAK_TBPS = 3.35
+H100_PEAK_TFLOPS_FP16 = 989.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,19 +501,475 @@ def rel_err(got: tuple, ref: tuple) -> float:
     return worst
 
 
-def describe_fuser(report) -> str:
-    """``fused: <plan>`` / ``NOT fused: <reason>`` from a fuser report."""
-    if report is None:
-        return ""
+def fuser_outcome(report, pattern: Optional[str] = None) -> dict:
+    """What fuser did with the graphs compiled during one call, from its report:
+    ``{"note", "plan", "fused"}`` -- ``note`` is ``fused: <plans>`` or ``NOT fused (<why>)``,
+    ``plan`` the plan name(s) (``"-"`` when nothing matched), ``fused`` a bool. Only matches of
+    ``pattern`` count when it is given (others are named as ``also fused``). ``{}`` when no
+    graph was compiled (a cached compile was reused: its earlier outcome stands)."""
+    if report is None or not getattr(report, "graphs", 0):
+        return {}
     try:
-        if report.fused:
-            plans = sorted({m.plan.name if m.plan else "?" for m in report.fused})
-            return "fused: " + ", ".join(plans)
-        if report.matches:
-            m = report.matches[0]
-            return f"NOT fused (planner: {m.plan.name if m.plan else '-'}: {m.reason})"
-        if report.rejected:
-            return f"NOT fused (rejected: {report.rejected[0].reason})"
-        return "NOT fused (no attention match)" if report.graphs else ""
+        def mine(x) -> bool:
+            return pattern is None or x.pattern == pattern
+
+        fused = [m for m in report.fused if mine(m)]
+        others = sorted({m.pattern for m in report.fused if not mine(m)})
+        extra = f"; also fused: {', '.join(others)}" if others else ""
+        if fused:
+            plans = ", ".join(sorted({m.plan.name if m.plan else "?" for m in fused}))
+            return {"note": "fused: " + plans + extra, "plan": plans, "fused": True}
+        unfused = [m for m in report.matches if mine(m)]
+        if unfused:
+            m = unfused[0]
+            plan = m.plan.name if m.plan else "-"
+            return {"note": f"NOT fused (planner: {plan}: {m.reason}){extra}", "plan": plan, "fused": False}
+        rejected = [r for r in report.rejected if mine(r)]
+        if rejected:
+            return {"note": f"NOT fused (rejected: {rejected[0].reason}){extra}", "plan": "-", "fused": False}
+        what = f"no {pattern} match; {report.graphs} graph(s)" if pattern else "no attention match"
+        return {"note": f"NOT fused ({what}){extra}", "plan": "-", "fused": False}
     except Exception as exc:  # noqa: BLE001
-        return f"(report unreadable: {exc})"
+        return {"note": f"(report unreadable: {exc})", "plan": "?", "fused": None}
+
+
+def describe_fuser(report, pattern: Optional[str] = None) -> str:
+    """``fused: <plan>`` / ``NOT fused: <reason>`` from a fuser report ("" if nothing compiled)."""
+    return fuser_outcome(report, pattern).get("note", "")
+
+
+# --------------------------------------------------------------------------------------------
+# pieces the benchmark scripts share
+# --------------------------------------------------------------------------------------------
+
+def flex_available() -> Optional[str]:
+    """``None`` if FlexAttention can be imported, else why not."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def runner(fn: Callable, inputs: Sequence, mode: str = "fwd", wrt: Sequence = (), grad_out=None,
+           step: Optional[Callable[[], Any]] = None) -> Callable[[], tuple]:
+    """The timed region of one implementation on one configuration, as a tuple of tensors:
+
+    - ``fwd``: ``fn(*inputs)`` under ``torch.no_grad()`` (a tuple result is returned as is);
+    - ``fwdbwd``: ``out = fn(*inputs)`` plus ``torch.autograd.grad(out, wrt, grad_out)``;
+      returns ``(out.detach(), *grads)``.
+
+    ``step`` runs before every call (e.g. ``torch.compiler.cudagraph_mark_step_begin``)."""
+    import torch
+
+    if mode == "fwd":
+        def run_fwd():
+            if step is not None:
+                step()
+            with torch.no_grad():
+                out = fn(*inputs)
+            return out if isinstance(out, tuple) else (out,)
+        return run_fwd
+
+    wrt = tuple(wrt)
+
+    def run_fwdbwd():
+        if step is not None:
+            step()
+        out = fn(*inputs)
+        grads = torch.autograd.grad(out, wrt, grad_out)
+        return (out.detach(), *grads)
+    return run_fwdbwd
+
+
+def ok_ms(records: dict, impl: str) -> Optional[float]:
+    """The median ms of ``records[impl]`` if it ran, else None."""
+    r = records.get(impl)
+    return r["ms"] if r and r.get("status") == "ok" else None
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    """``num / den`` when both are known (and ``den`` is not 0), else None."""
+    return num / den if (num is not None and den) else None
+
+
+def time_cell(rec: Optional[dict], wrong: bool = False, unfused: bool = False) -> str:
+    """A time cell of a main table: median ms, or the status (``OOM``, ``err``, ``skip``);
+    ``WRONG`` appended when the result is wrong, ``†`` when fuser's kernels did not run."""
+    if rec is None:
+        return "—"
+    if rec["status"] != "ok":
+        cell = rec["status"].split(":")[0]
+        return cell + " WRONG" if wrong else cell
+    cell = fmt_ms(rec["ms"])
+    if wrong:
+        cell += " WRONG"
+    if unfused:
+        cell += " †"
+    return cell
+
+
+def mask_label(causal: bool) -> str:
+    """``causal`` or ``none``: the mask column of the tables."""
+    return "causal" if causal else "none"
+
+
+def visible_pairs(n: int, causal: bool) -> float:
+    """(query, key) pairs a length-``n`` attention computes: N², or N(N+1)/2 when causal."""
+    return n * (n + 1) / 2 if causal else float(n) * n
+
+
+def floor_ms(amount: float, peak_per_s_e12: float) -> float:
+    """Time in ms to do ``amount`` (FLOPs, bytes, exps) at ``peak_per_s_e12``·10¹² per second."""
+    return amount / (peak_per_s_e12 * 1e12) * 1e3
+
+
+def add_driver_args(p, *, budget_s: float, warmup: int = 25, rep: int = 100, out_name: str = "") -> None:
+    """The options every driver script has: ``--warmup``/``--rep`` (do_bench ms; defaults applied
+    by :func:`finish_driver_args`), ``--budget-s``, ``--out``, ``--out-dir`` (env
+    ``FUSER_BENCH_OUT_DIR``), ``--fuser-option``, ``--device``, ``--seed``, ``--smoke``."""
+    p.add_argument("--warmup", type=int, default=None, help=f"do_bench warm-up ms (default {warmup})")
+    p.add_argument("--rep", type=int, default=None, help=f"do_bench repetition ms (default {rep})")
+    p.add_argument("--budget-s", type=float, default=budget_s,
+                   help="start no new measurement after this many seconds (0: no limit)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"markdown path (default benchmarks/results/{out_name}.md; {out_name}_smoke.md with --smoke)")
+    p.add_argument("--out-dir", default=os.environ.get("FUSER_BENCH_OUT_DIR", ""),
+                   help="also copy the .md and .json here (env FUSER_BENCH_OUT_DIR)")
+    p.add_argument("--fuser-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for torch.compile(backend='fuser', options=...), repeatable")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes (fp32): an end-to-end check of the script, also on CPU (interpreter)")
+
+
+def finish_driver_args(a, *, out_name: str, warmup: int = 25, rep: int = 100, smoke_warmup: int = 1,
+                       smoke_rep: int = 5):
+    """Fill in the defaults :func:`add_driver_args` left open (they depend on ``--smoke``)."""
+    a.warmup = a.warmup if a.warmup is not None else (smoke_warmup if a.smoke else warmup)
+    a.rep = a.rep if a.rep is not None else (smoke_rep if a.smoke else rep)
+    a.out = a.out or RESULTS_DIR / (f"{out_name}_smoke.md" if a.smoke else f"{out_name}.md")
+    a.fuser_options = dict(parse_option(s) for s in a.fuser_option)
+    return a
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------------------------
+
+#: What a builder returns: the timed region, a reason to skip it here, or None (not run here).
+Built = Union[Callable[[], Any], str, None]
+
+
+@dataclasses.dataclass
+class Impl:
+    """One implementation for a group of configurations (built once per group, so a compiled
+    function is reused across the group's configurations).
+
+    ``build(run)`` gets the :class:`ConfigRun` of one configuration and returns the timed region
+    ``run_once`` (no arguments; returns what the benchmark's ``check`` reads), a string (the
+    reason it is skipped at this configuration: status ``skip``) or None (not run here: no
+    record; to leave an implementation out of a configuration without building it, drop it in
+    :meth:`Benchmark.implementations_at`). ``report``: collect fuser's report around its first call (a ``backend="fuser"``
+    variant); what :meth:`Benchmark.describe` makes of it is kept in ``info`` and carried to the
+    group's later configurations (a reused compile reports nothing). ``info`` goes into every
+    record of this implementation (e.g. ``note``, ``plan``)."""
+
+    build: Callable[["ConfigRun"], Built]
+    report: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ConfigRun:
+    """The configuration being measured, as the hooks see it: ``inputs`` (from
+    :meth:`Benchmark.inputs`), ``ref`` (from :meth:`Benchmark.reference`, which a check may also
+    set), ``impl`` (the implementation being checked), ``extra`` (anything the script keeps)."""
+
+    cfg: Any
+    inputs: Any = None
+    ref: Any = None
+    impl: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+class Benchmark:
+    """The driver: subclass it, fill in the hooks, call :meth:`main`.
+
+    Hooks (``self.args`` is the parsed command line, ``self.device``/``self.dtype`` are set
+    before any hook that measures is called):
+
+    - :meth:`groups` -> ``[(group, [config, ...]), ...]``; a config has a ``label``.
+    - :meth:`implementations` (group) -> ``{name: Impl}`` in run order;
+      :meth:`implementations_at` (run, impls) -> the ones for one configuration (default: all;
+      ``run.inputs`` is None when nothing will be measured there: budget spent).
+    - :meth:`inputs` (config) -> the inputs (``torch.manual_seed`` is set before, per config).
+    - :meth:`reference` (run) -> what the checks compare with (or None); timed (``state["ref_s"]``),
+      a failure is recorded (every record's note, the errors section) and the run goes on.
+    - :meth:`check` (run, out) -> an error measure; :meth:`store_check` puts it in the record.
+    - :meth:`describe` (fuser report) -> record fields (``note``, ``plan``, ``fused``).
+    - :meth:`summarize` (config, records) -> the configuration's derived numbers (JSON).
+    - :meth:`main_table`, :meth:`details_table`, :meth:`legend`, :meth:`notes`, :meth:`wrong`,
+      or all of the markdown at once with :meth:`render`.
+    """
+
+    title = "fuser benchmark"
+    #: Short name for the banner line (``<name> benchmark on <device>: ...``).
+    name = "fuser"
+    #: Width of the configuration label in the progress lines.
+    label_width = 32
+    #: Label of the reference in notes and errors.
+    reference_label = "reference"
+    #: Whether any implementation needs ``import fuser`` (registers ``backend="fuser"``).
+    needs_fuser = True
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.rows: list[tuple[Any, dict, dict]] = []
+        self.state: dict[str, Any] = {}
+        self.device = "cpu"
+        self.dtype = None
+        self.meta: dict = {}
+
+    # -- hooks ---------------------------------------------------------------------------
+    def groups(self) -> Iterable[tuple[Any, list]]:
+        raise NotImplementedError
+
+    def implementations(self, group) -> dict[str, Impl]:
+        raise NotImplementedError
+
+    def implementations_at(self, run: ConfigRun, impls: dict[str, Impl]) -> dict[str, Impl]:
+        return impls
+
+    def inputs(self, cfg) -> Any:
+        raise NotImplementedError
+
+    def reference(self, run: ConfigRun) -> Any:
+        return None
+
+    def check(self, run: ConfigRun, out) -> Any:
+        return None if run.ref is None else rel_err(out, run.ref)
+
+    def new_record(self, impl: str, run: ConfigRun) -> dict:
+        return {"impl": impl, "status": "ok", "ms": None, "extra_mib": None, "first_call_s": None,
+                "graphs_compiled": None, "rel_err": None, "note": "", "error": None}
+
+    def store_check(self, rec: dict, value) -> None:
+        rec["rel_err"] = value
+
+    def describe(self, report) -> dict:
+        return fuser_outcome(report)
+
+    def summarize(self, cfg, records: dict) -> dict:
+        return {}
+
+    def banner(self) -> str:
+        return ""
+
+    def legend(self) -> str:
+        return ""
+
+    def main_table(self) -> str:
+        return ""
+
+    def details_table(self) -> str:
+        return ""
+
+    def notes(self) -> list[str]:
+        """Markdown bullets under the header: budget spent, context broken, reference time."""
+        notes = []
+        if self.state.get("budget_hit"):
+            notes.append(f"- time budget of {self.args.budget_s:.0f} s was spent; later measurements were skipped")
+        if self.state.get("broken"):
+            notes.append("- a CUDA error broke the context; later measurements were skipped")
+        if self.state.get("aborted"):
+            notes.append(f"- the run stopped early: {self.state['aborted']}")
+        return notes
+
+    def errors(self) -> str:
+        lines = error_lines(self.rows)
+        for e in self.state.get("ref_errors", []):
+            lines.append(f"- {self.reference_label} at {e[:600]}".replace("\n", " "))
+        return "\n".join(lines)
+
+    def wrong(self) -> list[str]:
+        """Labels of the configurations where a subject's result is wrong (exit status 1)."""
+        return []
+
+    def final_lines(self) -> list[str]:
+        """Lines printed after the tables (before the main table is printed again)."""
+        lines = []
+        if self.state.get("budget_hit"):
+            lines.append(f"NOTE: time budget of {self.args.budget_s:.0f} s was spent; later measurements were skipped.")
+        if self.state.get("broken"):
+            lines.append("NOTE: a CUDA error broke the context; later measurements were skipped.")
+        return lines
+
+    def render(self, done: bool) -> tuple[str, str, str]:
+        """(markdown for the results file, details + errors for stdout, the main table)."""
+        return report(self.title, self.meta, done, self.notes(), self.legend(), self.main_table(),
+                      self.details_table(), self.errors())
+
+    def to_json(self, done: bool) -> dict:
+        return to_json(self.args, self.meta, self.rows, done)
+
+    # -- the run -------------------------------------------------------------------------
+    def budget_spent(self) -> bool:
+        spent = bool(self.args.budget_s) and elapsed_s() > self.args.budget_s
+        if spent:
+            self.state["budget_hit"] = True
+        return spent
+
+    def skip_reason(self) -> Optional[str]:
+        """Why no new measurement starts now (context broken, budget spent), or None."""
+        if self.state.get("broken"):
+            return "CUDA context broken by an earlier error"
+        if self.budget_spent():
+            return f"time budget ({self.args.budget_s:.0f} s) spent"
+        return None
+
+    def setup(self) -> Optional[int]:
+        """Environment, device, dtype, header; an exit status if the run cannot start."""
+        a = self.args
+        setup_environment(force_cpu=a.device == "cpu")
+        import torch
+
+        self.device = "cuda" if (a.device != "cpu" and torch.cuda.is_available()) else "cpu"
+        if a.device == "cuda" and self.device != "cuda":
+            print("--device cuda: no CUDA device found", file=sys.stderr)
+            return 2
+        if self.needs_fuser:
+            import fuser  # noqa: F401 - registers backend="fuser"
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+        if getattr(a, "shapes", None) == "static":
+            raise_recompile_limit(64)
+        if getattr(a, "dtype", None) in DTYPES:
+            self.dtype = getattr(torch, DTYPES[a.dtype])
+        self.meta = env_header(self.device)
+        line = self.banner()
+        if line:
+            print(line, flush=True)
+        if self.device == "cpu":
+            print("No GPU: CPU timing with a host clock; fuser's kernels run in Triton's interpreter. "
+                  "Numbers are for checking the script, not for reading.", flush=True)
+        return None
+
+    def write(self, done: bool) -> list[Path]:
+        md, _, _ = self.render(done)
+        return write_outputs(self.args.out, md, self.to_json(done), self.args.out_dir or None)
+
+    def main(self) -> int:
+        """Measure the grid, write the results after every configuration, print the tables."""
+        status = self.setup()
+        if status is not None:
+            return status
+        import torch
+
+        seed = self.args.seed
+        try:
+            for group, configs in self.groups():
+                impls = self.implementations(group)
+                for cfg in configs:
+                    seed += 1
+                    torch.manual_seed(seed)
+                    recs = self.run_config(cfg, impls)
+                    self.rows.append((cfg, recs, self.summarize(cfg, recs)))
+                    self.write(done=False)
+                del impls
+                free_memory(self.device, collect=True)
+        except BaseException as exc:  # keep what was measured, then stop as asked
+            self.state["aborted"] = describe_error(exc, 300)
+            self.write(done=False)
+            raise
+        md, stdout, main_tbl = self.render(done=True)
+        written = self.write(done=True)
+        wrong = self.wrong()
+        print("\n" + stdout + "\n")
+        print("wrote " + ", ".join(str(p) for p in written))
+        for line in self.final_lines():
+            print(line)
+        print(f"total {elapsed_s():.0f} s\n")
+        print(f"## {self.title} — {self.meta['device']}, torch {self.meta['torch']}, "
+              f"triton {self.meta['triton']}, CUDA {self.meta['cuda']}\n\n{self.legend()}\n")
+        print(main_tbl, flush=True)
+        return 1 if wrong else 0
+
+    def run_config(self, cfg, impls: dict[str, Impl]) -> dict[str, dict]:
+        """Measure every implementation on one configuration; returns name -> record."""
+        run = ConfigRun(cfg)
+        records: dict[str, dict] = {}
+        why = self.skip_reason()
+        if why is None:
+            run.inputs = self.inputs(cfg)
+        here = self.implementations_at(run, impls)
+        ref_note = ""
+        if why is None:
+            try:
+                synchronize(self.device)
+                t0 = elapsed_s()
+                run.ref = self.reference(run)
+                synchronize(self.device)
+                self.state["ref_s"] = self.state.get("ref_s", 0.0) + elapsed_s() - t0
+            except Exception as exc:  # noqa: BLE001
+                ref_note = f"{self.reference_label} failed: {short_error(exc)}"
+                self.state.setdefault("ref_errors", []).append(f"{cfg.label}: {describe_error(exc)}")
+                run.ref = None
+                free_memory(self.device, collect=True)
+        for name, impl in here.items():
+            rec = self.measure_impl(run, name, impl)
+            if rec is None:
+                continue
+            if ref_note:
+                rec["note"] = (rec["note"] + "; " if rec["note"] else "") + ref_note
+            records[name] = rec
+        run.inputs = run.ref = None
+        run.extra.clear()
+        free_memory(self.device)
+        return records
+
+    def measure_impl(self, run: ConfigRun, name: str, impl: Impl) -> Optional[dict]:
+        """One record: skipped (context broken, budget spent, builder's reason), failed, or
+        measured with :func:`measure` (first call, check, memory, do_bench)."""
+        rec = {**self.new_record(name, run), **impl.info}
+        why = self.skip_reason()
+        if why is not None:
+            rec.update(status="skip", note=why)
+            return rec
+        try:
+            run_once = impl.build(run)
+        except Exception as exc:  # noqa: BLE001 - e.g. a compile or a block mask failing
+            rec.update(status=short_error(exc), error=describe_error(exc))
+            free_memory(self.device, collect=True)
+            self.progress(run, name, rec)
+            return rec
+        if run_once is None:
+            return None
+        if isinstance(run_once, str):
+            rec.update(status="skip", note=run_once)
+            return rec
+        run.impl = name
+        a = self.args
+        m = measure(run_once, self.device, a.warmup, a.rep, check=lambda out: self.check(run, out),
+                    on_first=fuser_collector() if impl.report else None)
+        if impl.report and m.first_context is not None:
+            found = self.describe(m.first_context)
+            if found.get("note"):  # compiled during this call; else the group's earlier compile stands
+                impl.info.update(found)
+                rec.update(found)
+        rec.update(status=m.status, ms=m.ms, extra_mib=m.extra_mib, first_call_s=m.first_call_s,
+                   graphs_compiled=m.graphs_compiled, error=m.error)
+        self.store_check(rec, m.check)
+        if m.error and context_broken(m.error):
+            self.state["broken"] = True
+        self.progress(run, name, rec)
+        return rec
+
+    def progress(self, run: ConfigRun, name: str, rec: dict) -> None:
+        """One line per measurement while the run goes (stdout)."""
+        res = fmt_ms(rec["ms"]) + " ms" if rec["status"] == "ok" else rec["status"]
+        err = rec.get("rel_err")
+        print(f"  {run.cfg.label:<{self.label_width}} {name:<9} {res:>12}  first call {rec['first_call_s'] or 0:7.2f} s"
+              + (f"  err {fmt_err(err)}" if err is not None else "") + f"  {rec['note'] or ''}", flush=True)

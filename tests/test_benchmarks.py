@@ -1,0 +1,132 @@
+"""The benchmark scripts end to end on the CPU (Triton's interpreter): tiny shapes, one or two
+configurations each, a subprocess per script as on the device machine. Each test takes well
+under a minute; ``-m "not bench"`` leaves them out."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.bench
+
+
+def run_script(name: str, tmp_path: Path, *args: str) -> tuple[str, dict]:
+    """Run ``benchmarks/<name>.py --smoke --device cpu ... --out tmp/<name>.md``; returns the
+    markdown written and the JSON beside it."""
+    out = tmp_path / f"{name}.md"
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--device", "cpu", "--out", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return out.read_text(), json.loads(out.with_suffix(".json").read_text())
+
+
+def records(data: dict, impl: str) -> list[dict]:
+    return [c["results"][impl] for c in data["configs"] if impl in c["results"]]
+
+
+def assert_measured(recs: list[dict], tol: float = 1e-4) -> None:
+    assert recs
+    for r in recs:
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        assert r["rel_err"] is not None and r["rel_err"] <= tol, r
+
+
+def test_attention_smoke(tmp_path):
+    md, data = run_script("attention", tmp_path, "--seqs", "64", "--causal", "1", "--impls", "eager", "fuser", "sdpa")
+    assert data["complete"] and len(data["configs"]) == 2  # fwd, fwdbwd
+    header = next(line for line in md.splitlines() if line.startswith("|  D"))
+    assert [h.strip() for h in header.split("|")[1:9]] == ["D", "N", "mask", "mode", "eager", "fuser", "sdpa",
+                                                           "floor ms (flop/byte)"]
+    assert "## Details" in md and "- status: complete" in md
+    assert_measured(records(data, "fuser"))
+    assert all(r["note"].startswith("fused: fuser") for r in records(data, "fuser"))
+
+
+def test_attention_kl_smoke(tmp_path):
+    md, data = run_script("attention_kl", tmp_path, "--seqs", "64", "--causal", "1", "--impls", "eager", "fuser")
+    assert data["complete"] and [c["mode"] for c in data["configs"]] == ["fwd", "fwdbwd"]
+    assert "fuser rel err loss / grads" in md and "fp32 reference:" in md
+    fz = records(data, "fuser")
+    assert_measured(fz)
+    assert all(r["fused"] and r["plan"].startswith("fuser[") for r in fz)
+    assert fz[1]["rel_err_grads"] is not None
+
+
+def test_attention_masks_smoke(tmp_path):
+    md, data = run_script("attention_masks", tmp_path, "--masks", "window", "--seqs", "48", "--impls", "eager", "fuser")
+    assert data["complete"] and len(data["configs"]) == 2
+    assert "| mask   | N  | mode   | eager | inductor | fuser | sdpa | flex | floor" in md
+    assert_measured(records(data, "fuser"))
+
+
+def test_h2o_smoke(tmp_path):
+    md, data = run_script("h2o", tmp_path, "--n", "64", "--causal", "1", "--gqa", "--impls", "eager", "fuser",
+                          "plans", "sdpa")
+    assert data["complete"] and [(c["N"], c["kv_heads"]) for c in data["configs"]] == [(64, 2), (128, 1)]
+    assert "FlashTensor" in md and "regret" in md and "fuser err O / score" in md
+    for impl in ("fuser", "two_kernel", "eager"):
+        recs = records(data, impl)
+        assert_measured(recs)
+        assert all(r["rel_err_score"] is not None for r in recs)
+    assert all(c["planner"]["plan"] == "fuser[two_kernel]" and c["planner"]["chosen"] == "two_kernel"
+               for c in data["configs"])
+    assert all(r["rel_err_score"] is None for r in records(data, "sdpa"))  # O only
+
+
+def test_budget_keeps_a_partial_table(tmp_path):
+    md, data = run_script("h2o", tmp_path, "--n", "64", "--causal", "0", "--budget-s", "0.001")
+    assert "time budget" in md
+    assert all(r["status"] == "skip" for c in data["configs"] for r in c["results"].values())
+
+
+def test_h2o_picks_up_the_plans_when_they_land(tmp_path, monkeypatch):
+    """With ``PLANS``, ``CACHE_LAYOUTS``, ``diagonal_count`` and ``workspace_bytes`` in
+    ``codegen/h2o.py`` (stubbed here around the two-kernel forward), the script forces every plan,
+    sweeps diag_cache over K and layouts (``causal`` only in causal configurations), reports
+    workspaces and draws the sweep plot."""
+    pytest.importorskip("matplotlib")
+    import torch
+
+    from fuser.codegen import h2o as real
+
+    calls = []
+
+    def forward(q, k, v=None, *, scale, causal="none", plan="two_kernel", diagonals=0, cache="balanced", **kw):
+        calls.append((plan, diagonals, cache))
+        return real.forward(q, k, v, scale=scale, causal=causal, **kw)
+
+    fake = types.SimpleNamespace(
+        PLANS=("two_kernel", "one_kernel", "diag_cache"), CACHE_LAYOUTS=("balanced", "causal"), forward=forward,
+        diagonal_count=lambda q, k, causal: 3,
+        workspace_bytes=lambda q, k, causal, plan, diagonals, cache: 2**20 * (diagonals or 0))
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as setup_environment would; restored afterwards
+    import h2o as bench
+
+    monkeypatch.setattr(bench, "kernels", lambda: fake)
+    out = tmp_path / "h2o.md"
+    rc = bench.main(["--smoke", "--device", "cpu", "--n", "64", "--impls", "plans", "fuser", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    for c in data["configs"]:
+        names = set(c["results"])
+        layouts = ["balanced", "causal"] if c["causal"] else ["balanced"]
+        want = {"two_kernel", "one_kernel", "fuser"} | {f"diag_cache K={k} {lay}" for k in (0, 1, 2, 3) for lay in layouts}
+        assert names == want, names
+        r = c["results"]["diag_cache K=2 balanced"]
+        assert r["status"] == "ok" and r["diagonals"] == 2 and r["workspace_mib"] == 2.0
+        assert math.isfinite(c["planner"]["regret"])
+    assert ("diag_cache", 3, "causal") in calls and ("one_kernel", 0, "balanced") in calls
+    assert "diag_cache best" in out.read_text()
+    png = out.with_suffix(".png")
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    torch._dynamo.reset()
