@@ -205,8 +205,9 @@ _INTERP_PLANS = {
 # GPUs. sm90 fp16/bf16, D = 128: swept on the H100 (2026-11-23, B=1, H=32, D=128, fp16, N 1024..16384,
 # causal and not; 24 configs BLOCK_M {32, 64, 128} x BLOCK_N {64, 128} x warps {4, 8} x stages {2, 3}):
 # (128, 128, 4, 2) was best or within 3% at N >= 4096; (64, 64, 4, 3) / (32, 128, 4, 3) at N <= 2048.
-# The D <= 64 row takes the same first choice, not measured; other rows are not measured: a program holds one [BLOCK_N, D] key tile and streams [BLOCK_M, D]
-# query tiles, like the attention backward's dK/dV kernel without V and dO.
+# BLOCK_N 256 (tried for BLOCK_M {64, 128}) was never better. The D <= 64 row takes the same first
+# choice, not measured; other rows are not measured: a program holds one [BLOCK_N, D] key tile
+# and streams [BLOCK_M, D] query tiles, like the attention backward's dK/dV kernel without V and dO.
 _TABLE = {
     ("sm90", 64, 2): [_cfg(128, 128, 4, 2), _cfg(64, 128, 4, 3), _cfg(64, 64, 4, 3)],
     ("sm90", 128, 2): [_cfg(128, 128, 4, 2), _cfg(64, 128, 4, 2), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3)],
@@ -222,14 +223,18 @@ _TABLE = {
     ("cuda", 256, 4): [_cfg(16, 16, 4, 1)],
 }
 
-# GPUs, the other plans: NOT MEASURED (guesses for the lead to tune on the H100).
+# GPUs, the other plans. sm90 fp16/bf16 D = 128 swept on the H100 (2026-11-23, B=1, H=32, N=4096, causal
+# and not): one_kernel 16 configs BLOCK_M {64, 128} x BLOCK_N {64, 128} x warps {4, 8} x stages {2, 3},
+# (128, 64, 4, 2) best in both (0.76 / 1.09 ms; the earlier guess (128, 64, 8, 2) 0.96 / 1.77 ms);
+# diag_cache (K=4) tiles {64, 128} x warps {4, 8} x stages {2, 3}, (64, 64, 4, 2) best in both
+# (0.80 / 1.38 ms). Every other row: NOT MEASURED (guesses).
 # one_kernel: a forward-shaped program (a [BLOCK_M, D] query tile resident, key tiles streamed
 # twice), so the attention forward's tile shapes, a little smaller for the second pass's atomics.
 # diag_cache: one square tile for both kernels; 64 keeps a cached fp32 tile at 16 KiB.
 _TABLE_PLANS = {
     "one_kernel": {
         ("sm90", 64, 2): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-        ("sm90", 128, 2): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)],
+        ("sm90", 128, 2): [_cfg(128, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
         ("sm90", 256, 2): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
         ("sm90", 64, 4): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2)],
         ("sm90", 128, 4): [_cfg(32, 32, 4, 2), _cfg(32, 16, 4, 1)],
@@ -243,7 +248,7 @@ _TABLE_PLANS = {
     },
     "diag_cache": {
         ("sm90", 64, 2): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
-        ("sm90", 128, 2): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
+        ("sm90", 128, 2): [_cfg(64, 64, 4, 2), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3)],
         ("sm90", 256, 2): [_cfg(32, 32, 4, 2), _cfg(64, 64, 8, 2)],
         ("sm90", 64, 4): [_cfg(32, 32, 4, 2), _cfg(64, 64, 4, 2)],
         ("sm90", 128, 4): [_cfg(32, 32, 4, 2), _cfg(16, 16, 4, 1)],
