@@ -143,19 +143,22 @@ def main() -> int:
             want = fn(*(a.double() for a in args))
             want = want if isinstance(want, tuple) else (want,)
             errs = [rel_err(g, w) for g, w in zip(got, want)]
-            fused = [m for m in report.fused if m.pattern == "h2o"]
+            # found as h2o: fused, or left to Inductor because the planner estimates it faster
+            # (a window of a few queries: P is [B, H, w, N], small enough to materialise)
+            found = [m for m in report.matches if m.pattern == "h2o"]
+            fused = [m for m in found if m.fused]
             print(f"== {name}")
             print(report)
-            print(f"   h2o fused: {len(fused)}; relative error to eager on float64 inputs: "
+            print(f"   h2o matched: {len(found)}, fused: {len(fused)}; relative error to eager on float64 inputs: "
                   + ", ".join(f"{e:.2e}" for e in errs) + f" (tolerance {tol:g})\n")
-            failed |= not fused or max(errs) > tol
+            failed |= not found or max(errs) > tol
             if name.startswith("SnapKV window"):
                 k2, _ = compress(k, v, got[0], ratio=0.5)
                 print(f"   compressed the cache with these scores: {n} -> {k2.shape[2]} keys per kv head\n")
     if failed:
-        print("MISMATCH or not fused: see above", file=sys.stderr)
+        print("MISMATCH or not found: see above", file=sys.stderr)
         return 1
-    print("every scorer was fused (h2o) and matches eager")
+    print("every scorer was found (h2o) and matches eager")
     return 0
 
 

@@ -38,15 +38,25 @@ from fuser.static import symint_value
 #: the nominal query-block height for tile and atomic counts (the GPU tables' usual BLOCK_M)
 BLOCK_M = 128
 
-# Fraction of the matrix-unit peak the H2O kernels reach, by head-dim bucket (<=64, <=128, <=256).
-# NOT MEASURED: taken as the attention forward's (patterns/attention_plans.py) for every plan
-# until benchmarks/h2o.py measures them on the H100.
+# Fraction of the matrix-unit peak the H2O kernels reach, by head-dim bucket (<=64, <=128, <=256),
+# counted on the FLOPs of cost_terms (Q Kᵀ twice, P V once). The <=128 entries are MEASURED on the
+# H100 (benchmarks/results/h2o.md, 2026-11-23, B=1, H=32, D=128, fp16, N 2048..16384, causal and
+# not): two_kernel reached 0.44-0.55 of the 790 TFLOP/s model peak (0.52 taken), one_kernel
+# 0.34-0.48 (0.43). The <=64 and <=256 entries are NOT MEASURED: the attention forward's
+# (patterns/attention_plans.py) scaled by the same ratio.
 EFFICIENCY = {
-    "two_kernel": (0.50, 0.60, 0.38),
-    "one_kernel": (0.50, 0.60, 0.38),
-    "diag_cache": (0.50, 0.60, 0.38),
+    "two_kernel": (0.43, 0.52, 0.33),
+    "one_kernel": (0.36, 0.43, 0.27),
+    "diag_cache": (0.43, 0.52, 0.33),
 }
 
+#: diag_cache with K >= 1, measured against two_kernel on the H100 (same run): kernel 0 is then
+#: the H2O row kernel (templates/h2o_fwd.py.jinja, which writes the cached tiles) instead of the
+#: tuned attention forward, and the column pass splits its loops; the cost is flat in K:
+#: balanced 1.33-1.42x (K = 1..16, N 4096/8192, causal and not), causal layout 1.23-1.25x. The
+#: workspace traffic (written by kernel 0, read by kernel 1) comes on top, not overlapped (K = n/2
+#: at N=4096: 1 GiB each way, 1.58 ms against 0.96 ms).
+DIAG_CACHE_OVERHEAD = {"balanced": 1.40, "causal": 1.25}
 
 def _int(x) -> int:
     return int(symint_value(x))
@@ -84,7 +94,8 @@ def diag_options(m: Match, subs: dict) -> list[tuple[int, str, int, int]]:
     return out
 
 
-def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: int = 0) -> dict:
+def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: int = 0,
+               cache: str = "balanced") -> dict:
     """Symbolic cost terms of one plan (see the module docstring); ``cached`` tiles of ``tile²``
     per head for diag_cache (a number at the example shapes)."""
     b = m.bindings
@@ -121,16 +132,23 @@ def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: 
         area = tile * tile
         terms["flops"] = terms["flops"] - bh * cached * 2 * area * cm.D
         terms["workspace"] = bh * cached * area * 4
+        terms["overhead"] = DIAG_CACHE_OVERHEAD[cache]  # measured factor over two_kernel
         terms["bytes"] = terms["bytes"] + 2 * terms["workspace"]  # written by kernel 0, read by kernel 1
     return terms
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, plan: str) -> float:
-    """Milliseconds of one plan: :func:`fuser.costmodel.estimate_ms` plus the atomics."""
+    """Milliseconds of one plan: :func:`fuser.costmodel.estimate_ms` plus the atomics; for
+    diag_cache with cached tiles, times :data:`DIAG_CACHE_OVERHEAD` plus the workspace traffic."""
     d = subs[cm.D]
     table = cm.EAGER_MATMUL if plan == "inductor" else EFFICIENCY[plan]
     base = {k: v for k, v in terms.items() if k in ("flops", "bytes", "exps", "tiles", "launches")}
+    workspace = cm.evaluate(terms.get("workspace", 0), subs)
+    if workspace:
+        base["bytes"] = terms["bytes"] - 2 * terms["workspace"]
     t = cm.estimate_ms(base, subs, model, kind, cm.efficiency(table, d))
+    if workspace:
+        t = t * terms["overhead"] + 2 * workspace / (model.bandwidth_gbs * 1e9) * 1e3
     if "atomics" in terms:
         t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
     return t
@@ -157,7 +175,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         "(score not bitwise deterministic)", deterministic=False)
     for kk, cache, tiles, t in diag_options(m, subs):
         add(f"fuser[diag_cache K={kk} {cache}]", {"plan": "diag_cache", "diagonals": kk, "cache": cache},
-            cost_terms(m, "diag_cache", subs, dv, tiles, t), "diag_cache",
+            cost_terms(m, "diag_cache", subs, dv, tiles, t, cache), "diag_cache",
             f"two kernels; kernel 0 caches the float32 scores of {tiles} tiles of {t}x{t} per head "
             f"({cache} layout, K={kk}) for the column pass")
     if ctx.options.autotune:

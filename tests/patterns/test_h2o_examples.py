@@ -23,9 +23,10 @@ def _run(name: str, *args: str) -> str:
 
 def test_kvpress_scorer_example():
     out = _run("kvpress_scorer.py")
-    assert out.count("h2o fused: 1;") == 3, out
+    # on the CPU (interpreter) the planner offers no Inductor plan: every scorer is fused
+    assert out.count("h2o matched: 1, fused: 1;") == 3, out
     assert "window=queries[-8:], keys[:-8], window_causal=bottom_right" in " ".join(out.split())
-    assert "every scorer was fused (h2o) and matches eager" in out
+    assert "every scorer was found (h2o) and matches eager" in out
 
 
 def test_h2o_llama_example():
