@@ -259,7 +259,8 @@ class H2OPattern(Pattern):
     plan_choices = {"impl": ("fuser", "inductor"), "plan": ("two_kernel", "one_kernel", "diag_cache", "autotune")}
 
     def anchors(self, view: GraphView):
-        return [n for n in view.graph.nodes if view.op(n) == "softmax"]
+        # "div": a softmax written by hand, exp(S - max) / sum (the rule checks it is one)
+        return [n for n in view.graph.nodes if view.op(n) in ("softmax", "div")]
 
     # -- match ---------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
@@ -335,10 +336,11 @@ class H2OPattern(Pattern):
         rank = sc.rank
         if rank not in (3, 4):
             raise Decline(f"scores of rank {rank}; the H2O kernels take [B, H, Nq, Nk] or [B·H, Nq, Nk] scores")
-        if sm.attrs["dim"] != rank - 1:
-            raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
-        if sm.attrs["dtype"] not in (None, *FLOATS):
-            raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
+        if sm.op == "softmax":  # a softmax by hand is over the last dim by its rule
+            if sm.attrs["dim"] != rank - 1:
+                raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
+            if sm.attrs["dtype"] not in (None, *FLOATS):
+                raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
         for n in passed + path.nodes:
             c = view.canon(n)
             if c is not None and c.op == "cast" and c.attrs["dtype"] not in FLOATS:

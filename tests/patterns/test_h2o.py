@@ -734,3 +734,23 @@ def test_h2o_op_plan_strings():
         "plan": "diag_cache", "diagonals": 3, "cache": "causal", "tries": [("one_kernel", 0, "balanced")]}
     with pytest.raises(ValueError, match="plan entry"):
         h2o_ops.parse_plan("plan=one_kernel;split=2")
+
+
+@pytest.mark.parametrize("with_max", [True, False])
+def test_softmax_by_hand(with_max):
+    """exp(S - amax(S)) / sum and exp(S) / sum (the fuzzer's hand-written softmax) feeding a
+    column sum and P V: found as H2O (the div is an anchor), equal to eager."""
+    def program(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * 0.25
+        e = (s - s.amax(dim=-1, keepdim=True)).exp() if with_max else s.exp()
+        p = e / e.sum(dim=-1, keepdim=True)
+        return p @ v, p.sum(-2)
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 13, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        report = fuser.explain(program, q, k, v)
+        want = program(q.double(), k.double(), v.double())
+    assert [m.pattern for m in report.fused] == ["h2o"], str(report)
+    for got, ref in zip(report.output, want):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
