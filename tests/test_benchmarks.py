@@ -77,8 +77,12 @@ def test_h2o_smoke(tmp_path):
         recs = records(data, impl)
         assert_measured(recs)
         assert all(r["rel_err_score"] is not None for r in recs)
-    assert all(c["planner"]["plan"] == "fuser[two_kernel]" and c["planner"]["chosen"] == "two_kernel"
-               for c in data["configs"])
+    # the planner's choice (whichever the cost model ranks first at these toy shapes) is one of the
+    # forced rows, so its regret is measured, not read off the compiled call
+    for c in data["configs"]:
+        p = c["planner"]
+        assert p["plan"].startswith("fuser[") and p["fused"], p
+        assert p["chosen"] in c["results"] and p["chosen_from"] == "forced" and math.isfinite(p["regret"]), p
     assert all(r["rel_err_score"] is None for r in records(data, "sdpa"))  # O only
 
 
