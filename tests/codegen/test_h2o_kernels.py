@@ -256,8 +256,8 @@ def test_rejects_unsupported():
     with pytest.raises(ValueError, match="mask_fill.*supported"):
         h2o.forward(q, k, v, scale=1.0, mask=torch.ones(8, 8, dtype=torch.bool), mask_kind="bool_keep",
                     mask_fill=-1e4)
-    with pytest.raises(ValueError, match="causal_fill.*supported"):
-        h2o.forward(q, k, v, scale=1.0, causal="top_left", causal_fill=F32_MIN)
+    with pytest.raises(ValueError, match="causal_fill.*two_kernel"):  # supported by two_kernel only
+        h2o.forward(q, k, v, scale=1.0, causal="top_left", causal_fill=F32_MIN, plan="one_kernel")
     with pytest.raises(ValueError, match="predicate"):
         h2o.forward(q, k, v, scale=1.0, mask_pred="ge(1,-1,0)")
     with pytest.raises(ValueError, match="needs v"):
@@ -956,3 +956,19 @@ def test_finite_causal_fill_rejected_where_unsupported():
     # no causal masking: the fill applies to nothing (the -inf variant runs)
     out, score = h2o.forward(q, k, v, scale=0.3, causal="none", causal_fill=-1e4)
     torch.testing.assert_close(score, h2o.forward(q, k, v, scale=0.3, causal="none")[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fill,mode", [(F32_MIN, "add"), (-3.0, "replace")])
+@pytest.mark.parametrize("causal,n_q,n_k", [("top_left", 1000, 1000), ("bottom_right", 300, 1100)])
+def test_gpu_finite_causal_fill(dtype, fill, mode, causal, n_q, n_k):
+    dev = torch.device("cuda")
+    q, k, v = _qkv(5, 2, 8, 2, n_q, n_k, 128, 128, dtype=dtype, device=dev)
+    scale = 128 ** -0.5
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, scale=scale, causal=causal, causal_fill=fill, causal_fill_mode=mode)
+    ref_out, ref_score = _filled_reference(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, fill=fill,
+                                           mode=mode)
+    assert _rel(score.cpu(), ref_score) < TOL[dtype]
+    assert _rel(out.cpu(), ref_out) < TOL[dtype]
