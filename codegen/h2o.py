@@ -86,7 +86,8 @@ CACHE_LAYOUTS = ("balanced", "causal")
 
 #: What the plans support, for error messages.
 SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('none', 'bool_keep', 'bool_drop', "
-             "'additive') with hidden entries -inf; no finite mask_fill/causal_fill, no mask_pred")
+             "'additive') with hidden entries -inf; a finite causal_fill (replace or add) with plan two_kernel "
+             "and no data mask; no finite mask_fill, no mask_pred")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,27 +96,35 @@ SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('non
 
 
 def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret: bool,
-                  cache_ranges: int = 0) -> RenderedKernel:
+                  cache_ranges: int = 0, causal_fill: str = "hide") -> RenderedKernel:
     """Render the column-pass kernel module of one static variant (``causal``: a mode or a bool;
-    the statistics are two-part exactly for ``mask_kind="additive"``, as in the forward;
-    ``cache_ranges`` 1 or 2: diag_cache's column pass reading that many cached ranges per key
-    block, 0: two_kernel's).
+    the statistics are two-part for ``mask_kind="additive"`` or a finite causal fill, as in the
+    forward; ``cache_ranges`` 1 or 2: diag_cache's column pass reading that many cached ranges
+    per key block, 0: two_kernel's; ``causal_fill`` ``"hide"`` (-inf above the diagonal),
+    ``"replace"`` or ``"add"``: a finite runtime fill, as in the attention forward).
 
     Raises:
-        ValueError: unknown causal mode or mask kind, ``cache_ranges`` not in 0..2.
+        ValueError: unknown causal mode, mask kind or fill kind, ``cache_ranges`` not in 0..2,
+            a finite causal fill with a data mask or a cache.
     """
     variants.check_variant(causal, mask_kind)
     if cache_ranges not in (0, 1, 2):
         raise ValueError(f"cache_ranges must be 0, 1 or 2, got {cache_ranges!r}")
+    if causal_fill not in ("hide", "replace", "add"):
+        raise ValueError(f"causal_fill must be 'hide', 'replace' or 'add', got {causal_fill!r}")
     causal = variants.is_causal(causal)
+    fill = causal_fill if causal else "hide"
+    if fill != "hide" and (mask_kind != "none" or cache_ranges):
+        raise ValueError("the column pass takes a finite causal fill without a data mask and without a cache only")
     row = bool(mask_row_broadcast) and mask_kind != "none"
-    name = ("h2o_colsum" + ("_causal" if causal else "") + variants.MASK_SUFFIX[mask_kind]
-            + ("_rowbcast" if row else "") + (f"_cache{cache_ranges}" if cache_ranges else "")
-            + ("_interp" if interpret else ""))
+    name = ("h2o_colsum" + ({"hide": "_causal", "replace": "_causalfill", "add": "_causaladd"}[fill] if causal else "")
+            + variants.MASK_SUFFIX[mask_kind] + ("_rowbcast" if row else "")
+            + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_interp" if interpret else ""))
     return render(
         TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
-        two_part=mask_kind == "additive", cache_ranges=int(cache_ranges), interpret=bool(interpret),
+        two_part=mask_kind == "additive" or fill != "hide", cache_ranges=int(cache_ranges),
+        causal_fill=fill, interpret=bool(interpret),
     )
 
 
@@ -146,10 +155,11 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bo
 
 
 @functools.lru_cache(maxsize=None)
-def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool, cache_ranges: int = 0):
+def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool, cache_ranges: int = 0,
+                   causal_fill: str = "hide"):
     """The imported column-pass module of one static variant (rendered once per process)."""
     kernel = colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret,
-                           cache_ranges=cache_ranges)
+                           cache_ranges=cache_ranges, causal_fill=causal_fill)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -571,14 +581,25 @@ def alloc_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return launch.empty((b, h, k.shape[2]), torch.float32, q.device)
 
 
-def _check_supported(mask_fill: float, causal_fill: float, mask_pred) -> None:
+def _check_supported(mask_fill: float, causal, causal_fill: float, causal_fill_mode: str, mask_kind: str,
+                     mask_pred, plan: str, diagonals: int) -> str:
+    """The causal fill kind (``"hide"``, ``"replace"``, ``"add"``) after checking what the plans
+    support: a finite ``causal_fill`` with two_kernel (or diag_cache with no cached tile) and no
+    data mask; no finite ``mask_fill``, no predicate."""
     if not (math.isinf(float(mask_fill)) and float(mask_fill) < 0):
         raise ValueError(f"H2O column sums: a finite mask_fill ({mask_fill!r}) is not supported; supported: {SUPPORTED}")
-    if not (math.isinf(float(causal_fill)) and float(causal_fill) < 0):
-        raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) is not supported; "
-                         f"supported: {SUPPORTED}")
     if attention.as_predicate(mask_pred) is not None:
         raise ValueError(f"H2O column sums: index predicates (mask_pred) are not supported; supported: {SUPPORTED}")
+    variants.check_fill("causal_fill", causal_fill, causal_fill_mode)
+    kind = variants.causal_fill_kind(causal, causal_fill, causal_fill_mode)
+    if kind != "hide":
+        if mask_kind != "none":
+            raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) with a data mask is not "
+                             f"supported; supported: {SUPPORTED}")
+        if plan == "one_kernel" or (plan == "diag_cache" and diagonals):
+            raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) runs with plan='two_kernel' "
+                             f"only (got plan={plan!r}{f', diagonals={diagonals}' if plan == 'diag_cache' else ''})")
+    return kind
 
 
 def forward(
@@ -599,6 +620,7 @@ def forward(
     mask_fill: float = NEG_INF,
     causal_fill: float = NEG_INF,
     mask_pred=None,
+    causal_fill_mode: str = "replace",
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """H2O column sums and attention output with one of :data:`PLANS` (module docstring).
 
@@ -624,8 +646,14 @@ def forward(
         fwd_config: two_kernel: kernel 0's config (:func:`fuser.codegen.attention.forward`'s
             ``config``, or the statistics-only pass's without ``need_out``); diag_cache: kernel
             0's ``num_warps``/``num_stages`` (its tile is ``config``'s); one_kernel: ignored.
-        mask_fill, causal_fill, mask_pred: only the defaults (``-inf``, ``-inf``, ``None``) are
-            supported; anything else is rejected.
+        causal_fill, causal_fill_mode: with causal masking, entries above the diagonal score
+            ``causal_fill`` (``"replace"``) or ``s + causal_fill`` (``"add"``: transformers'
+            eager ``finfo.min`` causal mask) in natural-log units; a finite fill is supported by
+            two_kernel (and diag_cache with ``diagonals=0``) without a data mask: kernel 0 is
+            then the attention forward (also without ``need_out``), and the column pass visits
+            the query blocks above the diagonal unless the forward's run-time bound
+            (:func:`fuser.codegen.attention.hidden_tiles_skippable`) proves they weigh 0.
+        mask_fill, mask_pred: only the defaults (``-inf``, ``None``) are supported.
 
     Returns:
         ``(out, score)``: ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype (``None`` unless
@@ -635,14 +663,15 @@ def forward(
 
     Raises:
         ValueError: an unknown plan or layout, ``diagonals`` out of range, the causal layout
-            without causal masking, a non-square diag_cache tile, a finite fill or a predicate,
+            without causal masking, a non-square diag_cache tile, a finite mask fill, a finite
+            causal fill with a data mask or another plan, a predicate,
             an unknown causal mode or mask kind, a mask that does not match ``mask_kind``, ``v``
             missing with ``need_out``, or the shape, dtype and head-dim errors of
             :func:`fuser.codegen.attention.forward`.
     """
-    _check_supported(mask_fill, causal_fill, mask_pred)
     variants.check_variant(causal, mask_kind)
     _check_plan(plan, cache)
+    fill_k = _check_supported(mask_fill, causal, causal_fill, causal_fill_mode, mask_kind, mask_pred, plan, diagonals)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if v is None:
@@ -662,7 +691,7 @@ def forward(
     if plan == "one_kernel":
         return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config)
     return _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config,
-                       diagonals if plan == "diag_cache" else 0, cache)
+                       diagonals if plan == "diag_cache" else 0, cache, fill_k, causal_fill)
 
 
 def _empty_result(q, k, v, need_out: bool):
@@ -731,8 +760,10 @@ def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs
     return out, stats
 
 
-def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config, diagonals, cache):
-    """two_kernel (``diagonals == 0``) or diag_cache: kernel 0, then the column pass."""
+def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config, diagonals, cache,
+                fill_k="hide", causal_fill=NEG_INF):
+    """two_kernel (``diagonals == 0``) or diag_cache: kernel 0, then the column pass (``fill_k``:
+    the causal fill kind, finite only for two_kernel without a data mask)."""
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if b * hq == 0 or n_q == 0 or n_k == 0:
@@ -740,8 +771,9 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
-    two_part = mask_kind == "additive"
+    two_part = mask_kind == "additive" or fill_k != "hide"
     ranges = 0
+    fill_args = {}
     if diagonals > 0:
         cfg, fwd_cfg = _diag_config(config, fwd_config, q)
         tile = cfg["BLOCK_M"]
@@ -751,6 +783,15 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
         out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, [fwd_cfg],
                                  (ws, row_tab, n_slots), ranges)
         configs = [cfg]
+    elif fill_k != "hide":
+        # kernel 0: the attention forward with the finite causal fill (its two-part statistics);
+        # without need_out it runs with k as v (its out is dropped: the statistics-only pass
+        # takes no fill)
+        out, stats = attention.forward(q, k, v, scale=scale, causal=causal, need_lse=True, config=fwd_config,
+                                       causal_fill=causal_fill, causal_fill_mode=fill_k)
+        flag = attention._skip_arg(q, k, scale, causal, mask_kind, fill_k, causal_fill)["skip_hidden"]
+        fill_args = {"causal_fill": variants.fill_base2(causal_fill), "skip_hidden": flag}
+        configs = _short_first(_configs(config, q), config, max(n_q, n_k))
     else:
         if need_out:
             # kernel 0: the attention forward, for its statistics and out
@@ -762,7 +803,7 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
                                      attention._configs(fwd_config, q, v, causal, "fwd"))
         configs = _short_first(_configs(config, q), config, max(n_q, n_k))
     score = alloc_score(q, k)
-    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges)
+    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges, fill_k)
     args = [q, k, stats, score]
     if mask4 is not None:
         args.append(mask4)
@@ -779,6 +820,7 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
                 causal_offset=variants.causal_offset(causal, n_q, n_k),
                 config=cfg,
                 input_precision=precision,
+                **fill_args,
             )
 
     key = (kernel.path, "colsum", q.dtype, d, None if mask4 is None else mask4.dtype, precision,

@@ -16,20 +16,19 @@ function is registered under the same name (``AttentionMaskInterface.register``)
 
 What a real model needs for the region to be fused (what this example does):
 
-* **The mask as a boolean, applied with ``-inf``.** transformers' ``eager`` mask is
-  ``torch.where(allowed, 0, finfo(dtype).min)`` built from ``arange`` comparisons inside the
-  compiled graph; fuser proves it causal, but with a finite fill (``finfo.min`` added), which the
-  H2O kernels do not take yet: ``explain()`` says "finite mask fills are not supported by the
-  H2O kernels yet" (run with ``--mask eager`` to see it; the attention pattern, without the
-  score, does take finite fills). With a padding ``attention_mask`` the same eager mask depends
-  on that input: it is data, an additive mask the kernels load, and it is fused; only the
-  provably causal one (no padding) is declined. Here the mask function is transformers' ``sdpa_mask`` (True
-  where a key is visible) with ``allow_is_causal_skip=False``, and the attention function
-  applies it with ``masked_fill(~mask, -inf)``. (Without ``allow_is_causal_skip=False``,
-  ``sdpa_mask`` returns None for an unpadded prefill run eagerly — SDPA would then use
-  ``is_causal`` — so an eager attention function would silently attend to the future, while
-  the same code traced by Dynamo builds the mask.) A 4-D additive mask passed in by the caller
-  (``finfo.min`` where hidden) is fused too: it is data, loaded by the kernels.
+* **The mask.** transformers' own ``eager`` mask is ``torch.where(allowed, 0, finfo(dtype).min)``
+  built from ``arange`` comparisons inside the compiled graph: fuser proves it causal, with a
+  finite fill (``finfo.min`` added); the H2O kernels take it (two_kernel: the attention forward
+  and the column pass skip the tiles above the diagonal when a run-time bound proves their
+  weights are exactly 0, and visit them otherwise) — ``--mask eager`` runs it, ``explain()``
+  shows ``causal_fill=-3.40282e+38 (add)``. With a padding ``attention_mask`` the same eager mask
+  depends on that input: it is data, an additive mask the kernels load, and it is fused too. The
+  default here is transformers' ``sdpa_mask`` (True where a key is visible) with
+  ``allow_is_causal_skip=False``, applied with ``masked_fill(~mask, -inf)``. (Without
+  ``allow_is_causal_skip=False``, ``sdpa_mask`` returns None for an unpadded prefill run eagerly
+  — SDPA would then use ``is_causal`` — so an eager attention function would silently attend to
+  the future, while the same code traced by Dynamo builds the mask.) A 4-D additive mask passed
+  in by the caller (``finfo.min`` where hidden) is fused too: it is data, loaded by the kernels.
 * **No attention weights returned** (``output_attentions`` off): P used anywhere else than
   ``P V`` and the score would have to exist.
 * **``torch.no_grad()``**: the fused H2O op has no backward yet.
@@ -37,7 +36,7 @@ What a real model needs for the region to be fused (what this example does):
 Run::
 
     python examples/h2o_llama.py                # prefill + decode steps; compares to eager
-    python examples/h2o_llama.py --mask eager   # transformers' finite eager mask: the near-miss
+    python examples/h2o_llama.py --mask eager   # transformers' own finfo.min eager mask
 
 On a CUDA GPU it runs a larger model in bfloat16; without one, a tiny model in float32 with
 fuser's kernels in Triton's interpreter (``options={"fuser.interpret": True}``; slow, exact).
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mask", choices=("bool", "eager"), default="bool",
                     help="bool: sdpa_mask applied with -inf (fused); eager: transformers' finfo.min eager mask "
-                         "(built in the graph: a finite causal fill, declined)")
+                         "(built in the graph: a causal mask with a finite fill, fused too)")
     ap.add_argument("--decode-steps", type=int, default=2)
     args = ap.parse_args(argv)
     model, ids, options, dtype = setup(args.mask)

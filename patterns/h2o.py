@@ -351,8 +351,11 @@ class H2OPattern(Pattern):
                           "to float16, bfloat16 or float32")
         if sc.pred is not None:
             raise Decline("masks from indices other than causal are not supported by the H2O kernels yet")
-        if sc.mask_fill != NEG_INF or (sc.causal != "none" and sc.causal_fill != NEG_INF):
-            raise Decline("finite mask fills are not supported by the H2O kernels yet (-inf only)")
+        if sc.mask_fill != NEG_INF:
+            raise Decline("finite fills of a data mask are not supported by the H2O kernels yet (-inf only)")
+        finite_causal = sc.causal != "none" and sc.causal_fill != NEG_INF
+        if finite_causal and sc.mask_kind != "none":
+            raise Decline("a finite causal fill together with a data mask is not supported by the H2O kernels yet")
         outputs = {"score": colsum} if pv is None else {"out": pv, "score": colsum}
         if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
             raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "
@@ -372,13 +375,19 @@ class H2OPattern(Pattern):
         k, v, group = kv_heads(sc, v, None, view)
         nq, nk = shape(anchor)[-2:]
         score_causal = window_causal(path.windows, sc.causal, nq, nk)
+        if finite_causal and path.windows:
+            raise Decline("a query window of P under a causal mask with a finite fill is not supported by the "
+                          "H2O kernels yet")
         bindings = dict(q=q, k=k, v=v, q_p=sc.q_p, k_p=sc.k_p, factors=sc.factors, causal=sc.causal,
                         mask_terms=sc.mask_terms, mask_kind=sc.mask_kind, mask_shape=sc.mask_shape, group=group,
                         rank=rank, in_dtype=sc.in_dtype, compute_dtype=sc.compute_dtype, device=sc.device,
                         score_dtype=dtype(colsum), out_dtype=dtype(pv) if pv is not None else None,
                         # the score's reading of P (issue 9 B): query windows, the rows' causal
                         # alignment after them, the reductions the op's column sums stand for
-                        windows=tuple(path.windows), score_causal=score_causal, score_steps=tuple(path.steps))
+                        windows=tuple(path.windows), score_causal=score_causal, score_steps=tuple(path.steps),
+                        # a finite causal fill (transformers' finfo.min causal mask): two_kernel only
+                        causal_fill=sc.causal_fill if finite_causal else NEG_INF,
+                        causal_fill_mode=sc.causal_fill_mode if finite_causal else "replace")
         sq, sk = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p)
         summary = {
             "q": user_name(q), "k": user_name(k), "v": user_name(v) if v is not None else "-",
@@ -387,6 +396,8 @@ class H2OPattern(Pattern):
             "shape": f"q{tuple(sq)} k{tuple(sk)}", "outputs": ", ".join(outputs),
             "score": path.describe(rank),
         }
+        if finite_causal:
+            summary["causal_fill"] = f"{sc.causal_fill:g} ({sc.causal_fill_mode})"
         if path.describe_slices(rank):
             summary["window"] = path.describe_slices(rank)
             if path.windows and sc.causal != "none":
@@ -430,7 +441,7 @@ class H2OPattern(Pattern):
             both = v is not None and not b["windows"]
             op = e.node("call_function", torch.ops.fuser.h2o.default,
                         (q_rows, k, v if both else None, mask_rows, e.scale(b["factors"]), b["score_causal"],
-                         b["mask_kind"], both, text))
+                         b["mask_kind"], both, text, b["causal_fill"], b["causal_fill_mode"]))
             new = {"score": score_output(e, b, e.node("call_function", operator.getitem, (op, 1)), q_rows)}
             if v is not None:
                 out = e.unrank(e.node("call_function", operator.getitem, (op, 0)) if both

@@ -5,14 +5,17 @@ Inductor treat it as an opaque kernel with known output shapes; it neither mutat
 its inputs. It has no autograd formula: the pattern declines regions whose outputs need
 gradients (H2O scores keys during inference). The kernels are in ``codegen/h2o.py``.
 
-``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan) -> (out, score)``
+``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill,
+causal_fill_mode) -> (out, score)``
     q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` or None (any strides;
     GQA when ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
     ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
     "bool_drop", "additive"}``; ``plan`` a ``"key=value;..."`` string (:func:`plan_string`):
     ``plan=two_kernel|one_kernel|diag_cache|autotune``, ``diagonals=<K>``,
     ``cache=balanced|causal`` and, for ``autotune``, ``try=<plan>/<K>/<cache>,...`` (the plans
-    to time; "" is two_kernel). Returns ``out = softmax(scale·q kᵀ + mask) v``
+    to time; "" is two_kernel); ``causal_fill`` (``-inf``, or a finite score for the entries above
+    the diagonal: ``causal_fill_mode`` ``"replace"`` or ``"add"``, then two_kernel runs whatever
+    ``plan`` says, see :func:`fuser.codegen.h2o.forward`). Returns ``out = softmax(scale·q kᵀ + mask) v``
     ``[B, Hq, Nq, Dv]`` in q's dtype (an empty tensor when ``need_out`` is False or v is None)
     and the column sums ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32.
 
@@ -129,9 +132,17 @@ def h2o(
     mask_kind: str,
     need_out: bool,
     plan: str,
+    causal_fill: float,
+    causal_fill_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     want_out = need_out and v is not None
     p = parse_plan(plan)
+    fill = {"causal_fill": causal_fill, "causal_fill_mode": causal_fill_mode}
+    if causal != "none" and causal_fill != float("-inf"):
+        # a finite causal fill runs with two_kernel only (the planner offers nothing else)
+        out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
+                                     mask_kind=mask_kind, need_out=want_out, plan="two_kernel", **fill)
+        return (out if out is not None else _empty(q)), score
     if p["plan"] == "autotune":
         kw = tuned_plan(q, k, v if want_out else None, mask, scale, causal, mask_kind, want_out, p["tries"])
     else:
@@ -142,7 +153,7 @@ def h2o(
 
 
 @h2o.register_fake
-def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan):
+def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill, causal_fill_mode):
     b, hq, n_q, _ = q.shape
     n_k = k.shape[2]
     score = q.new_empty((b, hq, n_k), dtype=torch.float32)

@@ -170,6 +170,13 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     base = {"diagonals": 0, "cache": "balanced"}
     add("fuser[two_kernel]", {"plan": "two_kernel", **base}, cost_terms(m, "two_kernel", subs, dv), "two_kernel",
         "attention forward (O, LSE), then a column-parallel pass recomputing P from the LSE")
+    if b.get("causal_fill", float("-inf")) != float("-inf"):
+        # a finite causal fill: only two_kernel's kernels take it (codegen/h2o.py)
+        if dev.type != "cpu":
+            terms = cost_terms(m, "inductor", subs, dv)
+            out.append(Candidate("inductor", {"impl": "inductor"}, terms, estimate(terms, subs, model, kind, "inductor"),
+                                 "left to Inductor: scores and P materialised"))
+        return out
     add("fuser[one_kernel]", {"plan": "one_kernel", **base}, cost_terms(m, "one_kernel", subs, dv), "one_kernel",
         "one row-parallel kernel: statistics pass, then P V and the column sums by float32 atomics "
         "(score not bitwise deterministic)", deterministic=False)

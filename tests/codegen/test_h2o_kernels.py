@@ -256,8 +256,8 @@ def test_rejects_unsupported():
     with pytest.raises(ValueError, match="mask_fill.*supported"):
         h2o.forward(q, k, v, scale=1.0, mask=torch.ones(8, 8, dtype=torch.bool), mask_kind="bool_keep",
                     mask_fill=-1e4)
-    with pytest.raises(ValueError, match="causal_fill.*supported"):
-        h2o.forward(q, k, v, scale=1.0, causal="top_left", causal_fill=F32_MIN)
+    with pytest.raises(ValueError, match="causal_fill.*two_kernel"):  # supported by two_kernel only
+        h2o.forward(q, k, v, scale=1.0, causal="top_left", causal_fill=F32_MIN, plan="one_kernel")
     with pytest.raises(ValueError, match="predicate"):
         h2o.forward(q, k, v, scale=1.0, mask_pred="ge(1,-1,0)")
     with pytest.raises(ValueError, match="needs v"):
@@ -892,3 +892,83 @@ def test_gpu_plans_match_reference(case, plan):
     assert (score[ref_score == 0] == 0).all()
     _, s_none = h2o.forward(q, k, None, need_out=False, **plan_kw, **kw)
     assert _rel(s_none, ref_score) < tol
+
+
+# --------------------------------------------------------------------------------------------
+# Finite causal fills (transformers' eager finfo.min causal mask): two_kernel, no data mask
+# --------------------------------------------------------------------------------------------
+
+
+def _filled_reference(q, k, v, *, scale, causal, fill, mode):
+    """float64 eager: scores with the entries above the diagonal replaced by ``fill`` or with
+    ``fill`` added (saturating at -FLT_MAX like the kernels: float64 keeps finfo.min + s finite)."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)
+    vv = v.double().repeat_interleave(group, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    n_q, n_k = s.shape[-2:]
+    offset = 0 if causal == "top_left" else n_k - n_q
+    above = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + offset
+    s = torch.where(above, torch.full_like(s, fill) if mode == "replace" else s + fill, s)
+    p = torch.softmax(s, dim=-1)
+    return p @ vv, p.sum(-2)
+
+
+@pytest.mark.parametrize("causal,n_q,n_k", [("top_left", 37, 37), ("bottom_right", 21, 50), ("top_left", 50, 21),
+                                            ("bottom_right", 45, 19)])
+@pytest.mark.parametrize("fill,mode,magnitude", [
+    (F32_MIN, "add", 1.0),     # transformers' eager causal mask: tiles above skipped (the bound holds)
+    (-1e4, "replace", 30.0),   # large logits, the bound still holds (|s| <= ~400 against 1.4e4)
+    (-5.0, "replace", 1.0),    # a small fill: hidden keys carry weight, the bound fails, every tile visited
+    (-3.0, "add", 1.0),
+    # (bottom_right with Nq > Nk: rows with no visible key, the bound never holds, every tile visited)
+])
+@pytest.mark.parametrize("need_out", [True, False])
+def test_finite_causal_fill(causal, n_q, n_k, fill, mode, magnitude, need_out):
+    q, k, v = _qkv(11 + n_q, 2, 4, 2, n_q, n_k, 16, 8)
+    q = q * magnitude
+    scale = 16 ** -0.5
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v if need_out else None, scale=scale, causal=causal, need_out=need_out,
+                                 causal_fill=fill, causal_fill_mode=mode)
+    ref_out, ref_score = _filled_reference(q, k, v, scale=scale, causal=causal, fill=fill, mode=mode)
+    assert torch.isfinite(score).all()
+    assert _rel(score, ref_score) < 1e-4, _rel(score, ref_score)
+    if need_out:
+        assert _rel(out, ref_out) < 1e-4
+    else:
+        assert out is None
+    # rows with no visible key (bottom_right with Nq > Nk) spread their weight over every key
+    if causal == "bottom_right" and n_q > n_k:
+        assert (score > 0).all()
+
+
+def test_finite_causal_fill_rejected_where_unsupported():
+    q, k, v = _qkv(1, 1, 2, 2, 8, 8, 8, 8)
+    with pytest.raises(ValueError, match="two_kernel"):
+        h2o.forward(q, k, v, scale=0.3, causal="top_left", plan="one_kernel", causal_fill=-1e4)
+    with pytest.raises(ValueError, match="data mask"):
+        h2o.forward(q, k, v, scale=0.3, causal="top_left", mask=torch.ones(8, 8, dtype=torch.bool),
+                    mask_kind="bool_keep", causal_fill=-1e4)
+    with pytest.raises(ValueError, match="mask_fill"):
+        h2o.forward(q, k, v, scale=0.3, causal="top_left", mask=torch.ones(8, 8, dtype=torch.bool),
+                    mask_kind="bool_keep", mask_fill=-1e4)
+    # no causal masking: the fill applies to nothing (the -inf variant runs)
+    out, score = h2o.forward(q, k, v, scale=0.3, causal="none", causal_fill=-1e4)
+    torch.testing.assert_close(score, h2o.forward(q, k, v, scale=0.3, causal="none")[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fill,mode", [(F32_MIN, "add"), (-3.0, "replace")])
+@pytest.mark.parametrize("causal,n_q,n_k", [("top_left", 1000, 1000), ("bottom_right", 300, 1100)])
+def test_gpu_finite_causal_fill(dtype, fill, mode, causal, n_q, n_k):
+    dev = torch.device("cuda")
+    q, k, v = _qkv(5, 2, 8, 2, n_q, n_k, 128, 128, dtype=dtype, device=dev)
+    scale = 128 ** -0.5
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, scale=scale, causal=causal, causal_fill=fill, causal_fill_mode=mode)
+    ref_out, ref_score = _filled_reference(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, fill=fill,
+                                           mode=mode)
+    assert _rel(score.cpu(), ref_score) < TOL[dtype]
+    assert _rel(out.cpu(), ref_out) < TOL[dtype]

@@ -595,8 +595,11 @@ def test_near_misses_are_declined_with_reasons(qkv2):
     def keys_then_queries(q, k):
         return _p(q, k).sum(-1).sum(-1)
 
-    def finite_fill(q, k):
-        return _causal_p(q, k, fill=torch.finfo(torch.float32).min).sum(-2)
+    def finite_fill_and_padding(q, k, pad):
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~pad, float("-inf"))
+        n, m = q.size(-2), k.size(-2)
+        hide = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
+        return torch.softmax(s.masked_fill(hide, -1e4), dim=-1).sum(-2)
 
     _declined(p_reused, q, k, v, reason=r"also read by 'amax")
     _declined(dropout_before_the_sum, q, k, v, reason=r"dropout on the attention weights is active .*p=0\.1",
@@ -604,7 +607,8 @@ def test_near_misses_are_declined_with_reasons(qkv2):
     _declined(dropout_before_pv, q, k, v, reason=r"dropout on the attention weights is active", compare=False)
     _declined(not_p, q, k, torch.rand(B2, H, N2, N2), reason=r"sums 'mul\w*' over the queries.*not P itself")
     _declined(keys_then_queries, q, k, reason=r"summed over the keys")
-    _declined(finite_fill, q, k, reason=r"finite mask fills are not supported by the H2O kernels")
+    pad = torch.rand(B2, 1, 1, N2, generator=torch.Generator().manual_seed(2)) > 0.2
+    _declined(finite_fill_and_padding, q, k, pad, reason=r"finite causal fill together with a data mask")
     # eval-mode dropout passes P on unchanged: fused
     _fused(lambda q, k, v: _with_pv(_p(q, k), v, lambda p: F.dropout(p, 0.1, training=False).sum(-2)), q, k, v)
 
@@ -728,7 +732,7 @@ def test_h2o_op_plan_strings():
     _, want = reference(q, k, v, scale=0.25, causal="bottom_right")
     for text in ("", h2o_ops.plan_string("one_kernel"), h2o_ops.plan_string("diag_cache", 2, "causal"),
                  h2o_ops.plan_string("diag_cache", 99, "causal")):  # K clamped to this shape's 3 diagonals
-        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text)
+        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text, float("-inf"), "replace")
         torch.testing.assert_close(score.double(), want, rtol=2e-5, atol=2e-5)
     assert h2o_ops.parse_plan("plan=diag_cache;diagonals=3;cache=causal;try=one_kernel/0/balanced") == {
         "plan": "diag_cache", "diagonals": 3, "cache": "causal", "tries": [("one_kernel", 0, "balanced")]}
@@ -754,3 +758,30 @@ def test_softmax_by_hand(with_max):
     assert [m.pattern for m in report.fused] == ["h2o"], str(report)
     for got, ref in zip(report.output, want):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spelling", ["masked_fill_finfo_min", "hf_additive_finfo_min", "masked_fill_small"])
+@pytest.mark.parametrize("with_pv", [True, False])
+def test_finite_causal_fill(spelling, with_pv):
+    """Causal masks with a finite fill — masked_fill(hide, finfo.min), transformers' eager
+    additive mask where(allowed, 0, finfo.min), and a small fill (-3) whose hidden keys carry
+    weight — are fused (two_kernel) and equal float64 eager, the fill shown in explain()."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(3))
+
+    def program(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.25
+        n, m = q.size(-2), k.size(-2)
+        allowed = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None]
+        if spelling == "hf_additive_finfo_min":
+            zero = torch.zeros((), dtype=s.dtype, device=s.device)
+            s = s + torch.where(allowed, zero, torch.finfo(s.dtype).min)
+        else:
+            s = s.masked_fill(~allowed, torch.finfo(s.dtype).min if spelling == "masked_fill_finfo_min" else -3.0)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (p @ v, p.sum(-2)) if with_pv else p.sum(-2)
+
+    mode = "add" if spelling == "hf_additive_finfo_min" else "replace"
+    m = _fused(program, q, k, v, causal="top_left")
+    assert m.summary["causal_fill"].endswith(f"({mode})"), m.summary
+    assert [c.name for c in m.alternatives] == ["fuser[two_kernel]"]  # the only plan taking a finite fill
