@@ -144,3 +144,10 @@ def estimate_ms(cost: Mapping[str, sympy.Expr], subs: Mapping, device: DeviceMod
     t_exp = exps / device.exp_per_s
     t = max(t_math, t_mem, t_exp) / wave_efficiency(tiles, device.sm_count) if tiles else max(t_math, t_mem, t_exp)
     return (t + launches * device.launch_us * 1e-6) * 1e3
+
+
+def atomics_ms(cost: Mapping[str, sympy.Expr], subs: Mapping, device: DeviceModel) -> float:
+    """Milliseconds of a candidate's global float32 atomic adds (its ``atomics`` term, 0 if
+    none), at ``device.atomic_per_s``: added to :func:`estimate_ms` by plans that accumulate
+    with atomics (split dQ, one-kernel column sums)."""
+    return evaluate(cost.get("atomics", 0), subs) / device.atomic_per_s * 1e3

@@ -123,8 +123,7 @@ def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: s
         bwd = {"flops": terms["bwd_flops"], "bytes": terms["bwd_bytes"], "exps": terms["bwd_exps"],
                "tiles": terms["bwd_tiles"], "launches": 2 if "atomics" not in terms else 1}
         t += cm.estimate_ms(bwd, subs, model, kind, cm.efficiency(EFFICIENCY_BWD, d))
-        if "atomics" in terms:
-            t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
+        t += cm.atomics_ms(terms, subs, model)
     return t
 
 

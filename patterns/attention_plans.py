@@ -138,8 +138,7 @@ def _estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, impl: s
             "tiles": terms["bwd_tiles"], "launches": 2 if "atomics" not in terms else 3,
         }
         t += cm.estimate_ms(bwd, subs, model, kind, eff_b)
-        if "atomics" in terms:
-            t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
+        t += cm.atomics_ms(terms, subs, model)
     return t
 
 

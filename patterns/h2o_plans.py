@@ -149,8 +149,7 @@ def estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, plan: st
     t = cm.estimate_ms(base, subs, model, kind, cm.efficiency(table, d))
     if workspace:
         t = t * terms["overhead"] + 2 * workspace / (model.bandwidth_gbs * 1e9) * 1e3
-    if "atomics" in terms:
-        t += cm.evaluate(terms["atomics"], subs) / model.atomic_per_s * 1e3
+    t += cm.atomics_ms(terms, subs, model)
     return t
 
 
