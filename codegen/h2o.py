@@ -178,10 +178,18 @@ def _cache_ranges(cache: str) -> int:
 
 
 def kernels_for(*, plan: str, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool,
-                interpret: bool, diagonals: int = 0, cache: str = "balanced") -> list[RenderedKernel]:
-    """The kernel modules a plan runs for one static variant (for reports), in launch order."""
+                interpret: bool, diagonals: int = 0, cache: str = "balanced", causal_fill: float = NEG_INF,
+                causal_fill_mode: str = "replace") -> list[RenderedKernel]:
+    """The kernel modules a plan runs for one static variant (for reports), in launch order (a
+    finite ``causal_fill``: two_kernel's attention forward and column pass taking the fill)."""
     _check_plan(plan, cache)
     row = bool(mask_row_broadcast) and mask_kind != "none"
+    fill_k = variants.causal_fill_kind(causal, causal_fill, causal_fill_mode)
+    if fill_k != "hide":
+        return [attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
+                                     interpret=interpret, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode),
+                colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret,
+                              causal_fill=fill_k)]
     kw = dict(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret)
     if plan == "one_kernel":
         return [fwd_kernel(need_out=need_out, one_kernel=True, cache_ranges=0, **kw)]

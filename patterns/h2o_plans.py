@@ -216,7 +216,8 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     for name, kk, cache in tries:
         for k in kernels.kernels_for(plan=name, causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
                                      need_out=b["v"] is not None, interpret=b["device"].type == "cpu", diagonals=kk,
-                                     cache=cache):
+                                     cache=cache, causal_fill=b.get("causal_fill", float("-inf")),
+                                     causal_fill_mode=b.get("causal_fill_mode", "replace")):
             if k not in out:
                 out.append(k)
     return out

@@ -785,3 +785,6 @@ def test_finite_causal_fill(spelling, with_pv):
     m = _fused(program, q, k, v, causal="top_left")
     assert m.summary["causal_fill"].endswith(f"({mode})"), m.summary
     assert [c.name for c in m.alternatives] == ["fuser[two_kernel]"]  # the only plan taking a finite fill
+    # the kernels explain() points at are the ones that run: the forward and column pass taking the fill
+    suffix = "_causaladd" if mode == "add" else "_causalfill"
+    assert [k.name.split(suffix)[0] for k in m.kernels] == ["attention_fwd", "h2o_colsum"], [k.name for k in m.kernels]
