@@ -8,6 +8,8 @@ when the cache is evicted.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -25,6 +27,8 @@ def probabilities(
     causal: str = "none",
     mask: Optional[torch.Tensor] = None,
     mask_kind: str = "none",
+    causal_fill: float = -math.inf,
+    causal_fill_mode: str = "replace",
 ) -> torch.Tensor:
     """The attention probabilities ``P = softmax(scale · Q Kᵀ (+ mask), dim=-1)``, materialised
     in float64 as ``[B, Hq, Nq, Nk]``; a row with no visible key is all 0 (eager gives NaN).
@@ -35,7 +39,8 @@ def probabilities(
     """
     b, hkv, n_k = k.shape[0], k.shape[1], k.shape[2]
     eye = torch.eye(n_k, dtype=torch.float64, device=k.device).expand(b, hkv, n_k, n_k)
-    p, _ = attention_reference(q, k, eye, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind)
+    p, _ = attention_reference(q, k, eye, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+                               causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
     return p
 
 
@@ -48,6 +53,8 @@ def reference(
     causal: str = "none",
     mask: Optional[torch.Tensor] = None,
     mask_kind: str = "none",
+    causal_fill: float = -math.inf,
+    causal_fill_mode: str = "replace",
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """H2O column sums (and attention output) in float64, on the materialised probabilities.
 
@@ -67,6 +74,9 @@ def reference(
             visible), ``"bool_drop"`` (True = hidden), ``"additive"`` (added to the scaled
             scores), ``"none"`` (no mask). Hidden entries are ``-inf``, as in
             :func:`fuser.patterns.attention_reference.reference`.
+        causal_fill, causal_fill_mode: with causal masking, the entries above the diagonal score
+            ``causal_fill`` (``"replace"``) or ``s + causal_fill`` (``"add"``) instead of
+            ``-inf``, as in the attention reference.
 
     Returns:
         ``(out, score)``: ``out`` ``[B, Hq, Nq, Dv]`` float64 (``None`` when ``v`` is ``None``;
@@ -76,7 +86,8 @@ def reference(
     Raises:
         ValueError: ``Hq`` not a multiple of ``Hkv``, or an unknown ``mask_kind``.
     """
-    p = probabilities(q, k, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind)
+    p = probabilities(q, k, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, causal_fill=causal_fill,
+                      causal_fill_mode=causal_fill_mode)
     score = p.sum(dim=-2)
     out = None
     if v is not None:

@@ -899,21 +899,6 @@ def test_gpu_plans_match_reference(case, plan):
 # --------------------------------------------------------------------------------------------
 
 
-def _filled_reference(q, k, v, *, scale, causal, fill, mode):
-    """float64 eager: scores with the entries above the diagonal replaced by ``fill`` or with
-    ``fill`` added (saturating at -FLT_MAX like the kernels: float64 keeps finfo.min + s finite)."""
-    group = q.shape[1] // k.shape[1]
-    kk = k.double().repeat_interleave(group, dim=1)
-    vv = v.double().repeat_interleave(group, dim=1)
-    s = (q.double() @ kk.transpose(-1, -2)) * scale
-    n_q, n_k = s.shape[-2:]
-    offset = 0 if causal == "top_left" else n_k - n_q
-    above = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + offset
-    s = torch.where(above, torch.full_like(s, fill) if mode == "replace" else s + fill, s)
-    p = torch.softmax(s, dim=-1)
-    return p @ vv, p.sum(-2)
-
-
 @pytest.mark.parametrize("causal,n_q,n_k", [("top_left", 37, 37), ("bottom_right", 21, 50), ("top_left", 50, 21),
                                             ("bottom_right", 45, 19)])
 @pytest.mark.parametrize("fill,mode,magnitude", [
@@ -931,7 +916,7 @@ def test_finite_causal_fill(causal, n_q, n_k, fill, mode, magnitude, need_out):
     with launch.poison_outputs():
         out, score = h2o.forward(q, k, v if need_out else None, scale=scale, causal=causal, need_out=need_out,
                                  causal_fill=fill, causal_fill_mode=mode)
-    ref_out, ref_score = _filled_reference(q, k, v, scale=scale, causal=causal, fill=fill, mode=mode)
+    ref_out, ref_score = reference(q, k, v, scale=scale, causal=causal, causal_fill=fill, causal_fill_mode=mode)
     assert torch.isfinite(score).all()
     assert _rel(score, ref_score) < 1e-4, _rel(score, ref_score)
     if need_out:
@@ -968,7 +953,7 @@ def test_gpu_finite_causal_fill(dtype, fill, mode, causal, n_q, n_k):
     scale = 128 ** -0.5
     with launch.poison_outputs():
         out, score = h2o.forward(q, k, v, scale=scale, causal=causal, causal_fill=fill, causal_fill_mode=mode)
-    ref_out, ref_score = _filled_reference(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, fill=fill,
-                                           mode=mode)
+    ref_out, ref_score = reference(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, causal_fill=fill,
+                                   causal_fill_mode=mode)
     assert _rel(score.cpu(), ref_score) < TOL[dtype]
     assert _rel(out.cpu(), ref_out) < TOL[dtype]
