@@ -575,14 +575,18 @@ def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, ca
     return (reach < -float(causal_fill) * LOG2E).to(torch.int32)
 
 
-def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, causal_fill: float) -> dict:
+def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, causal_fill: float,
+              flag: Optional[torch.Tensor] = None) -> dict:
     """``{"skip_hidden": flag}`` for the variants that read it (a finite causal fill, no data
-    mask; see :func:`hidden_tiles_skippable`), else nothing."""
+    mask; see :func:`hidden_tiles_skippable`), else nothing. ``flag``: the flag a caller already
+    computed for these q, k, scale and fill (not computed again)."""
     if causal_fill_k == "hide" or mask_kind != "none":
         return {}
-    offset = variants.causal_offset(causal, q.shape[2], k.shape[2])
-    return {"skip_hidden": hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill,
-                                                  causal_fill_mode=causal_fill_k, causal_offset=offset)}
+    if flag is None:
+        offset = variants.causal_offset(causal, q.shape[2], k.shape[2])
+        flag = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill, causal_fill_mode=causal_fill_k,
+                                      causal_offset=offset)
+    return {"skip_hidden": flag}
 
 
 def forward(
@@ -605,9 +609,14 @@ def forward(
     pred_consts: Sequence[int] = (),
     pred_fill: float = NEG_INF,
     pred_fill_mode: str = "replace",
+    skip_hidden: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill/predicate
     semantics (those of :func:`fuser.patterns.attention.reference`).
+
+    ``skip_hidden``: with a finite ``causal_fill`` and no data mask, the flag of
+    :func:`hidden_tiles_skippable` for these q, k, scale and fill when the caller has it (the H2O
+    column pass reads the same flag); ``None``: computed here.
 
     ``mask_pred``: an index predicate (:mod:`~fuser.codegen.predicate` tuple or text, see
     :func:`as_predicate`) over query i and key j with runtime constants ``pred_consts``; a key it
@@ -651,7 +660,7 @@ def forward(
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
-    fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
+    fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)

@@ -795,9 +795,10 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
         # kernel 0: the attention forward with the finite causal fill (its two-part statistics);
         # without need_out it runs with k as v (its out is dropped: the statistics-only pass
         # takes no fill)
-        out, stats = attention.forward(q, k, v, scale=scale, causal=causal, need_lse=True, config=fwd_config,
-                                       causal_fill=causal_fill, causal_fill_mode=fill_k)
+        # (the skip flag is computed once, for both kernels)
         flag = attention._skip_arg(q, k, scale, causal, mask_kind, fill_k, causal_fill)["skip_hidden"]
+        out, stats = attention.forward(q, k, v, scale=scale, causal=causal, need_lse=True, config=fwd_config,
+                                       causal_fill=causal_fill, causal_fill_mode=fill_k, skip_hidden=flag)
         fill_args = {"causal_fill": variants.fill_base2(causal_fill), "skip_hidden": flag}
         configs = _short_first(_configs(config, q), config, max(n_q, n_k))
     else:
