@@ -788,3 +788,38 @@ def test_finite_causal_fill(spelling, with_pv):
     # the kernels explain() points at are the ones that run: the forward and column pass taking the fill
     suffix = "_causaladd" if mode == "add" else "_causalfill"
     assert [k.name.split(suffix)[0] for k in m.kernels] == ["attention_fwd", "h2o_colsum"], [k.name for k in m.kernels]
+
+
+def test_normalised_over_the_queries_is_not_a_softmax():
+    """exp(S) / exp(S).sum(dim=-2): normalised over the queries, not the keys. The division is an
+    anchor (hand-written softmax), but the rule wants the sum over the last dim: nothing is
+    fused, and the compiled program equals eager."""
+    def program(q, k, v):
+        e = (q @ k.transpose(-2, -1) * 0.25).exp()
+        p = e / e.sum(dim=-2, keepdim=True)
+        return p @ v, p.sum(-2)
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 11, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        report = fuser.explain(program, q, k, v)
+        want = program(q, k, v)
+    assert not [m for m in report.fused if m.pattern == "h2o"], str(report)
+    for got, ref in zip(report.output, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_window_under_a_finite_causal_fill_is_declined():
+    """A SnapKV window of P under transformers' finfo.min causal mask: the window's rows would need
+    the fill realigned; declined with the reason, results eager's."""
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(B2, H, N2, 8, generator=gen) for _ in range(2))
+
+    def window(q, k):
+        s = q @ k.transpose(-2, -1) * 0.25
+        n = q.size(-2)
+        hide = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        p = torch.softmax(s.masked_fill(hide, torch.finfo(s.dtype).min), dim=-1)
+        return p[..., -4:, :].sum(-2)
+
+    _declined(window, q, k, reason=r"query window of P under a causal mask with a finite fill")
