@@ -14,6 +14,7 @@ nodes. No GPU needed: capture is host work (shapes are small so the eager part i
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     md += common.md_table(["spelling", "T", "graphs", "graph nodes", "capture s", "ms per token"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(md + "\n")
-    Path(args.out).with_suffix(".json").write_text(__import__("json").dumps({"meta": meta, "rows": data}, indent=1))
+    Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": data}, indent=1))
     print(md)
     return 0
 

@@ -137,18 +137,16 @@ def h2o(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     want_out = need_out and v is not None
     p = parse_plan(plan)
-    fill = {"causal_fill": causal_fill, "causal_fill_mode": causal_fill_mode}
     if causal != "none" and causal_fill != float("-inf"):
         # a finite causal fill runs with two_kernel only (the planner offers nothing else)
-        out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
-                                     mask_kind=mask_kind, need_out=want_out, plan="two_kernel", **fill)
-        return (out if out is not None else _empty(q)), score
-    if p["plan"] == "autotune":
+        kw = {"plan": "two_kernel"}
+    elif p["plan"] == "autotune":
         kw = tuned_plan(q, k, v if want_out else None, mask, scale, causal, mask_kind, want_out, p["tries"])
     else:
         kw = _fit(q, k, causal, p["plan"], p["diagonals"], p["cache"])
     out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
-                                 mask_kind=mask_kind, need_out=want_out, **kw)
+                                 mask_kind=mask_kind, need_out=want_out, causal_fill=causal_fill,
+                                 causal_fill_mode=causal_fill_mode, **kw)
     return (out if out is not None else _empty(q)), score
 
 
