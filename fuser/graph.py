@@ -19,6 +19,7 @@ inserted, :func:`location` names the user code behind a node.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -176,6 +177,14 @@ _TO_COPY = _aten("_to_copy", "to")
 _CONVERT = set()
 if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type"):
     _CONVERT = {torch.ops.prims.convert_element_type, torch.ops.prims.convert_element_type.default}
+_SELECT = _fns("torch.select") | _aten("select")
+_STACK = _fns("torch.stack") | _aten("stack")
+# fresh allocations: (fill value; None for empty) by spelling
+_ALLOC = {fn: fill for names, fill in ((("torch.zeros",), 0.0), (("torch.ones",), 1.0), (("torch.empty",), None))
+          for fn in _fns(*names)}
+_ALLOC_LIKE = {fn: fill for names, fill in ((("torch.zeros_like",), 0.0), (("torch.ones_like",), 1.0),
+                                            (("torch.empty_like",), None)) for fn in _fns(*names)}
+_ALLOC_M = {"new_zeros": 0.0, "new_ones": 1.0, "new_empty": None}
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
 
@@ -233,6 +242,61 @@ def _einsum_as_matmul(eq: str, a_rank: int, b_rank: int) -> Optional[dict]:
     return {"pa": norm(pa), "pb": norm(pb), "po": norm(po)}
 
 
+def einsum_letters(eq: str, ranks: tuple) -> Optional[tuple]:
+    """The letters of ``eq`` per operand and for the output, ``...`` expanded to the ranks
+    given (``("_0", "_1", ...)``; an implicit output, written without ``->``, is the letters
+    that appear once, sorted, as torch defines it): ``((letters of operand 0), ...,
+    (output letters))``, or None when ``eq`` does not fit the ranks."""
+    eq = eq.replace(" ", "")
+    ins, arrow, out = eq.partition("->")
+    parts = ins.split(",")
+    if len(parts) != len(ranks):
+        return None
+    longest = 0
+    expanded = []
+    for s, rank in zip(parts, ranks):
+        if rank is None:
+            return None
+        if "..." in s:
+            pre, post = s.split("...")
+            k = rank - len(pre) - len(post)
+            if k < 0:
+                return None
+            longest = max(longest, k)
+            expanded.append(tuple(pre) + tuple(f"_{i + (longest - k)}" for i in range(k)) + tuple(post))
+        elif len(s) != rank:
+            return None
+        else:
+            expanded.append(tuple(s))
+    if not arrow:
+        counts = {c: sum(p.count(c) for p in parts) for c in set(ins) - {",", "."}}
+        lo = tuple(f"_{i}" for i in range(longest)) + tuple(sorted(c for c, k in counts.items() if k == 1))
+    elif "..." in out:
+        pre, post = out.split("...")
+        lo = tuple(pre) + tuple(f"_{i}" for i in range(longest)) + tuple(post)
+    else:
+        lo = tuple(out)
+    return tuple(expanded) + (lo,)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _single_int_index(idx: tuple, rank: Optional[int]) -> Optional[int]:
+    """The dim an index tuple selects with its one integer, when every other entry is ``:``
+    or one ``...`` (no ``None``, tensor or strided slice); else None."""
+    ints = [i for i, e in enumerate(idx) if _is_int(e)]
+    if len(ints) != 1 or rank is None:
+        return None
+    if not all(_is_int(e) or e == slice(None) or e is Ellipsis for e in idx) or sum(e is Ellipsis for e in idx) > 1:
+        return None
+    pos = ints[0]
+    if Ellipsis in idx[:pos]:
+        return rank - (len(idx) - pos)
+    return pos
+
+
 def compose(first: Optional[tuple], then: Optional[tuple]) -> Optional[tuple]:
     """The permutation ``x.permute(first).permute(then)`` as one (None: the identity)."""
     if first is None:
@@ -264,7 +328,7 @@ _INPLACE_OPERATORS = {
     )
 }
 # canonical ops whose result may share memory with their first operand
-_VIEW_OPS = {"permute", "reshape", "expand", "identity", "detach", "cast"}
+_VIEW_OPS = {"permute", "reshape", "expand", "identity", "detach", "cast", "select"}
 _VIEW_METHODS = {"view", "view_as", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
                  "expand_as", "narrow", "select", "unflatten", "flatten", "as_strided", "detach", "contiguous",
                  "__getitem__", "swapaxes", "swapdims", "movedim", "unfold", "split", "chunk", "unbind"}
@@ -344,6 +408,8 @@ class GraphView:
             for w in written_args(n):
                 self.writes.append((n, w))
         self._alias: dict[fx.Node, Any] = {}
+        self._groups: Optional[dict] = None
+        self._mutation_pos: dict[fx.Node, list] = {}
 
     # -- in-place resolution -------------------------------------------------------------------
     @staticmethod
@@ -397,6 +463,18 @@ class GraphView:
                 break
         return ("node", x)
 
+    def aliases(self, key: Any) -> list[fx.Node]:
+        """The nodes whose alias key (:meth:`alias_key`) is ``key``, in graph order (grouped once
+        per view: a region of an unrolled loop asks for every write it holds)."""
+        if key is None:
+            return []
+        if self._groups is None:
+            groups: dict = {}
+            for n in self.nodes:
+                groups.setdefault(self.alias_key(n), []).append(n)
+            self._groups = groups
+        return self._groups.get(key, [])
+
     def writes_between(self, key: Any, lo: int, hi: int, exclude: Any = ()) -> list[fx.Node]:
         """The in-place writes at graph positions strictly between ``lo`` and ``hi`` to memory
         with alias key ``key`` (see :meth:`alias_key`), except those in ``exclude``."""
@@ -414,10 +492,13 @@ class GraphView:
         if not muts:
             return x
         pos = self.order.get(user, math.inf)
-        latest = x
-        for m in muts:
-            if self.order[m] < pos and m is not user:
-                latest = m
+        # the mutations are in graph order: the last one before `user` (bisected: an unrolled
+        # loop writes one buffer T times)
+        keys = self._mutation_pos.get(x)
+        if keys is None:
+            keys = self._mutation_pos[x] = [self.order[m] for m in muts]
+        i = bisect.bisect_left(keys, pos) - 1
+        latest = muts[i] if i >= 0 else x
         if latest is not x and latest.op == "call_function" and latest.target is operator.setitem:
             return x  # partial writes are not resolved; patterns treat x as opaque
         return latest
@@ -495,10 +576,13 @@ class GraphView:
             ra, rb = ndim(ops[0]), ndim(ops[1])
             if ra is None or rb is None:
                 return None
+            letters = einsum_letters(eq, (ra, rb))
             form = _einsum_as_matmul(eq, ra, rb)
             if form is None:
-                return None
-            return mk("matmul", (ops[0], ops[1]), **form)
+                # any other two-operand einsum (an outer product 'bhk,bhv->bhkv', a contraction
+                # with a free letter on one side only 'bhk,bhkv->bhv'): its letters, expanded
+                return mk("einsum", (ops[0], ops[1]), equation=letters) if letters is not None else None
+            return mk("matmul", (ops[0], ops[1]), equation=letters, **form)
         if (fn and t in _BADDBMM) or (meth and t == "baddbmm"):
             beta = n.kwargs.get("beta", 1)
             alpha = n.kwargs.get("alpha", 1)
@@ -584,7 +668,28 @@ class GraphView:
             idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
             if all(i is None or i == slice(None) or i is Ellipsis for i in idx):
                 return mk("reshape", (x0,), shape=shape(n))  # only inserts unit dims
+            dim = _single_int_index(idx, rank0)
+            if dim is not None:  # x[:, t]: one integer index, every other dim whole
+                return mk("select", (x0,), dim=dim, index=idx[[i for i, e in enumerate(idx) if _is_int(e)][0]])
             return None
+        if (fn and t in _SELECT) or (meth and t == "select"):
+            d, i = _arg(n, 1, "dim"), _arg(n, 2, "index")
+            if not isinstance(_norm_dim(d, rank0), int) or not _is_int(i):
+                return None
+            return mk("select", (x0,), dim=_norm_dim(d, rank0), index=i)
+        if fn and t is operator.setitem and isinstance(x0, fx.Node) and is_tensor(x0):
+            # x[idx] = value, in place: the buffer written and the value; `index` as written
+            idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+            return mk("setitem", (x0, n.args[2]), index=idx)
+        if fn and t in _STACK:
+            tensors = _arg(n, 0, "tensors")
+            if not isinstance(tensors, (list, tuple)):
+                return None
+            d = _arg(n, 1, "dim", 0)
+            return mk("stack", tuple(tensors), dim=_norm_dim(d, (ndim(tensors[0]) + 1) if tensors else None))
+        if (fn and (t in _ALLOC or t in _ALLOC_LIKE)) or (meth and t in _ALLOC_M):
+            fill = _ALLOC.get(t, _ALLOC_LIKE.get(t)) if fn else _ALLOC_M[t]
+            return mk("alloc", (), fill=fill, shape=shape(n), dtype=dtype(n))
         if (fn and t in _REPEAT_INTERLEAVE) or (meth and t == "repeat_interleave"):
             reps = _arg(n, 1, "repeats")
             dim = _norm_dim(_arg(n, 2, "dim"), rank0)

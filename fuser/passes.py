@@ -57,10 +57,15 @@ def _check_region(m: Match, view: GraphView) -> Optional[str]:
     outputs = set(m.outputs.values())
     if not outputs <= m.region:
         return "internal error while matching: the match names outputs outside its region"
+    end = max(view.order[n] for n in m.region)
+    # memory the region allocates (o = torch.zeros_like(v) before a loop that fills it): what
+    # aliases it after the region reads the region's output, which the replacement provides
+    fresh = {view.alias_key(n) for n in m.region if view.op(n) == "alloc" and n in outputs}
     for n in m.region:
         for target in written_args(n):
             key = view.alias_key(target)
-            outside = [u for u in view.nodes if u not in m.region and view.alias_key(u) == key]
+            outside = [u for u in view.aliases(key) if u not in m.region
+                       and not (key in fresh and view.order[u] > end)]
             if target not in m.region or outside:
                 return (
                     f"'{n.name}' ({location(n)}) writes '{target.name}' in place, and that memory is "

@@ -11,8 +11,9 @@ PATTERN_MODULES = {
     "attention": "fuser.patterns.attention",
     "attention_kl": "fuser.patterns.attention_kl",
     "h2o": "fuser.patterns.h2o",
+    "kda": "fuser.patterns.kda",
 }
 
 #: Patterns announced but not implemented yet: naming one in ``fuser.patterns`` or
 #: ``fuser.plan`` is an error that says so.
-PLANNED = ("kda",)
+PLANNED = ()

@@ -1,0 +1,512 @@
+"""The KDA pattern: the Kimi Delta Attention recurrence, written as a Python loop over tokens.
+
+KDA (Kimi Linear, Moonshot AI 2025; the gated delta rule of Yang et al., ICLR 2025, with a
+per-key-channel decay) keeps a ``[K, V]`` state per head; the math is in
+``patterns/kda_reference.py`` and ``docs/math.md`` ("KDA"). ``torch.compile`` unrolls the loop
+into T copies of one step; this pattern finds the chain of steps and replaces it with one op
+(``torch.ops.fuser.kda``, ``patterns/kda_ops.py``).
+
+**One step** (the state ``S`` of shape ``[*L, K, V]``, ``L`` the batch and head dims), checked
+by its einsum normal form (:mod:`fuser.einsum`) — so ``einsum``, broadcasting products with
+``[..., None]``/``unsqueeze`` and ``.sum(-2)``, and matmuls are one spelling — with the role of
+every dim named from the state's:
+
+    D     = S ∘ exp(g_t)            g_t ``[*L, K]`` (per key channel) or ``[*L]`` (scalar gate)
+    v̂     = Σ_k k_t[k] · D[k, v]     (the decayed state, contracted over k)
+    S'    = D + β_t · k_t ⊗ (v_t − v̂)   (one product of three factors, in any order)
+    o_t   = c · Σ_k q_t[k] · S'[k, v]  (``c`` a Python number: the scale, 1 when q is scaled before)
+
+``q_t, k_t, v_t, g_t, β_t`` are integer selections of the time axis (``x[:, t]``,
+``x[:, :, t]``, ``x.select(d, t)``; through float32 casts) of tensors made before the loop: the
+op reads those tensors whole. **The chain**: starting where a state enters the first step
+(zeros: no initial state; anything else: ``h0``), the next step is searched among the readers of
+``S'`` — iteratively, so T = 1024 matches. Each step must have the same inputs, dims, scale and
+gate kind as the first, with the time index one more than the last. **Outputs**: the ``o_t``
+(through a cast) are written into a buffer made before the loop (``o = torch.zeros_like(v)``,
+``o[:, t] = o_t``; every index of its time axis written once) or stacked (``torch.stack(outs,
+d)``); the region's outputs are ``"o"`` (the buffer or the stack) and, when the program reads it,
+``"state"`` (the last ``S'``).
+
+Declined with a reason: an intermediate state read outside the chain (e.g. all states kept);
+a step that differs from the first; a buffer the program did not create (an argument written
+in place), or not fully written; float64 (the kernels compute in float32); a decay that is not
+``exp`` of a selected gate; a β or gate computed inside the loop (apply it to the whole tensor
+before the loop); the update reading the state before its decay. Intermediate products the
+program computes in bfloat16/float16 are computed in float32 by the kernels, and the state is
+carried in float32 whatever its dtype in the program (the final state is cast back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from fuser.einsum import monomial
+from fuser.graph import GraphView, _single_int_index, dtype, location, ndim, shape
+from fuser.names import user_name
+from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
+from fuser.static import symint_value
+
+from . import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+INPUTS = ("q", "k", "v", "g", "beta")
+
+
+class _Skip(Exception):
+    """Not a KDA step at all (no reason to report)."""
+
+
+class _Decline(Exception):
+    """A KDA step that cannot be fused exactly: the reason."""
+
+
+@dataclasses.dataclass
+class Step:
+    """One matched step of the chain.
+
+    Attributes:
+        s_prev, s_new: the state read and the state written (``[*L, K, V]``).
+        decay: ``S ∘ exp(g_t)``; readout: the ``o_t`` node; item: what is written or stacked
+            (``o_t`` or a cast of it); sink: the ``setitem`` or ``stack`` node.
+        leaves: input name -> ``(base, dim, index, select node)``.
+        scale: the readout's constant; scalar_gate: ``g_t`` has no key dim.
+        nodes: the step's nodes (not its leaves' selections).
+    """
+
+    s_prev: fx.Node
+    s_new: fx.Node
+    decay: fx.Node
+    readout: fx.Node
+    item: fx.Node
+    sink: fx.Node
+    leaves: dict
+    scale: float
+    scalar_gate: bool
+    nodes: set
+
+
+def _state_roles(s: fx.Node) -> Optional[tuple]:
+    sh = shape(s)
+    if sh is None or len(sh) < 2:
+        return None
+    lead = tuple(None if isinstance(d, int) and d == 1 else f"L{i}" for i, d in enumerate(sh[:-2]))
+    return lead + tuple(None if isinstance(d, int) and d == 1 else r for d, r in zip(sh[-2:], ("k", "v")))
+
+
+def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
+    """``(base, dim, index, node)``: ``x`` selects time index ``index`` of dim ``dim`` of ``base``
+    (``base[:, t]``, ``base.select(d, t)``, ``base[:, t, ..., None]``), through float32 casts."""
+    node = x
+    while True:
+        c = view.canon(x)
+        if c is not None and (c.op == "identity" or (c.op == "cast" and c.attrs.get("dtype") == torch.float32)):
+            x = c.args[0]
+            continue
+        break
+    if c is not None and c.op == "select" and isinstance(c.args[0], fx.Node) and isinstance(c.attrs["index"], int):
+        return c.args[0], c.attrs["dim"], c.attrs["index"], node
+    if x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], fx.Node):
+        idx = x.args[1] if isinstance(x.args[1], tuple) else (x.args[1],)
+        rank = ndim(x.args[0])
+        picked = _single_int_index(tuple(e for e in idx if e is not None), rank)
+        if picked is not None:
+            index = next(e for e in idx if isinstance(e, int) and not isinstance(e, bool))
+            return x.args[0], picked, index, node
+    raise _Decline(f"{what} ('{node.name}', {location(node)}) is not a selection x[:, t] of a tensor made before "
+                   "the loop; compute it for the whole sequence before the loop")
+
+
+def _nn(roles: tuple) -> tuple:
+    """The roles without the unit dims (None): a unit dim aligns with anything."""
+    return tuple(r for r in roles if r is not None)
+
+
+def _leaf_roles(m, names, leaf) -> tuple:
+    for lf, roles in m.factor_roles(names):
+        if lf is leaf:
+            return _nn(roles)
+    return ()
+
+
+class KDAPattern(Pattern):
+    """The unrolled KDA (gated delta rule) recurrence."""
+
+    name = "kda"
+    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk")}
+
+    # -- anchors: where a state enters a chain ----------------------------------------------
+    def anchors(self, view: GraphView):
+        heads = []
+        for n in view.nodes:
+            if view.op(n) != "mul":
+                continue
+            c = view.canon(n)
+            for s, other in ((c.args[0], c.args[1]), (c.args[1], c.args[0])):
+                if isinstance(s, fx.Node) and ndim(s) is not None and ndim(s) >= 2 and self._is_exp(other, view):
+                    if not self._is_update(s, view):
+                        heads.append(s)
+        return list(dict.fromkeys(heads))
+
+    @staticmethod
+    def _is_exp(x: Any, view: GraphView) -> bool:
+        for _ in range(3):
+            c = view.canon(x)
+            if c is None:
+                return False
+            if c.op == "exp":
+                return True
+            if c.op not in ("reshape", "cast", "identity"):
+                return False
+            x = c.args[0]
+        return False
+
+    def _is_update(self, s: fx.Node, view: GraphView) -> bool:
+        """``s`` is ``D + U`` with ``D`` a decayed state: a step's output, not a chain's head."""
+        c = view.canon(s)
+        if c is None or c.op != "add":
+            return False
+        for a in c.args:
+            ca = view.canon(a)
+            if ca is not None and ca.op == "mul" and any(self._is_exp(x, view) for x in ca.args):
+                return True
+        return False
+
+    # -- match -------------------------------------------------------------------------------
+    def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
+        view = ctx.view
+        roles = _state_roles(anchor)
+        if roles is None:
+            return None
+        steps: list[Step] = []
+        s = anchor
+        while True:
+            try:
+                st = self._step(s, roles, view)
+            except _Skip:
+                break
+            except _Decline as exc:
+                if not steps:
+                    return Rejection(self.name, str(exc), location(s), anchor.name)
+                return Rejection(self.name, f"step {len(steps)} of the loop differs from the others: {exc}",
+                                 location(s), anchor.name)
+            if st is None:
+                break
+            steps.append(st)
+            s = st.s_new
+        if not steps:
+            return None
+        try:
+            return self._chain(anchor, steps, roles, ctx)
+        except _Decline as exc:
+            return Rejection(self.name, str(exc), location(steps[0].decay), anchor.name)
+
+    def _step(self, s_prev: fx.Node, roles: tuple, view: GraphView) -> Optional[Step]:
+        lead = roles[:-2]
+        # D = S ∘ exp(g_t)
+        decay = md = None
+        for r in view.readers(s_prev):
+            if view.op(r) != "mul":
+                continue
+            m = monomial(r, view, is_leaf=lambda n: n is s_prev)
+            if m is None or len(m.factors) != 2:
+                continue
+            if sum(f.leaf is s_prev for f in m.factors) == 1 and sum(f.is_exp for f in m.factors) == 1:
+                decay, md = r, m
+                break
+        if decay is None:
+            raise _Skip
+        # S' = D + U: the reader of D that adds it to a product
+        s_new = u = None
+        for r in view.readers(decay):
+            c = view.canon(r)
+            if c is not None and c.op == "add" and decay in c.args:
+                s_new, u = r, c.args[1] if c.args[0] is decay else c.args[0]
+                break
+        if s_new is None or not isinstance(u, fx.Node):
+            raise _Skip
+        mu = monomial(u, view, is_leaf=lambda n: n is decay)
+        if mu is None or len(mu.factors) not in (2, 3) or shape(u) != shape(s_prev):
+            raise _Skip
+        # from here on it looks like a KDA step: failures have reasons
+        if shape(s_new) != shape(s_prev) or shape(decay) != shape(s_prev):
+            raise _Decline(f"the state changes shape in the step ('{s_new.name}'): {shape(s_prev)} -> {shape(s_new)}")
+        names = md.roles({s_prev: roles}, roles)
+        exp_f = next(f for f in md.factors if f.is_exp)
+        g_roles = _leaf_roles(md, names, exp_f.leaf) if names else ()
+        if md.const != 1.0 or md.summed or names is None or g_roles not in (_nn(roles[:-1]), _nn(lead)):
+            raise _Decline(f"the decay '{decay.name}' ({location(decay)}) is not S * exp(g_t) with g_t per key "
+                           "channel [..., K] or per head [...]: the gate's dims do not line up with the state's")
+        scalar_gate = g_roles == _nn(lead) and g_roles != _nn(roles[:-1])
+        leaves = {"g": _time_leaf(exp_f.node, view, "the gate g_t")}
+        # U = β_t · k_t ⊗ (v_t − v̂)
+        names_u = mu.roles({}, roles)
+        if names_u is None or mu.summed or mu.const != 1.0 or len(mu.factors) != 3:
+            raise _Decline(f"the state update '{u.name}' ({location(u)}) is not one product β_t · k_t ⊗ (v_t − v̂) "
+                           "(write it as a single outer product; a missing β is not supported)")
+        fr = dict((id(lf), r) for lf, r in mu.factor_roles(names_u))
+        by_role = {}
+        for f in mu.factors:
+            r = _nn(fr[id(f.leaf)])
+            kind = "k" if r == _nn(roles[:-1]) else "dv" if r == _nn(lead + roles[-1:]) else \
+                "beta" if r == _nn(lead) else None
+            if kind is None or kind in by_role:
+                raise _Decline(f"the state update '{u.name}' ({location(u)}) does not have the factors β_t [...], "
+                               "k_t [..., K] and (v_t − v̂) [..., V]")
+            by_role[kind] = f.leaf
+        if set(by_role) != {"k", "dv", "beta"}:
+            raise _Decline(f"the state update '{u.name}' ({location(u)}) does not have the factors β_t, k_t, v_t − v̂")
+        dv = by_role["dv"]
+        cdv = view.canon(dv) if isinstance(dv, fx.Node) else None
+        if cdv is None or cdv.op != "sub" or not all(isinstance(a, fx.Node) for a in cdv.args):
+            raise _Decline(f"the delta '{getattr(dv, 'name', dv)}' is not v_t − v̂")
+        v_t, v_hat = cdv.args
+        if ndim(v_t) != ndim(dv) or shape(v_hat) != shape(dv):
+            raise _Decline(f"v_t and v̂ in '{dv.name}' ({location(dv)}) do not have one shape")
+        leaves["k"] = _time_leaf(by_role["k"], view, "k_t")
+        leaves["beta"] = _time_leaf(by_role["beta"], view, "β_t")
+        leaves["v"] = _time_leaf(v_t, view, "v_t")
+        # v̂ = Σ_k k_t[k] D[k, v]
+        mv = monomial(v_hat, view, is_leaf=lambda n: n is decay)
+        nv = mv.roles({decay: roles}, lead + roles[-1:]) if mv is not None else None
+        if nv is None or len(mv.factors) != 2 or mv.const != 1.0 or not any(f.leaf is decay for f in mv.factors):
+            reads_prev = mv is not None and any(f.leaf is s_prev for f in mv.factors)
+            raise _Decline(f"v̂ '{v_hat.name}' ({location(v_hat)}) is not k_t · (S ∘ exp(g_t)) summed over k"
+                           + (": it reads the state before its decay" if reads_prev else ""))
+        kf = next(f for f in mv.factors if f.leaf is not decay)
+        k_var = {v for v, r in nv.items() if r == "k"}
+        if _leaf_roles(mv, nv, kf.leaf) != _nn(roles[:-1]) or set(mv.summed) != k_var:
+            raise _Decline(f"v̂ '{v_hat.name}' ({location(v_hat)}) is not summed over the key dim of the state")
+        if _time_leaf(kf.leaf, view, "k_t")[:3] != leaves["k"][:3]:
+            raise _Decline(f"v̂ '{v_hat.name}' reads another k_t than the update")
+        # o_t = c · Σ_k q_t[k] S'[k, v]: a reader of S' (through a few single-reader ops)
+        readout, mo, qf = self._readout(s_new, roles, view)
+        leaves["q"] = _time_leaf(qf.leaf, view, "q_t")
+        item, sink = self._sink(readout, view)
+        nodes = {decay, s_new, dv, v_hat, readout, item, sink} | md.nodes | mu.nodes | mv.nodes | mo.nodes
+        if sink is not None and view.op(sink) == "stack":
+            nodes.discard(sink)  # the stack is shared by every step: added once by the chain
+        return Step(s_prev, s_new, decay, readout, item, sink, leaves, float(mo.const), scalar_gate, nodes)
+
+    @staticmethod
+    def _readout(s_new: fx.Node, roles: tuple, view: GraphView) -> tuple:
+        """``(o_t node, its monomial, the q_t factor)``: the reader of ``S'`` (through a few
+        single-reader ops) computing ``c · Σ_k q_t[k] S'[k, v]``; the last node of the chain that
+        still does (a scale applied after the contraction belongs to it)."""
+        lead = roles[:-2]
+
+        def check(x):
+            m = monomial(x, view, is_leaf=lambda n: n is s_new)
+            if m is None or len(m.factors) != 2 or not any(f.leaf is s_new for f in m.factors) or not m.summed:
+                return None
+            names = m.roles({s_new: roles}, lead + roles[-1:])
+            qf = next((f for f in m.factors if f.leaf is not s_new), None)
+            k_var = {v for v, r in (names or {}).items() if r == "k"}
+            if names is None or qf is None or _leaf_roles(m, names, qf.leaf) != _nn(roles[:-1]) \
+                    or set(m.summed) != k_var:
+                return False
+            return m, qf
+
+        why = None
+        for r in view.readers(s_new):
+            x = r
+            for _ in range(4):
+                got = check(x)
+                if got:
+                    m, qf = got
+                    while len(view.readers(x)) == 1 and check(view.readers(x)[0]):
+                        x = view.readers(x)[0]
+                        m, qf = check(x)
+                    return x, m, qf
+                if got is False:
+                    why = why or f"the read-out '{x.name}' ({location(x)}) is not q_t · S summed over the key dim"
+                rd = view.readers(x)
+                if len(rd) != 1:
+                    break
+                x = rd[0]
+        raise _Decline(why or f"no read-out o_t = q_t · S summed over k reads the new state '{s_new.name}' "
+                              f"({location(s_new)})")
+
+    @staticmethod
+    def _sink(readout: fx.Node, view: GraphView) -> tuple:
+        """``(item, sink)``: where o_t goes (through one cast): a ``setitem`` into a buffer or a
+        ``stack``."""
+        item = readout
+        rd = view.readers(item)
+        if len(rd) == 1 and view.op(rd[0]) in ("cast", "identity"):
+            item = rd[0]
+            rd = view.readers(item)
+        if len(rd) != 1:
+            raise _Decline(f"o_t '{readout.name}' ({location(readout)}) is read {len(rd)} times; fuser takes a loop "
+                           "that writes each o_t once into a buffer (o[:, t] = o_t) or stacks them")
+        c = view.canon(rd[0])
+        if c is not None and c.op == "setitem" and c.args[1] is item and c.args[0] is not item:
+            return item, rd[0]
+        if c is not None and c.op == "stack":
+            return item, rd[0]
+        raise _Decline(f"o_t '{readout.name}' ({location(readout)}) is neither written into a buffer "
+                       "(o[:, t] = o_t) nor stacked (torch.stack)")
+
+    # -- the chain -----------------------------------------------------------------------------
+    def _chain(self, head: fx.Node, steps: list, roles: tuple, ctx: MatchContext) -> Match:
+        view = ctx.view
+        first = steps[0]
+        t0 = first.leaves["q"][2]
+        for j, st in enumerate(steps):
+            for name in INPUTS:
+                base, dim, index, _ = st.leaves[name]
+                b0, d0, i0, _ = first.leaves[name]
+                if base is not b0 or dim != d0:
+                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} from '{base.name}' dim {dim}, step 0 from '{b0.name}' dim {d0}")
+                if index != i0 + j or index != t0 + j:
+                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; expected {t0 + j}")
+            if st.scale != first.scale:
+                raise _Decline(f"step {j} of the loop differs from step 0: its read-out scale is {st.scale:g}, step 0's {first.scale:g}")
+            if st.scalar_gate != first.scalar_gate:
+                raise _Decline(f"step {j} of the loop differs from step 0: its gate is per key channel where step 0's is per head, or the reverse")
+        n_steps = len(steps)
+        last = steps[-1].s_new
+        for st in steps:
+            for dt in (dtype(n) for n in st.nodes if n is not None):
+                if dt == torch.float64:
+                    raise _Decline("the loop computes in float64; fuser's KDA kernels compute in float32")
+        # the inputs: whole tensors, time axis `dim`; the selections cover [t0, t0 + T)
+        bases, dims = {}, {}
+        for name in INPUTS:
+            base, dim, _, sel = first.leaves[name]
+            if dtype(base) not in FLOATS:
+                raise _Decline(f"{name} ('{base.name}') is {dtype(base)}; the KDA kernels take float16, bfloat16 "
+                               "and float32")
+            size = symint_value(shape(base)[dim])
+            if not isinstance(size, int) or size < t0 + n_steps:
+                raise _Decline(f"the time axis of {name} ('{base.name}') has {size} entries, the loop reads "
+                               f"{t0 + n_steps}")
+            bases[name], dims[name] = base, dim
+        lead = shape(last)[:-2]
+        kd, vd = shape(last)[-2:]
+        expect = {"q": (*lead, kd), "k": (*lead, kd), "v": (*lead, vd),
+                  "g": tuple(lead) if first.scalar_gate else (*lead, kd), "beta": tuple(lead)}
+        for name, want in expect.items():
+            got = list(shape(bases[name]))
+            del got[dims[name]]
+            if name == "beta" and len(got) == len(want) + 1 and got[-1] == 1:
+                got = got[:-1]
+            if tuple(got) != tuple(want):
+                raise _Decline(f"{name} has per-step shape {tuple(got)}; the state {tuple(shape(last))} needs "
+                               f"{want} (broadcast inputs are not supported)")
+        # the outputs: a buffer written at every time index, or a stack
+        sinks = [st.sink for st in steps]
+        out_node, region_extra, out_dim = self._assembly(steps, sinks, view)
+        # the initial state
+        ch = view.canon(head)
+        h0 = None if (ch is not None and ch.op == "alloc" and ch.attrs.get("fill") == 0.0) else head
+        if h0 is not None and dtype(h0) not in FLOATS:
+            raise _Decline(f"the initial state '{head.name}' is {dtype(h0)}")
+        region = set().union(*(st.nodes for st in steps)) | region_extra
+        region.discard(None)
+        # the selections of the inputs go with the region when nothing else reads them
+        for st in steps:
+            for _, _, _, sel in st.leaves.values():
+                if all(u in region for u in view.readers(sel)) and all(u in region for u in sel.users):
+                    region.add(sel)
+        outputs = {"o": out_node}
+        if any(u not in region for u in list(view.readers(last)) + list(last.users)):
+            outputs["state"] = last
+        inputs = tuple(bases.values()) + ((h0,) if h0 is not None else ())
+        bindings = dict(
+            q=bases["q"], k=bases["k"], v=bases["v"], g=bases["g"], beta=bases["beta"], h0=h0,
+            time_dims=tuple(dims[n] for n in INPUTS), t0=int(t0), steps=n_steps, scale=first.scale,
+            scalar_gate=first.scalar_gate, out_dim=out_dim, out_dtype=dtype(out_node),
+            want_state="state" in outputs, state_dtype=dtype(last),
+            lead=tuple(lead), key_dim=kd, value_dim=vd, device=getattr(shape_val(last), "device", None),
+        )
+        in_dtypes = sorted({str(dtype(b)).replace("torch.", "") for b in bases.values()})
+        summary = {
+            "q": user_name(bases["q"]), "k": user_name(bases["k"]), "v": user_name(bases["v"]),
+            "g": user_name(bases["g"]), "beta": user_name(bases["beta"]),
+            "steps": n_steps, "state": f"{tuple(shape(last))} {str(dtype(last)).replace('torch.', '')}"
+                                       + (" (carried in float32)" if dtype(last) != torch.float32 else ""),
+            "gate": "scalar per head" if first.scalar_gate else "per key channel",
+            "scale": f"{first.scale:g}", "initial_state": user_name(h0) if h0 is not None else "zeros",
+            "outputs": ", ".join(outputs), "dtype": "/".join(in_dtypes),
+            "assembly": "index writes into a buffer" if view.op(sinks[0]) == "setitem" else "torch.stack",
+        }
+        return Match(self.name, out_node, frozenset(region), bindings, summary, location(first.decay),
+                     ctx.graph_index, inputs=inputs, outputs=outputs)
+
+    def _assembly(self, steps: list, sinks: list, view: GraphView) -> tuple:
+        """``(output node, extra region nodes, time dim of the output)``."""
+        c0 = view.canon(sinks[0])
+        n_steps = len(steps)
+        t0 = steps[0].leaves["q"][2]
+        if c0.op == "stack":
+            if any(s is not sinks[0] for s in sinks) or list(c0.args) != [st.item for st in steps]:
+                raise _Decline(f"the stack '{sinks[0].name}' does not hold exactly the loop's o_t in order")
+            return sinks[0], {sinks[0]}, c0.attrs["dim"]
+        buf = c0.args[0]
+        cb = view.canon(buf)
+        if cb is None or cb.op != "alloc":
+            raise _Decline(f"the outputs are written into '{buf.name}', a tensor the program did not create with "
+                           "zeros/empty; fuser's op returns a new tensor (allocate o inside the compiled function)")
+        rank = ndim(buf)
+        out_dim = None
+        for j, (st, sk) in enumerate(zip(steps, sinks)):
+            c = view.canon(sk)
+            if c.op != "setitem" or c.args[0] is not buf:
+                raise _Decline(f"step {j} writes its output elsewhere than '{buf.name}'")
+            d = _single_int_index(c.attrs["index"], rank)
+            if d is None:
+                raise _Decline(f"'{sk.name}' ({location(sk)}) writes o with an index other than o[:, t]")
+            idx = next(e for e in c.attrs["index"] if isinstance(e, int) and not isinstance(e, bool))
+            if out_dim is None:
+                out_dim = d
+            if d != out_dim or idx != t0 + j:
+                raise _Decline(f"step {j} writes o at index {idx} of dim {d}; expected {t0 + j} of dim {out_dim}")
+            want = list(shape(buf))
+            del want[out_dim]
+            if list(shape(st.item)) != want:
+                raise _Decline(f"o_t {tuple(shape(st.item))} does not fill o[:, t] {tuple(want)} (broadcast write)")
+        if t0 != 0 or shape(buf)[out_dim] != n_steps:
+            raise _Decline(f"the loop writes {n_steps} of the {shape(buf)[out_dim]} time steps of '{buf.name}' "
+                           f"(from {t0}); fuser replaces a buffer the loop fills completely")
+        return buf, {buf}, out_dim
+
+    # -- planning --------------------------------------------------------------------------------
+    def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
+        from fuser.patterns.kda_plans import candidates
+
+        return candidates(m, ctx)
+
+    def kernels(self, m: Match, plan: Candidate) -> list:
+        from fuser.patterns.kda_plans import kernels_for
+
+        return kernels_for(m, plan)
+
+    def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> dict:
+        from fuser.graph import annotate
+
+        b = m.bindings
+        if plan.params.get("impl") != "fuser":
+            raise ValueError(f"kda plan {plan.name} emits nothing")
+        with graph.inserting_before(m.insertion_point):
+            op = annotate(graph.call_function(torch.ops.fuser.kda.default, (
+                b["q"], b["k"], b["v"], b["g"], b["beta"], b["h0"], list(b["time_dims"]), b["t0"], b["steps"],
+                b["scale"], b["scalar_gate"], b["out_dim"], b["out_dtype"], b["want_state"], b["state_dtype"],
+                plan.params["plan_string"])))
+            new = {"o": annotate(graph.call_function(operator.getitem, (op, 0)))}
+            if "state" in m.outputs:
+                new["state"] = annotate(graph.call_function(operator.getitem, (op, 1)))
+        return new
+
+
+def shape_val(n: fx.Node) -> Any:
+    from fuser.graph import val
+
+    return val(n)
+
+
+PATTERN = KDAPattern()

@@ -1,0 +1,186 @@
+"""The fused KDA op: ``torch.ops.fuser.kda``.
+
+A ``torch.library.custom_op`` with a fake implementation and an autograd formula; it neither
+mutates nor aliases its inputs. It takes the tensors the user's loop selects time steps from, in
+the user's layout, and returns the assembled outputs in the layout the loop built them:
+
+``torch.ops.fuser.kda(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim,
+out_dtype, want_state, state_dtype, plan) -> (o, state)``
+    q, k ``[*L, K]`` and v ``[*L, V]`` with a time axis inserted at ``time_dims[0..2]``; g the
+    same as k (``[*L]`` plus time when ``scalar_gate``), beta ``[*L]`` (or ``[*L, 1]``) plus time
+    (``time_dims[3], time_dims[4]``); ``L`` the batch and head dims, equal for all; h0 ``[*L, K,
+    V]`` or None (zeros). The loop runs over time indices ``t0 .. t0 + steps − 1``. Returns ``o``
+    ``[*L, V]`` with the time axis inserted at ``out_dim`` (``steps`` long), contiguous, in
+    ``out_dtype``, and the final state ``[*L, K, V]`` in ``state_dtype`` (an empty tensor unless
+    ``want_state``). ``plan``: ``"plan=recurrent"`` or ``"plan=chunk;chunk=64"``
+    (:func:`parse_plan`).
+
+Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
+(a copy when the layout needs one: the time axis is not next to the feature axis), as the
+kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py`` take them.
+
+Backward: ``codegen/kda_bwd.py`` when present (the chunked backward kernels); else autograd
+through the float64 chunked reference (``patterns/kda_reference.chunked``) — exact, slow
+(PyTorch ops per chunk, float64): the gradients of the fused loop are right before they are fast.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PLANS = ("recurrent", "chunk")
+
+
+def plan_string(plan: str, chunk: int = 64) -> str:
+    """The op's ``plan`` argument for ``plan`` (:data:`PLANS`)."""
+    return f"plan={plan}" + (f";chunk={int(chunk)}" if plan == "chunk" else "")
+
+
+def parse_plan(plan: str) -> dict:
+    """``"plan=chunk;chunk=64"`` -> ``{"plan": "chunk", "chunk": 64}`` (defaults: recurrent, 64).
+
+    Raises:
+        ValueError: an entry that is not ``key=value``, an unknown key or plan.
+    """
+    out = {"plan": "recurrent", "chunk": 64}
+    for part in plan.split(";"):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        if not eq or key not in out:
+            raise ValueError(f"fuser::kda plan entry {part!r}: expected plan= or chunk=")
+        out[key] = int(value) if key == "chunk" else value
+    if out["plan"] not in PLANS:
+        raise ValueError(f"fuser::kda plan {out['plan']!r}: expected one of {PLANS}")
+    return out
+
+
+def _lead(q: torch.Tensor, time_dim: int) -> list:
+    dims = list(q.shape)
+    del dims[time_dim]
+    return dims[:-1]
+
+
+def flatten(x: torch.Tensor, time_dim: int, t0: int, steps: int, features: bool) -> torch.Tensor:
+    """``x`` with its time axis ``time_dim`` cut to ``[t0, t0 + steps)`` as ``[N, T, F]``
+    (``features``) or ``[N, T]``; a view when the layout allows one."""
+    if t0 or x.shape[time_dim] != steps:
+        x = x.narrow(time_dim, t0, steps)
+    if features:
+        x = x.movedim(time_dim, -2)
+        return x.reshape(-1, steps, x.shape[-1])
+    x = x.movedim(time_dim, -1)
+    return x.reshape(-1, steps)
+
+
+def _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate):
+    tq, tk, tv, tg, tb = time_dims
+    lead = _lead(q, tq)
+    beta_rank = len(lead) + 1
+    if beta.dim() == beta_rank + 1:  # [*L, 1] per step
+        beta = beta.squeeze(-1)
+    return lead, (flatten(q, tq, t0, steps, True), flatten(k, tk, t0, steps, True),
+                  flatten(v, tv, t0, steps, True), flatten(g, tg, t0, steps, not scalar_gate),
+                  flatten(beta, tb if tb < beta.dim() else beta.dim() - 1, t0, steps, False))
+
+
+def _assemble(o_flat: torch.Tensor, lead: list, steps: int, out_dim: int) -> torch.Tensor:
+    o = o_flat.reshape(*lead, steps, o_flat.shape[-1])
+    return o.movedim(len(lead), out_dim).contiguous()
+
+
+def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict):
+    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``): ``(o [N, T, V], state [N, K, V]
+    float32 or None)``."""
+    if plan["plan"] == "chunk":
+        from ..codegen import kda_chunk as kernels
+
+        return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
+                               scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"])
+    from ..codegen import kda_recurrent as kernels
+
+    return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
+                           scalar_gate=scalar_gate, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("fuser::kda", mutates_args=())
+def kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
+    out_dim: int, out_dtype: torch.dtype, want_state: bool, state_dtype: torch.dtype, plan: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
+    kd, vd = q.shape[-1], v.shape[-1]
+    h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
+    o, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parse_plan(plan))
+    o = _assemble(o, lead, steps, out_dim)
+    if not want_state:
+        return o, torch.empty(0, dtype=state_dtype, device=q.device)
+    return o, state.reshape(*lead, kd, vd).to(state_dtype)
+
+
+@kda.register_fake
+def _kda_fake(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state,
+              state_dtype, plan):
+    lead = _lead(q, time_dims[0])
+    shape_o = list(lead) + [v.shape[-1]]
+    shape_o.insert(out_dim, steps)
+    o = q.new_empty(shape_o, dtype=out_dtype)
+    state = q.new_empty((*lead, q.shape[-1], v.shape[-1]) if want_state else (0,), dtype=state_dtype)
+    return o, state
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state, state_dtype, \
+        plan = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0)
+    ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state)
+
+
+def _backward(ctx, d_o, d_state):
+    q, k, v, g, beta, h0 = ctx.saved_tensors
+    time_dims, t0, steps, scale, scalar_gate, out_dim, want_state = ctx.args
+    grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state if want_state else None, time_dims=time_dims,
+                               t0=t0, steps=steps, scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
+
+
+def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
+    """Gradients of :func:`kda` with respect to ``q, k, v, g, beta, h0`` (None where an input
+    needs none), by autograd through the float64 chunked reference
+    (:func:`fuser.patterns.kda_reference.chunked`), in the inputs' dtypes and layouts."""
+    from .kda_reference import chunked
+
+    originals = (q, k, v, g, beta, h0)
+    with torch.enable_grad():
+        leaves = [x.detach().double().requires_grad_(True) if x is not None else None for x in originals]
+        lq, lk, lv, lg, lb, lh = leaves
+        lead, (qf, kf, vf, gf, bf) = _inputs(lq, lk, lv, lg, lb, time_dims, t0, steps, scalar_gate)
+        kd, vd = q.shape[-1], v.shape[-1]
+        if scalar_gate:
+            gf = gf[..., None].expand(*gf.shape, kd)
+        as_heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [N, T, *] -> [1, T, N, *]
+        h0f = lh.reshape(1, -1, kd, vd) if lh is not None else None
+        o, state = chunked(as_heads(qf), as_heads(kf), as_heads(vf), as_heads(gf), as_heads(bf), scale=scale,
+                           initial_state=h0f, output_final_state=d_state is not None)
+        o = _assemble(o[0].transpose(0, 1), lead, steps, out_dim)
+        outs, grads_out = [o], [d_o.double()]
+        if d_state is not None:
+            outs.append(state.reshape(*lead, kd, vd))
+            grads_out.append(d_state.double())
+        wanted = [x for x in leaves if x is not None]
+        got = torch.autograd.grad(outs, wanted, grads_out, allow_unused=True)
+    it = iter(got)
+    result = []
+    for x, leaf in zip(originals, leaves):
+        if leaf is None:
+            result.append(None)
+            continue
+        gr = next(it)
+        result.append(torch.zeros_like(x) if gr is None else gr.to(x.dtype))
+    return tuple(result)
+
+
+kda.register_autograd(_backward, setup_context=_setup)

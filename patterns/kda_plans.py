@@ -1,0 +1,163 @@
+"""Plans for a KDA match and their costs.
+
+Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``; the math in
+``docs/math.md``, "KDA"):
+
+``fuser[recurrent]``
+    token by token; each program owns a ``[K, BLOCK_V]`` column block of one head's state for the
+    whole sequence — in registers for small K, streamed through a float32 workspace for large K
+    (two reads and a write of the block per token, mostly from L2). Reads every input once,
+    writes o once; the T steps are a dependency chain, so its time has a latency term
+    (``T`` × :data:`STEP_US`) besides the traffic.
+``fuser[chunk C=<C>]``
+    the chunked WY form on tensor cores: an intra-chunk kernel parallel over chunks (decays,
+    ``A_kk``, ``A_qk``, the triangular solve, ``U``, ``W`` into float32 workspaces), then a pass
+    sequential over the chunks carrying the state in registers (K ≤ 256). The dependency chain
+    is ``T / C`` long.
+``inductor``
+    the unrolled loop as written: Inductor round-trips the state through HBM every token.
+
+The rates below are estimates until measured on the H100 (``benchmarks/kda.py``); where a number
+is NOT MEASURED it says so.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from fuser import costmodel as cm
+from fuser.codegen import launch
+from fuser.graph import shape
+from fuser.pattern import Candidate, Match, MatchContext
+from fuser.static import symint_value
+
+from .kda_ops import plan_string
+
+#: Shape symbols: N value heads (batch × heads), T steps, K key dim, V value dim.
+N, T, KD, VD = sympy.symbols("N T K V", positive=True, integer=True)
+
+#: Latency of one token of the recurrent kernel's dependency chain, in microseconds (loads of
+#: q_t, k_t, g_t, v_t, two reductions over K, the update): NOT MEASURED, a guess from the
+#: instruction count at K = 128.
+STEP_US = 0.25
+#: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
+#: and the state update), in microseconds: NOT MEASURED.
+CHUNK_US = 2.0
+#: Largest K the chunked kernels keep the state of in registers.
+CHUNK_MAX_K = 256
+#: Fraction of the fp32 FMA peak the recurrent kernel's state updates reach: NOT MEASURED.
+RECURRENT_EFFICIENCY = 0.5
+#: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED.
+CHUNK_EFFICIENCY = 0.3
+#: Bytes Inductor moves per token per state element (float32), from the issue's measurement on
+#: the H100 (B=1, T=8, H=2, K=256, V=8192: 0.247 ms = 31 µs a token for a 16 MiB state, ~5.6
+#: state passes a token); kernels per token ~3.
+INDUCTOR_STATE_PASSES = 5.6
+
+
+def _int(x) -> int:
+    return int(symint_value(x))
+
+
+def shapes(m: Match) -> dict:
+    """Shape symbol -> value at the example shapes."""
+    b = m.bindings
+    n = 1
+    for d in b["lead"]:
+        n *= _int(d)
+    return {N: n, T: int(b["steps"]), KD: _int(b["key_dim"]), VD: _int(b["value_dim"])}
+
+
+def _elt(node) -> int:
+    from fuser.graph import dtype
+
+    return torch.finfo(dtype(node)).bits // 8
+
+
+def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
+    """Symbolic cost terms of one plan: ``bytes`` (HBM), ``flops`` (and ``kind``: the units
+    they run on), ``chain_us`` (the sequential dependency chain), ``launches``."""
+    b = m.bindings
+    eq, ev, eg, eb = _elt(b["q"]), _elt(b["v"]), _elt(b["g"]), _elt(b["beta"])
+    eo = torch.finfo(b["out_dtype"]).bits // 8
+    gate = 1 if b["scalar_gate"] else KD
+    io = N * T * (2 * KD * eq + VD * ev + gate * eg + eb) + N * T * VD * eo
+    state = N * KD * VD * 4 * ((1 if b["h0"] is not None else 0) + (1 if b["want_state"] else 0))
+    if plan == "inductor":
+        return {"bytes": io + INDUCTOR_STATE_PASSES * 4 * N * KD * VD * T, "flops": 8 * N * T * KD * VD,
+                "kind": "fp32", "launches": 3 * T, "chain_us": 0}
+    if plan == "recurrent":
+        terms = {"bytes": io + state, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
+                 "chain_us": STEP_US * T}
+        return terms
+    c = chunk
+    work = 4 * N * T * (VD + KD + c)  # U, W, A_qk written and read once (float32)
+    flops = 2 * N * T * c * KD * 2 + 2 * N * T * c * (VD + KD) + 2 * N * T * KD * VD * 3 + 2 * N * T * c * VD
+    return {"bytes": io + state + 2 * work, "flops": flops, "kind": "mma", "launches": 2,
+            "chain_us": CHUNK_US * sympy.ceiling(T / c)}
+
+
+def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
+    """Milliseconds: the larger of traffic and arithmetic, plus the dependency chain, plus
+    launches."""
+    nbytes = cm.evaluate(terms["bytes"], subs)
+    flops = cm.evaluate(terms["flops"], subs)
+    if terms["kind"] == "fp32":
+        t_math = flops / (model.tflops["fp32"] * 1e12 * RECURRENT_EFFICIENCY)
+    else:
+        t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
+    t = max(nbytes / (model.bandwidth_gbs * 1e9), t_math)
+    t += cm.evaluate(terms["chain_us"], subs) * 1e-6 + cm.evaluate(terms["launches"], subs) * model.launch_us * 1e-6
+    return t * 1e3
+
+
+def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
+    """Every plan this match can run with, each with its estimate at the example shapes."""
+    b = m.bindings
+    dev = b["device"]
+    subs = shapes(m)
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    from fuser.graph import dtype
+
+    kind = cm.operand_kind(str(dtype(b["q"])), launch.dot_precision(dtype(b["q"])) == "tf32")
+    out: list[Candidate] = []
+
+    def add(name, plan, terms, note, chunk=64):
+        out.append(Candidate(name, {"impl": "fuser", "plan": plan, "chunk": chunk,
+                                    "plan_string": plan_string(plan, chunk)},
+                             terms, estimate(terms, subs, model, kind), note))
+
+    add("fuser[recurrent]", "recurrent", cost_terms(m, "recurrent"),
+        "token by token, each program keeping a [K, BLOCK_V] block of the state for the whole sequence")
+    if subs[KD] <= CHUNK_MAX_K and _chunk_available():
+        for c in (64,):
+            add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c),
+                f"chunked WY form (chunks of {c}): intra-chunk kernel, then the state across chunks", chunk=c)
+    if dev is not None and torch.device(dev).type != "cpu":
+        terms = cost_terms(m, "inductor")
+        out.append(Candidate("inductor", {"impl": "inductor"}, terms, estimate(terms, subs, model, kind),
+                             "left to Inductor: the unrolled loop, the state through HBM every token"))
+    return out
+
+
+def _chunk_available() -> bool:
+    try:
+        from fuser.codegen import kda_chunk  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_for(m: Match, plan: Candidate) -> list:
+    """The rendered kernels a fuser plan runs (for reports)."""
+    if plan.params.get("impl") != "fuser":
+        return []
+    b = m.bindings
+    interpret = b["device"] is None or torch.device(b["device"]).type == "cpu"
+    if plan.params["plan"] == "chunk":
+        from fuser.codegen import kda_chunk as kernels
+    else:
+        from fuser.codegen import kda_recurrent as kernels
+    return list(kernels.kernels_for(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]),
+                                    scalar_gate=b["scalar_gate"], interpret=interpret))

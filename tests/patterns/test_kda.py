@@ -1,0 +1,281 @@
+"""The KDA pattern: the spellings of the unrolled recurrence it fuses (each checked against eager
+and the float64 reference), and the near-misses it declines with a reason.
+
+Shapes are small (the CPU runs the kernels in Triton's interpreter); T is not a multiple of any
+block, K and V are not powers of two.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuser.patterns import kda_reference
+from fuser.testing import assert_declines, assert_fuses, fuse, run_rewritten
+
+B, H, T, K, V = 2, 2, 5, 12, 20
+
+
+def _inputs(layout="bthk", dtype=torch.float32, hv=H, seed=0, t=T, k=K, v=V, scalar_gate=False):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if layout == "bthk":
+        q, kk = rnd(B, t, H, k), F.normalize(rnd(B, t, H, k), dim=-1)
+        vv = rnd(B, t, hv, v)
+        g = -F.softplus(rnd(B, t, hv) if scalar_gate else rnd(B, t, hv, k))
+        beta = torch.rand(B, t, hv, generator=gen)
+    else:
+        q, kk = rnd(B, H, t, k), F.normalize(rnd(B, H, t, k), dim=-1)
+        vv = rnd(B, hv, t, v)
+        g = -F.softplus(rnd(B, hv, t) if scalar_gate else rnd(B, hv, t, k))
+        beta = torch.rand(B, hv, t, generator=gen)
+    return tuple(x.to(dtype) for x in (q, kk, vv, g, beta))
+
+
+def _run(fn, *args):
+    graphs, result = fuse(fn, *args)
+    return run_rewritten(graphs, *args), result
+
+
+def _close(got, want, tol=2e-4):
+    got, want = got.double(), want.double()
+    err = (got - want).norm() / want.norm().clamp_min(1e-30)
+    assert err < tol, f"relative error {err:.3g}"
+
+
+def _check(fn, *args, tol=2e-4, **expected):
+    """``fn`` fused once with the ``expected`` summary, its outputs equal to eager's."""
+    assert_fuses(fn, *args, pattern="kda", **expected)
+    got, _ = _run(fn, *args)
+    want = fn(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        _close(a, b, tol)
+    return got
+
+
+# -- spellings -----------------------------------------------------------------------------------
+
+def blog_loop(q, k, v, g, beta):
+    """The kernel blogs' loop: [B, H, T, K], einsum, o written by index, the final state returned."""
+    b, h, t_len, kd = q.shape
+    s = q.new_zeros(b, h, kd, v.shape[-1], dtype=torch.float32)
+    o = torch.empty_like(v)
+    for t in range(t_len):
+        s = s * g[:, :, t][..., None].exp()
+        v_hat = (k[:, :, t][..., None] * s).sum(-2)
+        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, :, t][..., None] * k[:, :, t], v[:, :, t] - v_hat)
+        o[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t] * kd ** -0.5, s)
+    return o, s
+
+
+def fla_naive(q, k, v, g, beta, initial_state, scale):
+    """FLA's naive reference, written from its math: [B, T, H, K], float32 upcast, q and k repeated to
+    the value heads, an initial state, the final state returned."""
+    dtype = v.dtype
+    group = v.shape[2] // q.shape[2]
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q.repeat_interleave(group, dim=2) * scale
+    k = k.repeat_interleave(group, dim=2)
+    s = initial_state.float()
+    o = torch.zeros_like(v)
+    for i in range(q.shape[1]):
+        q_i, k_i, v_i, g_i, b_i = q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i]
+        s = s * g_i[..., None].exp()
+        s = s + torch.einsum("bhk,bhv->bhkv", b_i[..., None] * k_i, v_i - (k_i[..., None] * s).sum(-2))
+        o[:, i] = torch.einsum("bhk,bhkv->bhv", q_i, s)
+    return o.to(dtype), s
+
+
+def test_blog_loop():
+    args = _inputs("bhtk")
+    o, s = _check(blog_loop, *args, steps=T, outputs="o, state", initial_state="zeros", scale=K ** -0.5,
+                  gate="per key channel", assembly="index writes into a buffer")
+    # and the float64 reference of the recurrence (FLA's layout)
+    q, k, v, g, beta = (x.transpose(1, 2) for x in args)
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, output_final_state=True)
+    _close(o.transpose(1, 2), want_o)
+    _close(s, want_s)
+
+
+def test_fla_naive_gva_initial_state():
+    q, k, v, g, beta = _inputs("bthk", hv=2 * H)
+    h0 = torch.randn(B, 2 * H, K, V)
+    _check(fla_naive, q, k, v, g, beta, h0, K ** -0.5, steps=T, outputs="o, state", initial_state="initial_state")
+
+
+def test_layout_through_transposes_and_a_stack():
+    def loop(q, k, v, g, beta):  # [B, T, H, *] in, heads-first inside
+        q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+        beta = beta.transpose(1, 2)
+        s = torch.zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
+        outs = []
+        for t in range(q.shape[2]):
+            s = s * torch.exp(g[:, :, t]).unsqueeze(-1)
+            v_hat = torch.einsum("bhk,bhkv->bhv", k[:, :, t], s)
+            s = s + k[:, :, t][..., :, None] * (beta[:, :, t][..., None] * (v[:, :, t] - v_hat))[..., None, :]
+            outs.append((q[:, :, t].unsqueeze(-2) @ s).squeeze(-2) * 0.5)
+        return torch.stack(outs, dim=1)
+
+    _check(loop, *_inputs("bthk"), steps=T, outputs="o", assembly="torch.stack", scale=0.5)
+
+
+def test_l2_normalised_qk_and_sigmoid_beta():
+    def loop(q, k, v, g, b):
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = b.sigmoid()
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t, :, :, None].exp()
+            kv = (k[:, t, :, :, None] * s).sum(-2)
+            s = s + torch.einsum("bhk,bhv->bhkv", k[:, t] * beta[:, t, :, None], v[:, t] - kv)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    q, k, v, g, b = _inputs("bthk")
+    _check(loop, q, k, v, g, torch.randn(B, T, H), steps=T, outputs="o", scale=1.0)
+
+
+def test_scalar_gate():
+    def loop(q, k, v, g, beta):  # gated delta rule: one decay per head and token
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t].exp()[..., None, None]
+            v_hat = (k[:, t][..., None] * s).sum(-2)
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - v_hat)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o, s
+
+    _check(loop, *_inputs("bthk", scalar_gate=True), steps=T, gate="scalar per head")
+
+
+def test_fp32_state_with_half_inputs():
+    def loop(q, k, v, g, beta):
+        s = torch.zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1], dtype=torch.float32)
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            q_t, k_t, v_t = q[:, t].float(), k[:, t].float(), v[:, t].float()
+            s = s * g[:, t].float().exp()[..., None]
+            v_hat = (k_t[..., None] * s).sum(-2)
+            s = s + (beta[:, t].float()[..., None] * k_t)[..., None] * (v_t - v_hat)[..., None, :]
+            o[:, t] = (q_t[..., None] * s).sum(-2)
+        return o, s
+
+    o, s = _check(loop, *_inputs("bthk", dtype=torch.float16), tol=2e-3, dtype="float16")
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+
+
+def test_dynamo_matches_t_1024_in_seconds():
+    import time
+
+    args = _inputs("bhtk", t=1024, k=4, v=4)
+    t0 = time.perf_counter()
+    graphs, result = fuse(blog_loop, *args)
+    ms = [m for m in result.matches if m.pattern == "kda"]
+    assert len(ms) == 1 and ms[0].summary["steps"] == 1024
+    assert ms[0].fused
+
+
+def test_training_gradients_match_eager():
+    args = [x.clone().requires_grad_(x.dim() == 4) for x in _inputs("bhtk")]
+    (o, s), _ = _run(blog_loop, *args)
+    loss = o.square().sum() + s.sum()
+    grads = torch.autograd.grad(loss, [a for a in args if a.requires_grad])
+    ref = [x.detach().clone().requires_grad_(x.requires_grad) for x in args]
+    o2, s2 = blog_loop(*ref)
+    want = torch.autograd.grad(o2.square().sum() + s2.sum(), [a for a in ref if a.requires_grad])
+    for a, b in zip(grads, want):
+        _close(a, b, 1e-3)
+
+
+# -- near-misses -----------------------------------------------------------------------------------
+
+def test_every_state_kept_is_declined():
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o, states = torch.empty_like(v), []
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+            states.append(s)
+        return o, torch.stack(states)
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="also used by")
+
+
+def test_a_step_that_differs_is_declined():
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * (0.5 if t == 3 else 1.0), s)
+        return o
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="step 3 .*differs.*scale")
+
+
+def test_undecayed_state_in_the_delta_is_declined():
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            v_hat = torch.einsum("bhk,bhkv->bhv", k[:, t], s)  # before the decay: another algorithm
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - v_hat)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="before its decay")
+
+
+def test_a_buffer_from_the_caller_is_declined():
+    def loop(q, k, v, g, beta, o):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return s
+
+    args = _inputs("bthk")
+    assert_declines(loop, *args, torch.empty_like(args[2]), pattern="kda", reason="did not create")
+
+
+def test_state_updated_in_place_is_declined():
+    def loop(q, k, v, g, beta, s):
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            s.mul_(g[:, t][..., None].exp())
+            s.add_(torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s)))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    args = _inputs("bthk")
+    h = torch.zeros(B, H, K, V)
+    _, result = fuse(loop, *args, h)
+    assert not [m for m in result.matches if m.pattern == "kda" and m.fused]
+    got = loop(*args, h.clone())
+    graphs, _ = fuse(loop, *args, h.clone())
+    h2 = h.clone()
+    torch.testing.assert_close(run_rewritten(graphs, *args, h2), got)
+
+
+def test_float64_is_declined():
+    args = _inputs("bhtk", dtype=torch.float64)
+    assert_declines(blog_loop, *args, pattern="kda", reason="float64")
