@@ -410,6 +410,7 @@ class GraphView:
         self._alias: dict[fx.Node, Any] = {}
         self._groups: Optional[dict] = None
         self._mutation_pos: dict[fx.Node, list] = {}
+        self._users_by_pos: dict[fx.Node, list] = {}
 
     # -- in-place resolution -------------------------------------------------------------------
     @staticmethod
@@ -512,7 +513,23 @@ class GraphView:
                 out.append(u)
         base = self._mutated_base(x)
         if base is not None:
-            for u in base.users:
+            # only users between x and the next write of base can read x's value (a loop writes
+            # one buffer T times: bisect rather than scan its users)
+            by_pos = self._users_by_pos.get(base)
+            if by_pos is None:
+                users = sorted((u for u in base.users if u in self.order), key=self.order.__getitem__)
+                by_pos = self._users_by_pos[base] = ([self.order[u] for u in users], users)
+            keys = self._mutation_pos.get(base)
+            if keys is None:
+                keys = self._mutation_pos[base] = [self.order[m] for m in self.mutations[base]]
+            pos = self.order[x]
+            i = bisect.bisect_right(keys, pos)
+            nxt = keys[i] if i < len(keys) else math.inf
+            positions, users = by_pos
+            for j in range(bisect.bisect_right(positions, pos), len(users)):
+                u = users[j]
+                if positions[j] > nxt:
+                    break
                 if u is not x and any(self.operand(a, u) is x for a in flat_args(u)):
                     out.append(u)
         return out
