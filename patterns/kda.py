@@ -121,6 +121,24 @@ def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
                    "the loop; compute it for the whole sequence before the loop")
 
 
+def same_shape(a: Any, b: Any) -> bool:
+    """``a == b`` for shapes that may hold SymInts (dynamic shapes): equal only when provably so,
+    without adding guards."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif not statically_known_true(x == y):
+            return False
+    return True
+
+
 def _nn(roles: tuple) -> tuple:
     """The roles without the unit dims (None): a unit dim aligns with anything."""
     return tuple(r for r in roles if r is not None)
@@ -230,10 +248,10 @@ class KDAPattern(Pattern):
         if s_new is None or not isinstance(u, fx.Node):
             raise _Skip
         mu = monomial(u, view, is_leaf=lambda n: n is decay)
-        if mu is None or len(mu.factors) not in (2, 3) or shape(u) != shape(s_prev):
+        if mu is None or len(mu.factors) not in (2, 3) or not same_shape(shape(u), shape(s_prev)):
             raise _Skip
         # from here on it looks like a KDA step: failures have reasons
-        if shape(s_new) != shape(s_prev) or shape(decay) != shape(s_prev):
+        if not same_shape(shape(s_new), shape(s_prev)) or not same_shape(shape(decay), shape(s_prev)):
             raise _Decline(f"the state changes shape in the step ('{s_new.name}'): {shape(s_prev)} -> {shape(s_new)}")
         names = md.roles({s_prev: roles}, roles)
         exp_f = next(f for f in md.factors if f.is_exp)
@@ -265,7 +283,7 @@ class KDAPattern(Pattern):
         if cdv is None or cdv.op != "sub" or not all(isinstance(a, fx.Node) for a in cdv.args):
             raise _Decline(f"the delta '{getattr(dv, 'name', dv)}' is not v_t − v̂")
         v_t, v_hat = cdv.args
-        if ndim(v_t) != ndim(dv) or shape(v_hat) != shape(dv):
+        if ndim(v_t) != ndim(dv) or not same_shape(shape(v_hat), shape(dv)):
             raise _Decline(f"v_t and v̂ in '{dv.name}' ({location(dv)}) do not have one shape")
         leaves["k"] = _time_leaf(by_role["k"], view, "k_t")
         leaves["beta"] = _time_leaf(by_role["beta"], view, "β_t")
@@ -393,9 +411,9 @@ class KDAPattern(Pattern):
         for name, want in expect.items():
             got = list(shape(bases[name]))
             del got[dims[name]]
-            if name == "beta" and len(got) == len(want) + 1 and got[-1] == 1:
+            if name == "beta" and len(got) == len(want) + 1 and isinstance(got[-1], int) and got[-1] == 1:
                 got = got[:-1]
-            if tuple(got) != tuple(want):
+            if not same_shape(tuple(got), tuple(want)):
                 raise _Decline(f"{name} has per-step shape {tuple(got)}; the state {tuple(shape(last))} needs "
                                f"{want} (broadcast inputs are not supported)")
         # the outputs: a buffer written at every time index, or a stack
@@ -468,11 +486,20 @@ class KDAPattern(Pattern):
                 raise _Decline(f"step {j} writes o at index {idx} of dim {d}; expected {t0 + j} of dim {out_dim}")
             want = list(shape(buf))
             del want[out_dim]
-            if list(shape(st.item)) != want:
+            if not same_shape(tuple(shape(st.item)), tuple(want)):
                 raise _Decline(f"o_t {tuple(shape(st.item))} does not fill o[:, t] {tuple(want)} (broadcast write)")
-        if t0 != 0 or shape(buf)[out_dim] != n_steps:
+        if t0 != 0 or symint_value(shape(buf)[out_dim]) != n_steps:
             raise _Decline(f"the loop writes {n_steps} of the {shape(buf)[out_dim]} time steps of '{buf.name}' "
                            f"(from {t0}); fuser replaces a buffer the loop fills completely")
+        if dtype(buf) not in FLOATS:
+            raise _Decline(f"the output buffer '{buf.name}' is {dtype(buf)}; the KDA kernels write float16, bfloat16 "
+                           "or float32")
+        last = max(view.order[sk] for sk in sinks)
+        early = [u for u in buf.users if u not in sinks and view.order[u] < last]
+        if early:
+            u = early[0]
+            raise _Decline(f"'{u.name}' ({location(u)}) reads the output buffer '{buf.name}' while the loop is "
+                           "still filling it; the fused op produces it whole")
         return buf, {buf}, out_dim
 
     # -- planning --------------------------------------------------------------------------------

@@ -279,3 +279,25 @@ def test_state_updated_in_place_is_declined():
 def test_float64_is_declined():
     args = _inputs("bhtk", dtype=torch.float64)
     assert_declines(blog_loop, *args, pattern="kda", reason="float64")
+
+
+def test_reading_the_buffer_inside_the_loop_is_declined():
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v)
+        seen = []
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+            seen.append(o.sum())  # o half filled: the fused op would give the whole o here
+        return o, torch.stack(seen)
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="still filling it")
+
+
+def test_dynamic_batch():
+    args = _inputs("bthk")
+    h0 = torch.randn(B, H, K, V)
+    assert_fuses(fla_naive, *args, h0, 0.3, pattern="kda", dynamic=True, steps=T)
