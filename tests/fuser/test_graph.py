@@ -88,3 +88,34 @@ def test_einsum_as_matmul(eq, expect):
     if got["po"] is not None:
         out = out.permute(got["po"])
     torch.testing.assert_close(out, torch.einsum(eq, a, b))
+
+
+def test_loop_ops_are_canonical():
+    # what an unrolled recurrence is made of: time selections, index writes, stacks, buffers,
+    # einsums that are not matmuls
+    def f(x, s):
+        o = torch.zeros_like(x)
+        b = x.new_empty(2, 3)
+        parts = []
+        for t in range(2):
+            o[:, :, t] = x[:, :, t] * 2
+            parts.append(x.select(2, t))
+        y = x[..., 1, :]
+        return o, b, torch.stack(parts, dim=-2), y, torch.einsum("bhk,bhkv->bhv", x[:, :, 0], s), \
+            torch.einsum("bhk,bhv->bhkv", x[:, :, 0], x[:, :, 1])
+
+    (gm, _), = testing.capture(f, torch.randn(2, 3, 4, 5), torch.randn(2, 3, 5, 6))
+    view = GraphView(gm.graph)
+    ops = {}
+    for n in gm.graph.nodes:
+        c = view.canon(n)
+        if c is not None:
+            ops.setdefault(c.op, []).append(c)
+    assert [(c.attrs["dim"], c.attrs["index"]) for c in ops["select"]][:4] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert any(c.attrs["dim"] == 2 and c.attrs["index"] == 1 for c in ops["select"][4:])  # x[..., 1, :]
+    assert [c.attrs["index"][2] for c in ops["setitem"]] == [0, 1]
+    assert ops["stack"][0].attrs["dim"] == 2 and len(ops["stack"][0].args) == 2
+    assert sorted((c.attrs["fill"], c.attrs["shape"]) for c in ops["alloc"]) == [(0.0, (2, 3, 4, 5)), (None, (2, 3))]
+    eqs = [c.attrs["equation"] for c in ops["einsum"]]
+    assert eqs == [(("b", "h", "k"), ("b", "h", "k", "v"), ("b", "h", "v")),
+                   (("b", "h", "k"), ("b", "h", "v"), ("b", "h", "k", "v"))]
