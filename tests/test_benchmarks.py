@@ -134,3 +134,26 @@ def test_h2o_picks_up_the_plans_when_they_land(tmp_path, monkeypatch):
     png = out.with_suffix(".png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     torch._dynamo.reset()
+
+
+def test_kda_smoke(tmp_path):
+    """Passes whether or not the KDA kernels exist yet: the rows of a missing kernel module read
+    ``unavailable``; whatever exists is measured and must be right."""
+    md, data = run_script("kda", tmp_path, "--impls", "eager", "fuser", "fuser_op", "fuser_recurrent", "fuser_chunk",
+                          "fla_recurrent", "fla_chunk")
+    assert data["complete"] and [c["mode"] for c in data["configs"]] == ["fwd", "fwdbwd"]
+    assert "fuser err o / state / grads" in md and "float64 references:" in md and "floor ms" in md
+    eager = records(data, "eager")
+    assert_measured(eager)
+    assert eager[0]["rel_err_state"] is not None and eager[1]["rel_err_grads"] is not None
+    # the compiled loop runs whether fuser fused it or left it to Inductor; either way it is right
+    assert_measured(records(data, "fuser"))
+    for impl in ("fuser_op", "fuser[recurrent]", "fuser[chunk]"):
+        recs = records(data, impl)
+        assert len(recs) == 2, impl
+        for r in recs:
+            assert r["status"] in ("ok", "unavailable"), r
+            if r["status"] == "ok":
+                assert_measured([r])
+    assert all(r["status"] in ("unavailable", "skip") for impl in ("fla_recurrent", "fla_chunk")
+               for r in records(data, impl))  # FLA needs a GPU; fused_recurrent_kda has no backward
