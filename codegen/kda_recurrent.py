@@ -1,0 +1,394 @@
+"""KDA forward, token by token: the recurrent kernels, their configs and their traffic model.
+
+KDA (Kimi Delta Attention, Kimi Linear, Moonshot AI 2025) is the gated delta rule of Gated DeltaNet
+(Yang et al., ICLR 2025) with one decay per key channel instead of one per head. Per value row
+``n`` (a flattened (batch, value head) pair) it keeps a float32 state ``S [K, V]`` and, for every
+token ``t``::
+
+    S ← diag(exp g_t) S;   v̂ = Sᵀ k_t;   S ← S + β_t k_t (v_t − v̂)ᵀ;   o_t = Sᵀ (scale · q_t)
+
+(the float64 oracle is ``patterns/kda_reference.py``; the scalar-gate variant, Gated DeltaNet's,
+multiplies the whole state by one ``exp g_t``). The kernels here walk the tokens in order, one
+program per (block of ``BLOCK_V`` value columns, value row): a column block of the state evolves
+independently of the others (every operation above mixes rows of S, never columns), so the
+programs never communicate. FLA's fused recurrent kernels use the same decomposition; this is our
+own implementation (``templates/kda_recurrent.py.jinja``).
+
+Variants (:data:`VARIANTS`, the ``VARIANT`` key of a config):
+
+``"registers"``
+    the program's state tile ``[K_pad, BLOCK_V]`` (``K_pad`` = next power of two ≥ K, the
+    config's ``BLOCK_K``) stays in registers for the whole sequence. The state touches HBM only
+    when ``h0`` is read and the final state written: per token the program reads ``q_t, k_t,
+    g_t`` (K each), ``v_t`` (BLOCK_V), ``β_t`` and writes ``o_t``. Needs ``K_pad · BLOCK_V`` small
+    (≤ :data:`REGISTER_TILE_MAX` elements; the tables keep it ≤ 8192).
+``"streamed"``
+    for K too large for registers (8192, 16384, ...): the column block ``S[:, v-block]`` lives in
+    a float32 global workspace, the final-state buffer itself (or a scratch ``[N, K, V]`` buffer
+    when the final state is not wanted), and every token walks it in ``[BLOCK_K, BLOCK_V]`` tiles
+    twice: pass 1 accumulates ``v̂ = Σ_tiles (k ∘ e^g)ᵀ S`` (reads only), pass 2 updates each tile
+    ``S ← e^g S + k δᵀ`` (``δ = β (v − v̂)``), writes it back and accumulates ``o_t``. Correct for
+    any K. Traffic: **the whole state is read twice and written once per token** (``3 · T · N · K
+    · V · 4`` bytes on top of the inputs; :func:`hbm_bytes`), against the registers variant's
+    none and a chunked form's ``O(T / C)`` state passes; part of it may hit L2 when ``N · K · V ·
+    4`` bytes fit there.
+
+Sizes: ``T`` is a runtime argument (``do_not_specialize``: a new sequence length does not
+recompile); ``K``, ``V`` and the blocks are compile-time constants. Any T ≥ 0, K, V ≥ 1 (masked
+to the blocks, no power of two needed). Inputs of any strides (never copied), float32 / float16 /
+bfloat16 each (they may differ); arithmetic in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from . import launch
+from .render import RenderedKernel, render
+
+__all__ = [
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes",
+    "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
+]
+
+TEMPLATE = "kda_recurrent.py.jinja"
+
+#: The kernel variants (module docstring).
+VARIANTS = ("registers", "streamed")
+
+#: The largest register state tile ``K_pad · BLOCK_V`` (float32 elements per program) a config may
+#: ask for; the tables stay at or under 8192 (64 registers a thread at 4 warps).
+REGISTER_TILE_MAX = 16384
+_TILE_TARGET = 8192
+
+#: Largest ``K_pad`` the registers variant is the default for (above it the streamed variant
+#: comes first; registers stays a candidate while ``K_pad · 8 <= 8192``). A guess: to be measured.
+REGISTERS_MAX_K = 512
+
+#: Programs wanted on the GPU: about two per SM of an H100 (132 SMs).
+_WANT_PROGRAMS = 2 * 132
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def kernel(*, variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool) -> RenderedKernel:
+    """Render the kernel module of one static variant (``templates/kda_recurrent.py.jinja``).
+
+    Args:
+        variant: ``"registers"`` or ``"streamed"``.
+        scalar_gate: g is ``[N, T]`` (one decay per row and token) instead of ``[N, T, K]``.
+        has_h0: an initial state is read (else the state starts at zero).
+        store_final: the final state is written (the streamed variant always writes its
+            workspace; the flag only changes the module's name there).
+        interpret: rendered for Triton's interpreter (CPU tensors).
+
+    Raises:
+        ValueError: unknown variant.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    streamed = variant == "streamed"
+    store_final = bool(store_final) or streamed
+    name = ("kda_recurrent_" + variant + ("_scalar" if scalar_gate else "") + ("_h0" if has_h0 else "")
+            + ("_ht" if store_final and not streamed else "") + ("_interp" if interpret else ""))
+    return render(TEMPLATE, name, variant=variant, scalar_gate=bool(scalar_gate), has_h0=bool(has_h0),
+                  store_final=store_final, interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _module(variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool):
+    """The imported module of one static variant (rendered once per process)."""
+    k = kernel(variant=variant, scalar_gate=scalar_gate, has_h0=has_h0, store_final=store_final, interpret=interpret)
+    return k, launch.kernel_module(k, interpret)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+
+def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int) -> dict:
+    return {"VARIANT": variant, "BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": warps, "num_stages": stages}
+
+
+def _warps_for(elements: int) -> int:
+    """About 32 float32 state elements per thread (1 warp for a 1024-element tile, at most 8)."""
+    return int(min(8, max(1, elements // 1024)))
+
+
+def _pick_block_v(v_pad: int, k_tile: int, n_rows: Optional[int], smallest: int) -> int:
+    """The largest power-of-two BLOCK_V in [smallest, min(v_pad, 64)] whose tile ``k_tile ·
+    BLOCK_V`` stays within the 8K target and whose grid ``n_rows · cdiv(V, BLOCK_V)`` still has
+    about two programs per SM (``n_rows`` None: assume plenty of rows); at least ``smallest``."""
+    best = smallest
+    bv = smallest
+    while bv <= min(v_pad, 64):
+        if k_tile * bv > _TILE_TARGET:
+            break
+        if n_rows is not None and n_rows * launch.cdiv(v_pad, bv) < _WANT_PROGRAMS:
+            break
+        best = bv
+        bv *= 2
+    return best
+
+
+def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
+                      n_rows: Optional[int] = None) -> list[dict]:
+    """Launch configs, best first (the first is the default).
+
+    Keys: ``VARIANT`` (``"registers"`` / ``"streamed"``), ``BLOCK_K`` (registers: the whole key
+    dimension, ``next_power_of_2(k_dim)``; streamed: the key tile), ``BLOCK_V`` (value columns per
+    program), ``num_warps``, ``num_stages``. BLOCK_V may be 8 (below launch.check_config's 16: no
+    ``tl.dot`` here).
+
+    Args:
+        k_dim, v_dim: K and V.
+        dtype: the inputs' dtype (unused by the current tables: the state is float32 either way).
+        device: the tensors' device (``launch.device_kind``: interpreter, sm90, cuda).
+        n_rows: N, the value rows (batch × value heads), if known: BLOCK_V is then chosen so
+            that ``N · cdiv(V, BLOCK_V)`` reaches about two programs per SM where possible.
+
+    GPU rows are guesses, NOT MEASURED: registers takes the largest BLOCK_V (8..64) with a state
+    tile ≤ 8192 elements and a full grid, about 32 state elements a thread; streamed a
+    ``[BLOCK_K, BLOCK_V]`` tile of 4096 elements, 3 stages to prefetch the state tiles.
+    """
+    if k_dim < 1 or v_dim < 1:
+        raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
+    dev = launch.device_kind(device)
+    k_pad = max(4, launch.next_power_of_2(k_dim))
+    v_pad = max(4, launch.next_power_of_2(v_dim))
+    if dev == "interpreter":
+        # small tiles: several (ragged) value blocks and, streamed, several key tiles at test sizes
+        bv = min(16, max(8, v_pad))
+        cands = []
+        if k_pad * bv <= REGISTER_TILE_MAX:
+            cands.append(_cfg("registers", k_pad, bv, 4, 1))
+        cands.append(_cfg("streamed", min(k_pad, max(16, k_pad // 4)), bv, 4, 1))
+        if k_pad > REGISTERS_MAX_K:
+            cands.reverse()
+        return cands
+
+    regs: list[dict] = []
+    if k_pad * 8 <= _TILE_TARGET:
+        bv = _pick_block_v(v_pad, k_pad, n_rows, min(8, v_pad))
+        regs.append(_cfg("registers", k_pad, bv, _warps_for(k_pad * bv), 2))
+        # alternatives: half and double the block (same ~32 elements a thread)
+        for alt in (bv // 2, bv * 2):
+            if min(8, v_pad) <= alt <= v_pad and k_pad * alt <= _TILE_TARGET:
+                regs.append(_cfg("registers", k_pad, alt, _warps_for(k_pad * alt), 2))
+    streamed: list[dict] = []
+    bv = _pick_block_v(v_pad, 64, n_rows, min(16, v_pad))
+    bk = min(k_pad, max(16, 4096 // bv))
+    streamed.append(_cfg("streamed", bk, bv, 4, 3))
+    if bk * 2 <= k_pad:
+        streamed.append(_cfg("streamed", bk * 2, bv, 8, 3))
+    if dev == "cuda":  # pre-Hopper: less shared memory for the prefetched tiles
+        for c in streamed:
+            c["num_stages"] = 2
+    return regs + streamed if (regs and k_pad <= REGISTERS_MAX_K) else streamed + regs
+
+
+def _normalise(cfg: dict, k_dim: int) -> dict:
+    """Check a merged config; raise ValueError naming the fix."""
+    variant = cfg.get("VARIANT")
+    if variant not in VARIANTS:
+        raise ValueError(f"config VARIANT must be one of {VARIANTS}, got {variant!r}")
+    for key in ("BLOCK_K", "BLOCK_V"):
+        val = cfg.get(key)
+        if not isinstance(val, int) or isinstance(val, bool) or val < 4 or val & (val - 1):
+            raise ValueError(f"config {key} must be a power of two >= 4, got {val!r}")
+    if cfg.get("num_warps") not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"config num_warps must be a power of two in 1..32, got {cfg.get('num_warps')!r}")
+    if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config num_stages must be an int >= 1, got {cfg.get('num_stages')!r}")
+    if variant == "registers":
+        k_pad = max(4, launch.next_power_of_2(k_dim))
+        if cfg["BLOCK_K"] != k_pad:
+            raise ValueError(f"the registers variant holds the whole key dimension: BLOCK_K must be "
+                             f"next_power_of_2(K) = {k_pad} for K={k_dim} (or leave BLOCK_K out), got {cfg['BLOCK_K']}")
+        if k_pad * cfg["BLOCK_V"] > REGISTER_TILE_MAX:
+            raise ValueError(f"the registers variant's state tile K_pad x BLOCK_V = {k_pad} x {cfg['BLOCK_V']} exceeds "
+                             f"{REGISTER_TILE_MAX} float32 elements: use a smaller BLOCK_V or VARIANT='streamed'")
+    return cfg
+
+
+def choose_config(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows: Optional[int] = None,
+                  config: Optional[dict] = None) -> dict:
+    """The config :func:`forward` runs: ``config``'s keys over the first candidate of its variant
+    (``config=None`` or without ``VARIANT``: the default candidate), checked.
+
+    For the registers variant ``BLOCK_K`` is always ``next_power_of_2(k_dim)`` (≥ 4); a config
+    naming only ``{"VARIANT": "streamed", "BLOCK_K": 16}`` takes BLOCK_V, warps and stages from
+    the table's first streamed row.
+
+    Raises:
+        ValueError: unknown variant, blocks that are not powers of two ≥ 4, a registers
+            ``BLOCK_K`` other than K's padded size, a registers tile over
+            :data:`REGISTER_TILE_MAX` elements, bad warps or stages.
+    """
+    cands = candidate_configs(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device, n_rows=n_rows)
+    if not config:
+        return _normalise(dict(cands[0]), k_dim)
+    variant = config.get("VARIANT", cands[0]["VARIANT"])
+    base = next((c for c in cands if c["VARIANT"] == variant), None)
+    if base is None:
+        k_pad = max(4, launch.next_power_of_2(k_dim))
+        bv = min(16, max(4, launch.next_power_of_2(v_dim)))
+        base = _cfg(str(variant), k_pad if variant == "registers" else min(64, k_pad), bv, 4, 2)
+    if variant == "registers":
+        base = dict(base, BLOCK_K=max(4, launch.next_power_of_2(k_dim)))
+    return _normalise({**base, **config}, k_dim)
+
+
+def kernels_for(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, scalar_gate: bool = False,
+                initial_state: bool = False, output_final_state: bool = False, config: Optional[dict] = None,
+                n_rows: Optional[int] = None) -> list[RenderedKernel]:
+    """The kernel modules :func:`forward` runs for these sizes and flags (one), for reports."""
+    cfg = choose_config(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device, n_rows=n_rows, config=config)
+    return [kernel(variant=cfg["VARIANT"], scalar_gate=scalar_gate, has_h0=initial_state,
+                   store_final=output_final_state, interpret=launch.interpreted(device))]
+
+
+# --------------------------------------------------------------------------------------------
+# Traffic model
+# --------------------------------------------------------------------------------------------
+
+
+def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, variant: str, initial_state: bool,
+              final_state: bool, *, scalar_gate: bool = False, out_bytes: Optional[int] = None,
+              state_bytes: int = 4) -> int:
+    """Bytes one :func:`forward` call moves through HBM (for a roofline estimate).
+
+    Counted once each (the ``cdiv(V, BLOCK_V)`` programs of a row, and the ``N / NQ`` rows of a
+    q/k row, re-read the same q, k, g vectors: assumed to hit L2): q and k ``2 · NQ · T · K ·
+    in_bytes``; v ``N · T · V · in_bytes``; g ``N · T · K · in_bytes`` (``N · T`` with
+    ``scalar_gate``); beta ``N · T · in_bytes``; o ``N · T · V · out_bytes`` (default
+    ``in_bytes``); h0 ``N · K · V · state_bytes`` when ``initial_state`` (its dtype's size, 4 for
+    float32); the final state ``N · K · V · 4`` when ``final_state``.
+
+    ``"streamed"`` adds the workspace: written once at the start and, per token, read twice and
+    written once: ``(1 + 3 T) · N · K · V · 4`` (the final state is the workspace: not counted
+    twice). An upper bound: the part that stays in L2 (``N · K · V · 4`` bytes small enough) costs
+    less.
+
+    Raises:
+        ValueError: unknown variant.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    out_bytes = in_bytes if out_bytes is None else out_bytes
+    total = 2 * NQ * T * K * in_bytes
+    total += N * T * V * in_bytes + N * T * (1 if scalar_gate else K) * in_bytes + N * T * in_bytes
+    total += N * T * V * out_bytes
+    state = N * K * V * 4
+    if initial_state:
+        total += N * K * V * state_bytes
+    if variant == "streamed":
+        total += (1 + 3 * T) * state
+    elif final_state:
+        total += state
+    return int(total)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+    """Shapes, dtypes and devices; returns (NQ, N, T, K, V)."""
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [NQ, T, K] of one shape (flatten batch and heads into NQ), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    nq, t, kd = q.shape
+    if v.dim() != 3 or v.shape[1] != t or (v.shape[0] % nq if nq else v.shape[0]):
+        raise ValueError(f"v must be [N, T={t}, V] with N a multiple of NQ={nq} (value row n reads "
+                         f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
+    n, _, vd = v.shape
+    if kd < 1 or vd < 1:
+        raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
+    want_g = (n, t) if scalar_gate else (n, t, kd)
+    if tuple(g.shape) != want_g:
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+                         f"{' (scalar_gate=True)' if scalar_gate else ' (pass scalar_gate=True for one decay per token)'}"
+                         f", got {tuple(g.shape)}")
+    if tuple(beta.shape) != (n, t):
+        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
+            shape = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            raise ValueError(f"initial_state must be [N, K, V] = {(n, kd, vd)} or None, got {shape}")
+        tensors["initial_state"] = initial_state
+    for name, x in tensors.items():
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast it first)")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: put every input on one device")
+    if out_dtype is not None and out_dtype not in launch.DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    return nq, n, t, kd, vd
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+            scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+            scalar_gate: bool = False, out_dtype: Optional[torch.dtype] = None,
+            config: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KDA forward by the token recurrence (module docstring), one kernel launch.
+
+    Args:
+        q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row
+            ``n // group`` (grouped value heads; batch and heads flattened batch-major).
+        g: log-space decay, ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``); ``g ≤ 0`` in
+            practice (any value works: ``exp g`` multiplies the state).
+        beta: ``[N, T]``, the delta-rule step size.
+        scale: multiplies q (float; typically ``K ** -0.5``).
+        initial_state: ``[N, K, V]`` or None (zeros).
+        output_final_state: also return the state after the last token.
+        scalar_gate: one decay per (row, token) instead of one per key channel.
+        out_dtype: o's dtype (default v's).
+        config: a launch config (keys of :func:`candidate_configs`; missing keys from the
+            table's first row of its variant, see :func:`choose_config`); None: the table's
+            default for this device, K, V and N.
+        Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never
+        copied), one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
+
+    Returns:
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state ``[N, K,
+        V]`` float32 contiguous when ``output_final_state``, else None.
+
+    Raises:
+        ValueError: wrong ranks or shapes (q/k ``[NQ, T, K]``, v ``[N, T, V]`` with ``N % NQ ==
+            0``, g, beta, initial_state), an unsupported dtype, tensors on different devices, a
+            non-finite scale, or a config that cannot work (:func:`choose_config`).
+    """
+    nq, n, t, kd, vd = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale}")
+    cfg = choose_config(k_dim=kd, v_dim=vd, dtype=q.dtype, device=q.device, n_rows=n, config=config)
+    device = q.device
+    o = launch.empty((n, t, vd), out_dtype or v.dtype, device)
+    streamed = cfg["VARIANT"] == "streamed"
+    final = launch.empty((n, kd, vd), torch.float32, device) if output_final_state else None
+    # the streamed variant keeps the state in the final-state buffer, or in a scratch one
+    ht = final if final is not None or not streamed else launch.empty((n, kd, vd), torch.float32, device)
+    if n == 0:  # no rows: nothing to launch
+        return o, final
+    interpret = launch.interpreted(device)
+    has_h0 = initial_state is not None
+    _, module = _module(cfg["VARIANT"], bool(scalar_gate), has_h0, bool(output_final_state), interpret)
+    args = [q, k, v, g, beta, o] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
+    with launch.launching(interpret):
+        module.launch_kda_recurrent(*args, scale=scale, config=cfg)
+    return o, final

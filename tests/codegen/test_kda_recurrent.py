@@ -1,0 +1,290 @@
+"""The token-recurrent KDA forward kernels (codegen/kda_recurrent.py + templates/kda_recurrent.py.jinja)
+against the float64 reference (patterns/kda_reference.py).
+
+On CPU the kernels run in Triton's interpreter at small, ragged sizes (T, K, V not multiples of the
+blocks nor powers of two); tests marked ``gpu`` run the compiled kernels at realistic sizes. Every
+output is allocated poisoned (NaN), so an element a kernel fails to write shows up. Both variants
+run everywhere: "streamed" is forced through ``config`` with small key tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _kernel_checks import compiled_keys, rel_err
+import torch
+import torch.nn.functional as F
+
+from fuser.codegen import kda_recurrent as kr
+from fuser.codegen import launch
+from fuser.patterns.kda_reference import recurrent
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+CPU = torch.device("cpu")
+REGS = {"VARIANT": "registers"}
+STREAM16 = {"VARIANT": "streamed", "BLOCK_K": 16}   # K=24: two key tiles, the second ragged
+STREAM8 = {"VARIANT": "streamed", "BLOCK_K": 8, "BLOCK_V": 16}
+
+
+def _inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, scalar_gate=False, h0=False,
+            l2=True, strong_decay=False):
+    """Fresh random inputs in the kernels' layout: q, k [NQ, T, K], v [N, T, V], g, beta, h0."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nq * group
+    q = torch.randn(nq, t, kd, generator=gen)
+    k = torch.randn(nq, t, kd, generator=gen)
+    if l2:
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    g = -F.softplus(torch.randn(*((n, t) if scalar_gate else (n, t, kd)), generator=gen))
+    if strong_decay:  # some gates near -30: the state is all but wiped there
+        g = torch.where(torch.rand(g.shape, generator=gen) < 0.2, torch.full_like(g, -30.0), g)
+    beta = torch.rand(n, t, generator=gen)
+    s0 = torch.randn(n, kd, vd, generator=gen) if h0 else None
+    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)]
+    return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
+
+
+def _reference(q, k, v, g, beta, scale, h0, scalar_gate):
+    """patterns/kda_reference.recurrent on the kernels' layout (one batch; heads = rows): o [N, T, V],
+    final state [N, K, V], float64."""
+    n, t, vd = v.shape
+    kd = q.shape[-1]
+    if scalar_gate:
+        g = g[..., None].expand(n, t, kd)
+    to4 = lambda x: x.transpose(0, 1)[None]  # [rows, T, *] -> [1, T, rows, *]
+    o, s = recurrent(to4(q), to4(k), to4(v), to4(g), beta.transpose(0, 1)[None], scale=scale,
+                     initial_state=None if h0 is None else h0[None], output_final_state=True)
+    return o[0].transpose(0, 1), s[0]
+
+
+def _check(q, k, v, g, beta, h0=None, *, scale=0.3, scalar_gate=False, final=True, config=None, out_dtype=None,
+           tol=None):
+    """Kernel (poisoned outputs) against the reference; returns (o, final state)."""
+    tol = TOL[q.dtype] if tol is None else tol
+    with launch.poison_outputs():
+        o, s = kr.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final,
+                          scalar_gate=scalar_gate, out_dtype=out_dtype, config=config)
+    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, scalar_gate)
+    assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
+    assert not o.isnan().any(), "an output element was never written"
+    err = rel_err(o, ref_o)
+    assert err < tol, f"o: relative error {err:.3g} >= {tol}"
+    if final:
+        assert s.shape == (v.shape[0], q.shape[-1], v.shape[-1]) and s.dtype == torch.float32 and s.is_contiguous()
+        assert not s.isnan().any(), "a final-state element was never written"
+        err = rel_err(s, ref_s)
+        assert err < tol, f"final state: relative error {err:.3g} >= {tol}"
+    else:
+        assert s is None
+    return o, s
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_reference(config, dtype):
+    # T=37, K=24, V=40 (three value blocks of 16, the last ragged), grouped value heads (2), h0
+    q, k, v, g, beta, h0 = _inputs(1, 1, 2, 37, 24, 40, dtype=dtype, h0=True)
+    _check(q, k, v, g, beta, h0, config=config)
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM8], ids=["registers", "streamed"])
+def test_scalar_gate(config):
+    q, k, v, g, beta, h0 = _inputs(2, 2, 1, 13, 24, 20, scalar_gate=True, h0=True)
+    _check(q, k, v, g, beta, h0, scalar_gate=True, config=config)
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+def test_raw_keys_and_strong_decay(config):
+    # unnormalised keys (|o| grows fast: rel_err scales by the output's norm) and gates near -30
+    q, k, v, g, beta, _ = _inputs(3, 1, 2, 9, 24, 40, l2=False, strong_decay=True)
+    _check(q, k, v, g, beta, config=config)
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM8], ids=["registers", "streamed"])
+def test_one_token(config):
+    q, k, v, g, beta, h0 = _inputs(4, 2, 2, 1, 24, 40, h0=True)
+    _check(q, k, v, g, beta, h0, config=config)
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+def test_final_state_off_and_out_dtype(config):
+    q, k, v, g, beta, h0 = _inputs(5, 1, 2, 11, 24, 40, h0=True)
+    o_on, _ = _check(q, k, v, g, beta, h0, config=config, final=True)
+    # without the final state (streamed: a scratch workspace instead of the final buffer): same o
+    o_off, _ = _check(q, k, v, g, beta, h0, config=config, final=False)
+    assert torch.equal(o_on, o_off)
+    # o in another dtype than v (fp32 inputs, fp16 o)
+    o16, _ = _check(q, k, v, g, beta, h0, config=config, final=False, out_dtype=torch.float16, tol=5e-3)
+    assert o16.dtype == torch.float16
+
+
+@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+def test_strided_and_mixed_dtypes(config):
+    """Inputs in FLA's [B, T, H, *] layout viewed as [H, T, *] (B = 1: a view, no copy), keys with a
+    channel stride of 2, beta [T, N] transposed, h0 [N, V, K] transposed; q/k/v fp16 with g, beta
+    fp32; GVA group 2."""
+    t, h, hv, kd, vd = 17, 2, 4, 24, 40
+    q, k, v, g, beta, h0 = _inputs(6, h, hv // h, t, kd, vd, h0=True)
+    q_b = q.transpose(0, 1).contiguous()[None].half()                    # [1, T, H, K]
+    k_wide = torch.zeros(1, t, h, 2 * kd, dtype=torch.float16)
+    k_wide[..., ::2] = k.transpose(0, 1)[None].half()
+    v_b = v.transpose(0, 1).contiguous()[None].half()                    # [1, T, HV, V]
+    g_b = g.transpose(0, 1).contiguous()[None]                           # [1, T, HV, K] fp32
+    beta_tn = beta.t().contiguous()                                      # [T, N] fp32
+    h0_vk = h0.transpose(1, 2).contiguous()                              # [N, V, K]
+    qs, ks, vs, gs = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1), v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
+    bs, hs = beta_tn.t(), h0_vk.transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, hs)) and ks.stride(-1) == 2
+    assert qs.data_ptr() == q_b.data_ptr() and ks.data_ptr() == k_wide.data_ptr()  # views, no copy
+    o, s = _check(qs, ks, vs, gs, bs, hs, config=config, tol=5e-3)
+    assert o.dtype == torch.float16
+
+
+def test_large_key_dim_streamed_default():
+    # K too large for registers: the default config streams the state (K=3000: not a power of two)
+    q, k, v, g, beta, h0 = _inputs(7, 1, 2, 4, 3000, 20, h0=True)
+    cfg = kr.choose_config(k_dim=3000, v_dim=20, dtype=q.dtype, device=CPU, n_rows=2)
+    assert cfg["VARIANT"] == "streamed" and cfg["BLOCK_K"] < 3000
+    _check(q, k, v, g, beta, h0)
+    assert [x.name for x in kr.kernels_for(k_dim=3000, v_dim=20, dtype=q.dtype, device=CPU, initial_state=True,
+                                           output_final_state=True)] == ["kda_recurrent_streamed_h0_interp"]
+
+
+def test_empty_sequence_and_rows():
+    # T = 0: o is empty, the final state is h0 (or zeros)
+    q, k, v, g, beta, h0 = _inputs(8, 1, 2, 0, 24, 40, h0=True)
+    for config in (REGS, STREAM16):
+        with launch.poison_outputs():
+            o, s = kr.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True, config=config)
+        assert o.shape == (2, 0, 40) and torch.equal(s, h0)
+    # N = 0: nothing to launch
+    q, k, v, g, beta, _ = _inputs(8, 0, 2, 5, 24, 40)
+    o, s = kr.forward(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    assert o.shape == (0, 5, 40) and s.shape == (0, 24, 40)
+
+
+def _bad(**change):
+    q, k, v, g, beta, _ = _inputs(9, 2, 2, 5, 24, 40)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, scale=0.5, scalar_gate=False, config=None,
+              out_dtype=None)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.randn(2, 5, 24, 1)), r"q and k must be \[NQ, T, K\]"),
+    (dict(k=torch.randn(2, 5, 16)), r"q and k must be \[NQ, T, K\]"),
+    (dict(v=torch.randn(3, 5, 40)), r"multiple of NQ=2"),
+    (dict(v=torch.randn(4, 6, 40)), r"v must be \[N, T=5, V\]"),
+    (dict(g=torch.randn(4, 5)), r"scalar_gate=True"),
+    (dict(scalar_gate=True), r"g must be \[N, T\]"),
+    (dict(beta=torch.rand(4, 5, 1)), r"beta must be \[N, T\]"),
+    (dict(initial_state=torch.randn(4, 40, 24)), r"initial_state must be \[N, K, V\]"),
+    (dict(q=torch.randn(2, 5, 24, dtype=torch.float64), k=torch.randn(2, 5, 24, dtype=torch.float64)),
+     r"supported: float32, float16, bfloat16"),
+    (dict(out_dtype=torch.int32), r"out_dtype"),
+    (dict(scale=float("nan")), r"scale must be a finite"),
+    (dict(config={"VARIANT": "chunked"}), r"VARIANT must be one of"),
+    (dict(config={"VARIANT": "streamed", "BLOCK_K": 24}), r"BLOCK_K must be a power of two"),
+    (dict(config={"VARIANT": "registers", "BLOCK_K": 16}), r"BLOCK_K must be next_power_of_2\(K\) = 32"),
+    (dict(config={"VARIANT": "registers", "BLOCK_V": 1024}), r"VARIANT='streamed'"),
+    (dict(config={"num_warps": 3}), r"num_warps"),
+])
+def test_bad_inputs(change, match):
+    kw = _bad(**change)
+    with pytest.raises(ValueError, match=match):
+        kr.forward(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("g"), kw.pop("beta"), **kw)
+
+
+def test_config_tables(monkeypatch):
+    """GPU tables (sm90 / cuda, by device kind): register tiles <= 8192 elements, registers for small K
+    with BLOCK_K = K's padded size, the streamed variant first for large K, enough programs."""
+    for kind in ("sm90", "cuda"):
+        monkeypatch.setattr(launch, "device_kind", lambda device, kind=kind: kind)
+        for kd, vd, n in [(64, 64, 4), (128, 128, 32), (128, 128, 512), (100, 72, 8), (256, 256, 16),
+                          (512, 128, 8), (1024, 128, 8), (8192, 128, 16), (16384, 256, 4), (16384, 64, None)]:
+            cands = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n)
+            assert cands
+            k_pad = launch.next_power_of_2(kd)
+            first = cands[0]
+            assert first["VARIANT"] == ("registers" if k_pad <= kr.REGISTERS_MAX_K else "streamed"), (kd, first)
+            for c in cands:
+                assert kr.choose_config(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", config=c) == c
+                assert c["BLOCK_K"] * c["BLOCK_V"] <= 8192 and c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+                if c["VARIANT"] == "registers":
+                    assert c["BLOCK_K"] == k_pad
+            if n is not None and first["VARIANT"] == "registers" and first["BLOCK_V"] > 8:
+                # a larger block only while the grid keeps about two programs per SM
+                assert n * launch.cdiv(vd, first["BLOCK_V"]) >= 264
+        # a partial config takes the rest from its variant's first row
+        cfg = kr.choose_config(k_dim=8192, v_dim=128, dtype=torch.bfloat16, device="cuda",
+                               config={"BLOCK_K": 256})
+        assert cfg["VARIANT"] == "streamed" and cfg["BLOCK_K"] == 256
+
+
+def test_hbm_bytes():
+    n, nq, t, kd, vd = 8, 4, 100, 128, 64
+    inputs = 2 * nq * t * kd * 2 + n * t * (vd + kd + 1) * 2 + n * t * vd * 2
+    state = n * kd * vd * 4
+    assert kr.hbm_bytes(n, nq, t, kd, vd, 2, "registers", False, False) == inputs
+    assert kr.hbm_bytes(n, nq, t, kd, vd, 2, "registers", True, True) == inputs + 2 * state
+    assert kr.hbm_bytes(n, nq, t, kd, vd, 2, "streamed", False, True) == inputs + (1 + 3 * t) * state
+    assert kr.hbm_bytes(n, nq, t, kd, vd, 2, "streamed", False, False) == inputs + (1 + 3 * t) * state
+    assert (kr.hbm_bytes(n, nq, t, kd, vd, 2, "registers", False, False, scalar_gate=True)
+            == inputs - n * t * (kd - 1) * 2)
+    with pytest.raises(ValueError):
+        kr.hbm_bytes(n, nq, t, kd, vd, 2, "chunked", False, False)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (compiled kernels; run by the lead on the H100)
+# --------------------------------------------------------------------------------------------
+
+GPU = torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"VARIANT": "registers", "BLOCK_V": 32, "num_warps": 4},
+                                    {"VARIANT": "streamed", "BLOCK_K": 32}], ids=["default", "registers32", "streamed"])
+@pytest.mark.parametrize("scalar_gate", [False, True])
+def test_gpu_bf16(config, scalar_gate):
+    q, k, v, g, beta, h0 = _inputs(10, 8, 2, 300, 128, 128, dtype=torch.bfloat16, device=GPU, h0=True,
+                                   scalar_gate=scalar_gate)
+    g = g.float()  # the gate kept in fp32, as models often do
+    _check(q, k, v, g, beta, h0.float(), scale=128 ** -0.5, scalar_gate=scalar_gate, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_strided_fp16():
+    t, h, hv, kd, vd = 77, 3, 6, 100, 72
+    q, k, v, g, beta, h0 = _inputs(11, h, hv // h, t, kd, vd, dtype=torch.float16, device=GPU, h0=True)
+    qs = q.transpose(0, 1).contiguous().transpose(0, 1)  # [H, T, K] with strides of [T, H, K]
+    vs = v.transpose(0, 1).contiguous().transpose(0, 1)
+    for config in (None, {"VARIANT": "streamed", "BLOCK_K": 32}):
+        _check(qs, k, vs, g, beta, h0, config=config, out_dtype=torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kd", [8192, 16384])
+def test_gpu_large_key_dim(kd):
+    q, k, v, g, beta, h0 = _inputs(12, 2, 2, 12, kd, 64, dtype=torch.bfloat16, device=GPU, h0=True)
+    assert kr.choose_config(k_dim=kd, v_dim=64, dtype=q.dtype, device=GPU, n_rows=4)["VARIANT"] == "streamed"
+    _check(q, k, v, g, beta, h0, scale=kd ** -0.5)
+    _check(q, k, v, g, beta, h0, scale=kd ** -0.5, final=False)
+
+
+@pytest.mark.gpu
+def test_gpu_new_length_does_not_recompile():
+    for config in (REGS, STREAM16):
+        mod = kr._module(config["VARIANT"], False, False, True, False)[1]
+        for t in (5, 9, 33):
+            q, k, v, g, beta, _ = _inputs(13, 1, 2, t, 24, 40, device=GPU)
+            _check(q, k, v, g, beta, config=config)
+            if t == 5:
+                before = compiled_keys(mod.kda_recurrent_kernel)
+        assert compiled_keys(mod.kda_recurrent_kernel) == before
