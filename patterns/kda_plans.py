@@ -69,6 +69,16 @@ def shapes(m: Match) -> dict:
     return {N: n, T: int(b["steps"]), KD: _int(b["key_dim"]), VD: _int(b["value_dim"])}
 
 
+def _dtype(node) -> torch.dtype:
+    from fuser.graph import dtype
+
+    return dtype(node)
+
+
+def _device(b: dict) -> torch.device:
+    return torch.device(b["device"]) if b.get("device") is not None else torch.device("cpu")
+
+
 def _elt(node) -> int:
     from fuser.graph import dtype
 
@@ -88,9 +98,14 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
         return {"bytes": io + INDUCTOR_STATE_PASSES * 4 * N * KD * VD * T, "flops": 8 * N * T * KD * VD,
                 "kind": "fp32", "launches": 3 * T, "chain_us": 0}
     if plan == "recurrent":
-        terms = {"bytes": io + state, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
-                 "chain_us": STEP_US * T}
-        return terms
+        from fuser.codegen import kda_recurrent
+
+        variant = kda_recurrent.choose_config(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]),
+                                              dtype=_dtype(b["q"]), device=_device(b))["VARIANT"]
+        # the streamed variant (large K) reads the state block twice and writes it once a token
+        streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
+        return {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
+                "chain_us": STEP_US * T, "variant": variant}
     c = chunk
     work = 4 * N * T * (VD + KD + c)  # U, W, A_qk written and read once (float32)
     flops = 2 * N * T * c * KD * 2 + 2 * N * T * c * (VD + KD) + 2 * N * T * KD * VD * 3 + 2 * N * T * c * VD
@@ -154,10 +169,10 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     if plan.params.get("impl") != "fuser":
         return []
     b = m.bindings
-    interpret = b["device"] is None or torch.device(b["device"]).type == "cpu"
+    kw = dict(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]), device=_device(b),
+              scalar_gate=b["scalar_gate"], initial_state=b["h0"] is not None, output_final_state=b["want_state"])
     if plan.params["plan"] == "chunk":
         from fuser.codegen import kda_chunk as kernels
     else:
         from fuser.codegen import kda_recurrent as kernels
-    return list(kernels.kernels_for(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]),
-                                    scalar_gate=b["scalar_gate"], interpret=interpret))
+    return list(kernels.kernels_for(**kw))

@@ -108,7 +108,7 @@ def test_blog_loop():
 def test_fla_naive_gva_initial_state():
     q, k, v, g, beta = _inputs("bthk", hv=2 * H)
     h0 = torch.randn(B, 2 * H, K, V)
-    _check(fla_naive, q, k, v, g, beta, h0, K ** -0.5, steps=T, outputs="o, state", initial_state="initial_state")
+    _check(fla_naive, q, k, v, g, beta, h0, K ** -0.5, steps=T, outputs="o, state", initial_state="s")
 
 
 def test_layout_through_transposes_and_a_stack():
