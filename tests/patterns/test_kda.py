@@ -301,3 +301,18 @@ def test_dynamic_batch():
     args = _inputs("bthk")
     h0 = torch.randn(B, H, K, V)
     assert_fuses(fla_naive, *args, h0, 0.3, pattern="kda", dynamic=True, steps=T)
+
+
+def test_kda_layer_example():
+    # the example a user copies: a naive KDA layer, one training step with backend="fuser", every
+    # gradient compared with eager by the example itself
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "kda_layer.py")], capture_output=True,
+                       text=True, timeout=1200, cwd=root, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "kda regions fused: 1" in r.stdout
+    assert "one training step through the fused KDA loop matches eager" in r.stdout
