@@ -20,18 +20,25 @@ Variants (:data:`VARIANTS`, the ``VARIANT`` key of a config):
     the program's state tile ``[K_pad, BLOCK_V]`` (``K_pad`` = next power of two ≥ K, the
     config's ``BLOCK_K``) stays in registers for the whole sequence. The state touches HBM only
     when ``h0`` is read and the final state written: per token the program reads ``q_t, k_t,
-    g_t`` (K each), ``v_t`` (BLOCK_V), ``β_t`` and writes ``o_t``. Needs ``K_pad · BLOCK_V`` small
-    (≤ :data:`REGISTER_TILE_MAX` elements; the tables keep it ≤ 8192).
+    g_t`` (K each), ``v_t`` (BLOCK_V), ``β_t`` and writes ``o_t``. The loop is software-pipelined
+    by hand: token t+1's vectors are loaded while token t is computed (on the H100 this halved
+    the time per token, to about 0.5 µs at K=128). Needs ``K_pad · BLOCK_V`` ≤
+    :data:`REGISTER_TILE_MAX` elements (the tables' first choices ≤ 8192); the default up to
+    K_pad = :data:`REGISTERS_MAX_K`.
 ``"streamed"``
     for K too large for registers (8192, 16384, ...): the column block ``S[:, v-block]`` lives in
     a float32 global workspace, the final-state buffer itself (or a scratch ``[N, K, V]`` buffer
     when the final state is not wanted), and every token walks it in ``[BLOCK_K, BLOCK_V]`` tiles
     twice: pass 1 accumulates ``v̂ = Σ_tiles (k ∘ e^g)ᵀ S`` (reads only), pass 2 updates each tile
-    ``S ← e^g S + k δᵀ`` (``δ = β (v − v̂)``), writes it back and accumulates ``o_t``. Correct for
-    any K. Traffic: **the whole state is read twice and written once per token** (``3 · T · N · K
-    · V · 4`` bytes on top of the inputs; :func:`hbm_bytes`), against the registers variant's
-    none and a chunked form's ``O(T / C)`` state passes; part of it may hit L2 when ``N · K · V ·
-    4`` bytes fit there.
+    ``S ← e^g S + k δᵀ`` (``δ = β (v − v̂)``), writes it back and accumulates ``o_t`` (both
+    passes load tile i+1 while computing tile i; a barrier orders one token's writes before the
+    next token's reads). Correct for any K. Traffic: **the whole state is read twice and
+    written once per token** (``3 · T · N · K · V · 4`` bytes on top of the inputs;
+    :func:`hbm_bytes`), against the registers variant's none and a chunked form's ``O(T / C)``
+    state passes; part of it may hit L2 when ``N · K · V · 4`` bytes fit there. Measured on the
+    H100: K=8192, V=128, N=8 at about 28 µs per token (96 MB of state traffic per token, 3.4
+    TB/s counting L2 hits); the grid has only ``N · cdiv(V, BLOCK_V)`` programs, one value
+    block each, so small N leaves SMs idle.
 
 Sizes: ``T`` is a runtime argument (``do_not_specialize``: a new sequence length does not
 recompile); ``K``, ``V`` and the blocks are compile-time constants. Any T ≥ 0, K, V ≥ 1 (masked
@@ -61,16 +68,14 @@ TEMPLATE = "kda_recurrent.py.jinja"
 VARIANTS = ("registers", "streamed")
 
 #: The largest register state tile ``K_pad · BLOCK_V`` (float32 elements per program) a config may
-#: ask for; the tables stay at or under 8192 (64 registers a thread at 4 warps).
+#: ask for; the tables' first choices stay at or under 8192.
 REGISTER_TILE_MAX = 16384
-_TILE_TARGET = 8192
 
-#: Largest ``K_pad`` the registers variant is the default for (above it the streamed variant
-#: comes first; registers stays a candidate while ``K_pad · 8 <= 8192``). A guess: to be measured.
-REGISTERS_MAX_K = 512
-
-#: Programs wanted on the GPU: about two per SM of an H100 (132 SMs).
-_WANT_PROGRAMS = 2 * 132
+#: Largest ``K_pad`` the registers variant is the default for; above it the streamed variant comes
+#: first (registers stays the second candidate while ``K_pad · 8 <= REGISTER_TILE_MAX``). H100,
+#: 2026-11-23, bf16, K=1024, V=128, N=8, T=128: registers (BLOCK_V 8, 8 warps) 0.12 ms, the best
+#: streamed config 0.49 ms.
+REGISTERS_MAX_K = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,25 +123,29 @@ def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int) -> d
     return {"VARIANT": variant, "BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": warps, "num_stages": stages}
 
 
-def _warps_for(elements: int) -> int:
-    """About 32 float32 state elements per thread (1 warp for a 1024-element tile, at most 8)."""
-    return int(min(8, max(1, elements // 1024)))
-
-
-def _pick_block_v(v_pad: int, k_tile: int, n_rows: Optional[int], smallest: int) -> int:
-    """The largest power-of-two BLOCK_V in [smallest, min(v_pad, 64)] whose tile ``k_tile ·
-    BLOCK_V`` stays within the 8K target and whose grid ``n_rows · cdiv(V, BLOCK_V)`` still has
-    about two programs per SM (``n_rows`` None: assume plenty of rows); at least ``smallest``."""
-    best = smallest
-    bv = smallest
-    while bv <= min(v_pad, 64):
-        if k_tile * bv > _TILE_TARGET:
-            break
-        if n_rows is not None and n_rows * launch.cdiv(v_pad, bv) < _WANT_PROGRAMS:
-            break
-        best = bv
-        bv *= 2
-    return best
+# GPU tables. Measured on the H100 (sm90) on 2026-11-23, bf16 inputs, g float32, compiled with
+# Triton 3.6, the hand-pipelined kernels of this template (ms per call, best first):
+#   registers K=128,  V=128, N=32, T=1024: BV 8 / 2 warps 0.534, BV 8 / 1 warp 0.545, BV 16 / 4 0.628,
+#             BV 8 / 8 1.01, BV 32 / 4 0.777 (before the hand pipelining: 1.09 at best, ~1.3 typical)
+#   registers K=256,  V=256, N=32, T=512:  BV 16 / 2 0.511, BV 8 / 1 0.516, BV 16 / 4 0.552, BV 8 / 2 0.625
+#   registers K=512,  V=128, N=8,  T=256:  BV 8 / 4 0.162, BV 8 / 8 0.198, BV 16 / 4 0.206, BV 8 / 2 0.278
+#   registers K=1024, V=128, N=8,  T=128:  BV 8 / 8 0.120, BV 8 / 4 0.163 (streamed at best 0.487)
+#   streamed  K=8192, V=128, N=8,  T=32:   (BK 1024, BV 8, 8 warps) 0.908, (512, 8, 8) 1.07,
+#             (512, 16, 8) 1.22, (256, 8, 4) 1.47; 16384-element tiles at 4 warps spill (20-30 ms)
+#   streamed  K=16384, V=128, N=4, T=16:   (1024, 8, 8) 0.817, (1024, 8, 4) 0.949, (512, 8, 8) 1.04
+# num_stages made no difference (the loads are pipelined by hand). BLOCK_V 8 was best or within
+# 3% everywhere: the most programs, and a token's latency barely grows with the tile.
+# The "cuda" rows (other GPUs) take the same configs, NOT MEASURED. K <= 64: NOT MEASURED.
+_REGS_TABLE = {  # K_pad -> registers configs (BLOCK_V, num_warps), best first
+    4: [(8, 1), (16, 1)], 8: [(8, 1), (16, 1)], 16: [(8, 1), (16, 1)], 32: [(8, 1), (16, 1)],
+    64: [(8, 1), (16, 1), (8, 2)],
+    128: [(8, 2), (8, 1), (16, 4)],
+    256: [(8, 1), (16, 2), (16, 4)],
+    512: [(8, 4), (8, 8), (16, 4)],
+    1024: [(8, 8), (8, 4)],
+    2048: [(8, 8)],  # 16384 elements: a second candidate only, NOT MEASURED
+}
+_STREAMED = [(1024, 8, 8), (512, 8, 8), (512, 16, 8)]  # (BLOCK_K, BLOCK_V, num_warps), best first
 
 
 def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
@@ -144,20 +153,21 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
     """Launch configs, best first (the first is the default).
 
     Keys: ``VARIANT`` (``"registers"`` / ``"streamed"``), ``BLOCK_K`` (registers: the whole key
-    dimension, ``next_power_of_2(k_dim)``; streamed: the key tile), ``BLOCK_V`` (value columns per
-    program), ``num_warps``, ``num_stages``. BLOCK_V may be 8 (below launch.check_config's 16: no
-    ``tl.dot`` here).
+    dimension, ``max(4, next_power_of_2(k_dim))``; streamed: the key tile), ``BLOCK_V`` (value
+    columns per program), ``num_warps``, ``num_stages``. Blocks are powers of two >= 4: BLOCK_V is
+    8 in most rows, below ``launch.check_config``'s 16 (these kernels have no ``tl.dot``).
 
     Args:
         k_dim, v_dim: K and V.
         dtype: the inputs' dtype (unused by the current tables: the state is float32 either way).
         device: the tensors' device (``launch.device_kind``: interpreter, sm90, cuda).
-        n_rows: N, the value rows (batch × value heads), if known: BLOCK_V is then chosen so
-            that ``N · cdiv(V, BLOCK_V)`` reaches about two programs per SM where possible.
+        n_rows: N, the value rows (batch × value heads), if known. The measured tables take the
+            smallest BLOCK_V (8: the most programs, ``N · cdiv(V, 8)``) whatever N, so it is
+            unused for now; kept for the planner's calls.
 
-    GPU rows are guesses, NOT MEASURED: registers takes the largest BLOCK_V (8..64) with a state
-    tile ≤ 8192 elements and a full grid, about 32 state elements a thread; streamed a
-    ``[BLOCK_K, BLOCK_V]`` tile of 4096 elements, 3 stages to prefetch the state tiles.
+    The registers variant comes first up to ``K_pad = REGISTERS_MAX_K`` (1024), the streamed one
+    above. sm90 rows measured on the H100 (see the table's comment); "cuda" rows are the same,
+    not measured.
     """
     if k_dim < 1 or v_dim < 1:
         raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
@@ -176,22 +186,16 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
         return cands
 
     regs: list[dict] = []
-    if k_pad * 8 <= _TILE_TARGET:
-        bv = _pick_block_v(v_pad, k_pad, n_rows, min(8, v_pad))
-        regs.append(_cfg("registers", k_pad, bv, _warps_for(k_pad * bv), 2))
-        # alternatives: half and double the block (same ~32 elements a thread)
-        for alt in (bv // 2, bv * 2):
-            if min(8, v_pad) <= alt <= v_pad and k_pad * alt <= _TILE_TARGET:
-                regs.append(_cfg("registers", k_pad, alt, _warps_for(k_pad * alt), 2))
+    for bv, warps in _REGS_TABLE.get(k_pad, []):
+        bv = min(bv, v_pad)
+        cfg = _cfg("registers", k_pad, bv, warps, 1)
+        if k_pad * bv <= REGISTER_TILE_MAX and cfg not in regs:
+            regs.append(cfg)
     streamed: list[dict] = []
-    bv = _pick_block_v(v_pad, 64, n_rows, min(16, v_pad))
-    bk = min(k_pad, max(16, 4096 // bv))
-    streamed.append(_cfg("streamed", bk, bv, 4, 3))
-    if bk * 2 <= k_pad:
-        streamed.append(_cfg("streamed", bk * 2, bv, 8, 3))
-    if dev == "cuda":  # pre-Hopper: less shared memory for the prefetched tiles
-        for c in streamed:
-            c["num_stages"] = 2
+    for bk, bv, warps in _STREAMED:
+        cfg = _cfg("streamed", min(bk, k_pad), min(bv, v_pad), warps, 2)
+        if cfg not in streamed:
+            streamed.append(cfg)
     return regs + streamed if (regs and k_pad <= REGISTERS_MAX_K) else streamed + regs
 
 

@@ -202,29 +202,33 @@ def test_bad_inputs(change, match):
 
 
 def test_config_tables(monkeypatch):
-    """GPU tables (sm90 / cuda, by device kind): register tiles <= 8192 elements, registers for small K
-    with BLOCK_K = K's padded size, the streamed variant first for large K, enough programs."""
+    """GPU tables (sm90 / cuda, by device kind): registers first up to K_pad = 1024 with BLOCK_K = K's
+    padded size, the streamed variant first above; first choices keep tiles <= 8192 elements, every
+    candidate <= REGISTER_TILE_MAX; each candidate is accepted as an explicit config."""
     for kind in ("sm90", "cuda"):
         monkeypatch.setattr(launch, "device_kind", lambda device, kind=kind: kind)
-        for kd, vd, n in [(64, 64, 4), (128, 128, 32), (128, 128, 512), (100, 72, 8), (256, 256, 16),
-                          (512, 128, 8), (1024, 128, 8), (8192, 128, 16), (16384, 256, 4), (16384, 64, None)]:
+        for kd, vd, n in [(3, 5, 2), (64, 64, 4), (128, 128, 32), (100, 72, 8), (256, 256, 16), (512, 128, 8),
+                          (1024, 128, 8), (1500, 128, 8), (8192, 128, 16), (16384, 256, 4), (16384, 64, None)]:
             cands = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n)
             assert cands
-            k_pad = launch.next_power_of_2(kd)
+            k_pad = max(4, launch.next_power_of_2(kd))
             first = cands[0]
             assert first["VARIANT"] == ("registers" if k_pad <= kr.REGISTERS_MAX_K else "streamed"), (kd, first)
+            assert first["BLOCK_K"] * first["BLOCK_V"] <= 8192
+            assert len({c["VARIANT"] for c in cands}) == (2 if k_pad <= 2048 else 1)
             for c in cands:
                 assert kr.choose_config(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", config=c) == c
-                assert c["BLOCK_K"] * c["BLOCK_V"] <= 8192 and c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
-                if c["VARIANT"] == "registers":
-                    assert c["BLOCK_K"] == k_pad
-            if n is not None and first["VARIANT"] == "registers" and first["BLOCK_V"] > 8:
-                # a larger block only while the grid keeps about two programs per SM
-                assert n * launch.cdiv(vd, first["BLOCK_V"]) >= 264
+                assert c["BLOCK_K"] * c["BLOCK_V"] <= kr.REGISTER_TILE_MAX
+                assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+                assert c["BLOCK_K"] == k_pad if c["VARIANT"] == "registers" else c["BLOCK_K"] <= k_pad
         # a partial config takes the rest from its variant's first row
         cfg = kr.choose_config(k_dim=8192, v_dim=128, dtype=torch.bfloat16, device="cuda",
                                config={"BLOCK_K": 256})
-        assert cfg["VARIANT"] == "streamed" and cfg["BLOCK_K"] == 256
+        assert cfg == dict(kr.candidate_configs(k_dim=8192, v_dim=128, dtype=torch.bfloat16, device="cuda")[0],
+                           BLOCK_K=256)
+        cfg = kr.choose_config(k_dim=100, v_dim=128, dtype=torch.bfloat16, device="cuda",
+                               config={"VARIANT": "streamed"})
+        assert cfg["VARIANT"] == "streamed" and cfg["BLOCK_K"] <= 128
 
 
 def test_hbm_bytes():
