@@ -203,21 +203,26 @@ def _module(scalar_gate: bool, interpret: bool):
     return kernel, launch.kernel_module(kernel, interpret)
 
 
-def _cfg(bk, bv, bvs, w, ws):
-    return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_warps_state": ws}
+def _cfg(bk, bv, bvs, w, s, ws, ss):
+    return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
+            "num_warps_state": ws, "num_stages_state": ss}
 
 
-# BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra ([chunk, BLOCK_K] and
-# [chunk, BLOCK_V] tiles); BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS]
-# state tile per program: N · cdiv(V, BLOCK_VS) programs). Interpreter: small blocks so that the
-# test shapes (K = 24, V = 40) run several ragged blocks.
-_INTERP = [_cfg(16, 16, 16, 4, 4)]
-# GPUs: NOT MEASURED (guesses). sm90, K = V = 128, chunk 64: 64 x 32 fp32 tiles in the intra
-# kernel at 8 warps; BLOCK_VS 32 gives 4 · N programs for the sequential passes with a 128 x 32
-# state tile (4K elements).
+# BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra1 / kda_bwd_intra2
+# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block);
+# BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS] state tile per program:
+# N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
+# num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
+# fit in shared memory is retried with one stage fewer (Triton's OutOfResources).
+# Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks.
+_INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1)]
+# GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
+# chunk 64, bf16 inputs: no register spills at 8 warps; shared memory 172 KB for kda_bwd_states at
+# 2 stages, kda_bwd_dstates 266 KB at 2 stages (so it falls back to 1 stage, 139 KB), the
+# parallel kernels <= 82 KB. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 32, 8, 4), _cfg(32, 64, 16, 8, 4), _cfg(16, 32, 32, 4, 4)],
-    "cuda": [_cfg(32, 32, 32, 8, 4), _cfg(16, 32, 16, 4, 4)],
+    "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
+    "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
 
 
@@ -239,7 +244,33 @@ def _config(config: Optional[dict], device) -> dict:
     for key in ("num_warps", "num_warps_state"):
         if cfg[key] not in (1, 2, 4, 8, 16):
             raise ValueError(f"{key} must be 1, 2, 4, 8 or 16, got {cfg[key]!r}")
+    for key in ("num_stages", "num_stages_state"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
     return cfg
+
+
+# (kernel name, its constexpr key) -> the num_stages that fitted (OutOfResources retries)
+_stages_fit: dict = {}
+
+
+def _launch(kernel, grid, args, kwargs, stages: int) -> None:
+    """``kernel[grid](*args, **kwargs, num_stages=...)``, retried with one pipeline stage fewer
+    while Triton raises OutOfResources (shared memory; raised at compile time, before anything
+    runs); the stage count that fitted is remembered per kernel and constexpr values."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
+           tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper())), stages)
+    s = _stages_fit.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs, num_stages=s)
+        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
+            if type(exc).__name__ != "OutOfResources" or s <= 1:
+                raise
+            s -= 1
+            continue
+        _stages_fit[key] = s
+        return
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +325,8 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         scalar_gate: g is one decay per head and token (the gated delta rule).
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         config: keys ``BLOCK_K``, ``BLOCK_V``, ``BLOCK_VS`` (powers of two >= 16), ``num_warps``,
-            ``num_warps_state``; missing keys from :func:`candidate_configs`' first.
+            ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``); missing keys
+            from :func:`candidate_configs`' first.
         saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
@@ -329,8 +361,9 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
 
     gshape = (n, t) if scalar_gate else (n, t, kd)
     g_c = emp(gshape, f32, dev)
+    e_g = emp((n, nc) if scalar_gate else (n, nc, kd), f32, dev)
     a_kk, a_qk, m_inv, d_aqk, d_akk = (emp((n, t, bt), f32, dev) for _ in range(5))
-    w_b = emp((n, t, kd), f32, dev)
+    w_b, k_g, q_g = (emp((n, t, kd), f32, dev) for _ in range(3))
     u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
     d_states = emp((n, nc, kd, vd), f32, dev)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), f32, dev)
@@ -346,29 +379,32 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     dht_st = d_final_state.stride() if d_final_state is not None else (0, 0, 0)
     common = dict(KD=kd, VD=vd, BT=bt, INPUT_PRECISION=precision)
 
+    st, sst = cfg["num_stages"], cfg["num_stages_state"]
     with launch.launching(interpret):
-        mod.kda_bwd_prep[(nc, n)](
-            q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b,
+        _launch(mod.kda_bwd_prep, (nc, n), (
+            q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, q_g, e_g,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-            t, group, float(scale), BK=bk, BV=bv, num_warps=w, **common)
-    with launch.launching(interpret):
-        mod.kda_bwd_states[(nvs, n, nc if states_in is not None else 1)](
-            k, g_c, w_b, u_b, h0, states, delta,
-            *k.stride(), *h0_st, *states.stride(),
-            t, nc, group, BKF=bkf, BV=bvs, HAS_H0=initial_state is not None,
-            LOAD_STATES=states_in is not None, num_warps=ws, **common)
-    with launch.launching(interpret):
-        mod.kda_bwd_dstates[(nvs, n)](
-            q, k, do, g_c, a_qk, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
-            *q.stride(), *k.stride(), *do.stride(), *dht_st,
-            t, nc, group, float(scale), BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None,
-            HAS_H0=initial_state is not None, num_warps=ws, **common)
-    with launch.launching(interpret):
-        mod.kda_bwd_intra[(nc, n)](
-            q, k, v, beta, do, g_c, a_kk, m_inv, states, d_states, delta, d_delta, d_aqk, d_akk,
-            dq_v, dk_v, dv, dg, dbeta,
-            *q.stride(), *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
-            t, nc, group, float(scale), BK=bk, BV=bv, num_warps=w, **common)
+            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+        _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
+            k_g, e_g, w_b, u_b, h0, states, delta,
+            *h0_st, *states.stride(), t, nc),
+            dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
+                 num_warps=ws, **common), sst)
+        _launch(mod.kda_bwd_dstates, (nvs, n), (
+            do, k_g, q_g, e_g, a_qk, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
+            *do.stride(), *dht_st, t, nc),
+            dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
+                 num_warps=ws, **common), sst)
+        _launch(mod.kda_bwd_intra1, (nc, n), (
+            k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
+            dk_v, dv, dg, dbeta,
+            *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
+            t, group), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, bk)), (
+            q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
+            dq_v, dk_v, dg,
+            *q.stride(), *k.stride(), *do.stride(), *states.stride(),
+            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
     if group > 1:
         dq = dq_v.view(nq, group, t, kd).sum(1)
         dk = dk_v.view(nq, group, t, kd).sum(1)

@@ -184,6 +184,7 @@ def test_empty_sequence():
     (dict(chunk=24), "chunk must be one of"),
     (dict(config={"BLOCK_K": 24}), "power of two"),
     (dict(config={"BLOCK_Q": 16}), "unknown KDA backward config"),
+    (dict(config={"num_stages": 0}), "num_stages"),
     (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
     (dict(saved={"states": None}), "unknown keys"),
 ])
@@ -200,7 +201,7 @@ def test_rendered_variants():
     for sg in (False, True):
         kernel = kda_bwd.bwd_kernel(scalar_gate=sg, interpret=False)
         assert kernel.name == "kda_bwd" + ("_scalar" if sg else "")
-        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra"):
+        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1", "kda_bwd_intra2"):
             assert f"def {fn}(" in kernel.source
     for dev in ("sm90", "cuda"):
         for cfg in kda_bwd._TABLE[dev]:
