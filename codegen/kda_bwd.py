@@ -28,9 +28,10 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
     (per value head), ``dg`` (a reverse cumulative sum of ``dG`` inside the chunk).
 
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
-the group in PyTorch. Scratch: float32 ``[N, T, K]`` ×3 (G, W, per-head dq/dk only when
-``group > 1``: ×5), ``[N, T, V]`` ×3 (U, Δ, dΔ), ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk),
-``[N, n_chunks, K, V]`` ×2 (the states, their gradients; the first not with ``saved``).
+the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
+``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
+(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, T, V]`` ×3 (U, Δ, dΔ), ``[N, n_chunks, K, V]``
+×2 (the states, their gradients; the first not with ``saved``).
 
 Numerics: every exponential is of a difference of cumulative gates that is ≤ 0 when ``g ≤ 0``
 (``e^{G}·e^{−G}`` over a chunk would overflow with gates near −30); rows past ``T`` contribute 0.
@@ -48,7 +49,7 @@ import torch
 from . import launch
 from .render import RenderedKernel, render
 
-__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "CHUNKS", "SAVED_KEYS"]
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "CHUNKS", "SAVED_KEYS", "SCRATCH"]
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
@@ -203,9 +204,17 @@ def _module(scalar_gate: bool, interpret: bool):
     return kernel, launch.kernel_module(kernel, interpret)
 
 
-def _cfg(bk, bv, bvs, w, s, ws, ss):
+def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto"):
     return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
-            "num_warps_state": ws, "num_stages_state": ss}
+            "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+
+
+#: ``config["scratch"]``: the dtype of the large scratch tensors W, U, KG, QG, Δ, dΔ and the chunk
+#: states and their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the
+#: differences of cumulative gates). ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit,
+#: else float32 (halves most of the backward's HBM traffic; a relative error of about 2⁻⁹ per
+#: element on quantities already rounded to 16 bits at the inputs).
+SCRATCH = ("auto", "float32", "bfloat16")
 
 
 # BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra1 / kda_bwd_intra2
@@ -214,8 +223,9 @@ def _cfg(bk, bv, bvs, w, s, ws, ss):
 # N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
 # num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
 # fit in shared memory is retried with one stage fewer (Triton's OutOfResources).
-# Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks.
-_INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1)]
+# Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
+# float32 scratch (the bfloat16 scratch has a test of its own).
+_INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
 # chunk 64, bf16 inputs: no register spills at 8 warps; shared memory 172 KB for kda_bwd_states at
 # 2 stages, kda_bwd_dstates 266 KB at 2 stages (so it falls back to 1 stage, 139 KB), the
@@ -247,6 +257,8 @@ def _config(config: Optional[dict], device) -> dict:
     for key in ("num_stages", "num_stages_state"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    if cfg["scratch"] not in SCRATCH:
+        raise ValueError(f"config['scratch'] must be one of {SCRATCH}, got {cfg['scratch']!r}")
     return cfg
 
 
@@ -325,8 +337,8 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         scalar_gate: g is one decay per head and token (the gated delta rule).
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         config: keys ``BLOCK_K``, ``BLOCK_V``, ``BLOCK_VS`` (powers of two >= 16), ``num_warps``,
-            ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``); missing keys
-            from :func:`candidate_configs`' first.
+            ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``), ``scratch``
+            (:data:`SCRATCH`); missing keys from :func:`candidate_configs`' first.
         saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
@@ -363,10 +375,13 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     g_c = emp(gshape, f32, dev)
     e_g = emp((n, nc) if scalar_gate else (n, nc, kd), f32, dev)
     a_kk, a_qk, m_inv, d_aqk, d_akk = (emp((n, t, bt), f32, dev) for _ in range(5))
-    w_b, k_g, q_g = (emp((n, t, kd), f32, dev) for _ in range(3))
-    u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
-    d_states = emp((n, nc, kd, vd), f32, dev)
-    states = states_in if states_in is not None else emp((n, nc, kd, vd), f32, dev)
+    sd = {"float32": f32, "bfloat16": torch.bfloat16}.get(cfg["scratch"])
+    if sd is None:  # auto
+        sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
+    w_b, k_g, q_g = (emp((n, t, kd), sd, dev) for _ in range(3))
+    u_b, delta, d_delta = (emp((n, t, vd), sd, dev) for _ in range(3))
+    d_states = emp((n, nc, kd, vd), sd, dev)
+    states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
     dq_v = emp((n, t, kd), f32, dev)
     dk_v = emp((n, t, kd), f32, dev)
     dv = emp((n, t, vd), f32, dev)

@@ -144,6 +144,16 @@ def test_kernels_float16_mixed_dtypes_and_strides():
     _compare(got, want, 1e-3)  # the inputs are the same fp16 values: only float32 compute error
 
 
+def test_bfloat16_scratch():
+    """``config={"scratch": "bfloat16"}`` (the GPU default for 16-bit inputs): W, U, KG, QG, Δ, dΔ
+    and the chunk states held in bfloat16, on float32 inputs here; gates near -30."""
+    nq, group, t, kd, vd = 1, 2, 37, 24, 40
+    ins = _inputs(13, nq, group, t, kd, vd, strong=True)
+    got = _run(*ins, scalar_gate=False, chunk=16, config={"scratch": "bfloat16"})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 2e-2)
+
+
 def test_saved_chunk_states_skip_the_recompute():
     """``saved={"chunk_states": S}`` (the state before each chunk, from the float64 chunked forward
     here) gives the same gradients as the recompute."""
@@ -185,6 +195,7 @@ def test_empty_sequence():
     (dict(config={"BLOCK_K": 24}), "power of two"),
     (dict(config={"BLOCK_Q": 16}), "unknown KDA backward config"),
     (dict(config={"num_stages": 0}), "num_stages"),
+    (dict(config={"scratch": "float16"}), "scratch"),
     (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
     (dict(saved={"states": None}), "unknown keys"),
 ])
