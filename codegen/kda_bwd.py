@@ -14,8 +14,10 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 ``kda_bwd_prep``, grid ``(n_chunks, N)``
     the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
     ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row between sub-blocks,
-    exact pairwise decays inside the 16 × 16 diagonal sub-blocks), ``M`` (forward substitution),
-    ``W``, ``U``.
+    exact pairwise decays inside the 16 × 16 diagonal sub-blocks), ``M`` (forward substitution,
+    held transposed so that each step reduces inside a warp), ``W``, ``U``, and the decayed
+    operands of the sequential passes ``KG = K∘e^{γ−G}``, ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those
+    passes take no exponential).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
     chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
@@ -23,9 +25,13 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 ``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
     last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
     chunk's end state, ``dΔ``, and ``dh0``.
-``kda_bwd_intra``, grid ``(n_chunks, N)``
-    everything else, parallel over chunks: ``dv``, ``dβ``, ``dA_qk``, ``dA_kk``, ``dq``, ``dk``
-    (per value head), ``dg`` (a reverse cumulative sum of ``dG`` inside the chunk).
+``kda_bwd_intra1``, grid ``(n_chunks, N)``
+    ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
+    of ``dk`` (and of ``dG``).
+``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
+gate, whose ``dG`` sums over K, runs every K block in one program)
+    ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
+    sub-block; ``dg`` (a reverse cumulative sum of ``dG`` inside the chunk, plus ``dγ``).
 
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
@@ -37,6 +43,13 @@ Numerics: every exponential is of a difference of cumulative gates that is ≤ 0
 (``e^{G}·e^{−G}`` over a chunk would overflow with gates near −30); rows past ``T`` contribute 0.
 Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` under
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
+
+Performance: NOT MEASURED on a GPU (written without one; the sm90 configs are guesses checked
+only by compiling offline with Triton 3.6: no spills at the default config, shared memory within
+228 KB after the one-stage retry). The traffic is dominated by the scratch (about 1.6 GB at
+B=1, T=4096, H=16, K=V=128 with float32 scratch, about half with bfloat16), so ``scratch`` is the
+first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
+first).
 """
 
 from __future__ import annotations

@@ -249,3 +249,24 @@ def test_gpu_new_length_does_not_recompile():
     ins = _inputs(3, 1, 1, 171, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
     assert compiled_keys(mod.kda_bwd_intra) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scratch", ["auto", "float32"])
+def test_gpu_benchmark_shape(scratch, capsys):
+    """The comparison shape of the brief (B=1, T=4096, H=16, K=V=128, chunk 64, bf16): the
+    gradients against the float64 reference_backward (itself checked against autograd above), and
+    the backward's time printed (``pytest -s``; FLA's chunk_kda fwd+bwd is 2.92 ms on an H100)."""
+    import triton.testing
+
+    nq, t, kd, vd = 16, 4096, 128, 128
+    q, k, v, g, beta, do, s0, ds = _inputs(17, nq, 1, t, kd, vd, device="cuda")
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    kw = dict(scale=kd ** -0.5, initial_state=s0, d_final_state=ds, chunk=64, config={"scratch": scratch})
+    got = kda_bwd.backward(q, k, v, g, beta, do, **kw)
+    want = kda_bwd.reference_backward(q, k, v, g, beta, do, scale=kd ** -0.5, initial_state=s0, d_final_state=ds,
+                                      chunk=64)
+    _compare(got, want, 2e-2)
+    ms = triton.testing.do_bench(lambda: kda_bwd.backward(q, k, v, g, beta, do, **kw), warmup=10, rep=50)
+    with capsys.disabled():
+        print(f"\nKDA backward B=1 T=4096 H=16 K=V=128 bf16 scratch={scratch}: {ms:.3f} ms")
