@@ -245,10 +245,12 @@ def test_gpu_new_length_does_not_recompile():
     ins = _inputs(3, 1, 1, 100, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
     _, mod = kda_bwd._module(False, False)
-    before = compiled_keys(mod.kda_bwd_intra)
+    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1",
+                                           "kda_bwd_intra2")]
+    before = [compiled_keys(fn) for fn in fns]
     ins = _inputs(3, 1, 1, 171, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
-    assert compiled_keys(mod.kda_bwd_intra) == before
+    assert [compiled_keys(fn) for fn in fns] == before
 
 
 @pytest.mark.gpu
