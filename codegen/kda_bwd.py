@@ -1,0 +1,454 @@
+"""KDA backward: the gradients of Kimi Delta Attention's chunked (WY) form as Triton kernels.
+
+KDA (Kimi Linear, Moonshot AI 2025; the gated delta rule of Yang et al., "Gated Delta Networks",
+ICLR 2025, with a per-key-channel decay; the chunked WY form as in FLA's chunk kernels) keeps a
+``[K, V]`` state per value head. :func:`backward` returns the gradients of ``o`` (and of the
+final state, when it is an output) with respect to q, k, v, g, β and the initial state. The
+derivation (reverse mode through ``Δ = U − W S``, ``O = (Q̃∘e^G) S + A_qk Δ``, ``S' = diag(e^γ) S
++ (K∘e^{γ−G})ᵀ Δ``, ``M = (I + diag(β) A_kk)⁻¹`` and the pairwise decays) is ``docs/math.md``,
+"KDA backward"; :func:`reference_backward` is the same algebra in float64 PyTorch (checked against
+``torch.autograd`` through ``patterns/kda_reference.recurrent``).
+
+Kernels (``templates/kda_bwd.py.jinja``), launched in order:
+
+``kda_bwd_prep``, grid ``(n_chunks, N)``
+    the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
+    ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row between sub-blocks,
+    exact pairwise decays inside the 16 × 16 diagonal sub-blocks), ``M`` (forward substitution,
+    held transposed so that each step reduces inside a warp), ``W``, ``U``, and the decayed
+    operands of the sequential passes ``KG = K∘e^{γ−G}``, ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those
+    passes take no exponential).
+``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
+    chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
+    ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
+    chunk in parallel, only ``Δ``).
+``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
+    last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
+    chunk's end state, ``dΔ``, and ``dh0``.
+``kda_bwd_intra1``, grid ``(n_chunks, N)``
+    ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
+    of ``dk`` (and of ``dG``).
+``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
+gate, whose ``dG`` sums over K, runs every K block in one program)
+    ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
+    sub-block; ``dg`` (a reverse cumulative sum of ``dG`` inside the chunk, plus ``dγ``).
+
+With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
+the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
+``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
+(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, T, V]`` ×3 (U, Δ, dΔ), ``[N, n_chunks, K, V]``
+×2 (the states, their gradients; the first not with ``saved``).
+
+Numerics: every exponential is of a difference of cumulative gates that is ≤ 0 when ``g ≤ 0``
+(``e^{G}·e^{−G}`` over a chunk would overflow with gates near −30); rows past ``T`` contribute 0.
+Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` under
+``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
+
+Performance: NOT MEASURED on a GPU (written without one; the sm90 configs are guesses checked
+only by compiling offline with Triton 3.6: no spills at the default config, shared memory within
+228 KB after the one-stage retry). The traffic is dominated by the scratch (about 1.6 GB at
+B=1, T=4096, H=16, K=V=128 with float32 scratch, about half with bfloat16), so ``scratch`` is the
+first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
+first).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import launch
+from .render import RenderedKernel, render
+
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "CHUNKS", "SAVED_KEYS", "SCRATCH"]
+
+TEMPLATE = "kda_bwd.py.jinja"
+#: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
+#: register tiles of kda_bwd_intra at 4K float32 elements).
+CHUNKS = (16, 32, 64)
+#: The keys :func:`backward`'s ``saved`` may hold.
+SAVED_KEYS = ("chunk_states",)
+
+
+# --------------------------------------------------------------------------------------------
+# Float64 reference of the hand-derived backward (docs/math.md, "KDA backward")
+# --------------------------------------------------------------------------------------------
+
+
+def _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate):
+    """(NQ, N, T, K, V, group) after checking the kernel interface's shapes (ValueError)."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    nq, t, kd = q.shape
+    if v.dim() != 3 or v.shape[1] != t or nq == 0 or v.shape[0] % nq:
+        raise ValueError(f"v must be [N, T, V] with T={t} and N a multiple of NQ={nq}, got {tuple(v.shape)}")
+    n, _, vd = v.shape
+    want_g = (n, t) if scalar_gate else (n, t, kd)
+    if tuple(g.shape) != want_g:
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+                         f"{' (scalar_gate=True)' if scalar_gate else ''}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (n, t):
+        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
+    if tuple(do.shape) != (n, t, vd):
+        raise ValueError(f"do (the gradient of o) must be [N, T, V] = {(n, t, vd)}, got {tuple(do.shape)}")
+    for name, x in (("initial_state", initial_state), ("d_final_state", d_final_state)):
+        if x is not None and tuple(x.shape) != (n, kd, vd):
+            raise ValueError(f"{name} must be [N, K, V] = {(n, kd, vd)}, got {tuple(x.shape)}")
+    return nq, n, t, kd, vd, n // nq
+
+
+def reference_backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_state=None,
+                       scalar_gate: bool = False, chunk: int = 64):
+    """The hand-derived KDA backward in float64 PyTorch, chunk by chunk (``docs/math.md``, "KDA
+    backward"): the oracle the kernels' structure follows, itself checked against
+    ``torch.autograd`` through :func:`fuser.patterns.kda_reference.recurrent`.
+
+    Shapes as :func:`backward` (q, k ``[NQ, T, K]``; v, do ``[N, T, V]``; g ``[N, T, K]`` or
+    ``[N, T]`` with ``scalar_gate``; beta ``[N, T]``; the states ``[N, K, V]``); any float dtypes.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dh0 or None)`` in float64, shaped like the inputs.
+
+    Raises:
+        ValueError: inconsistent shapes, ``chunk < 1``.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    nq, n, t_len, kd, vd, group = _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate)
+    f = torch.float64
+    qs = q.to(f).repeat_interleave(group, 0) * scale          # q̃ = scale·q, per value head  [N, T, K]
+    ks = k.to(f).repeat_interleave(group, 0)
+    vs, bs, dos = v.to(f), beta.to(f), do.to(f)
+    gs = g.to(f)
+    if scalar_gate:
+        gs = gs[..., None].expand(n, t_len, kd)
+    s = torch.zeros(n, kd, vd, dtype=f, device=q.device)
+    if initial_state is not None:
+        s = s + initial_state.to(f)
+
+    # forward: the per-chunk quantities the backward reads
+    saved = []
+    for c0 in range(0, t_len, chunk):
+        sl = slice(c0, min(c0 + chunk, t_len))
+        qc, kc, vc, bc = qs[:, sl], ks[:, sl], vs[:, sl], bs[:, sl]
+        cg = gs[:, sl].cumsum(1)                                   # G  [N, C, K]
+        m = qc.shape[1]
+        incl = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        diff = (cg[:, :, None, :] - cg[:, None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
+        decay = diff.exp()                                         # e^{G_r − G_s}, s ≤ r  [N, C, C, K]
+        a_kk = torch.einsum("nrd,nsd,nrsd->nrs", kc, kc, decay).tril(-1)
+        a_qk = torch.einsum("nrd,nsd,nrsd->nrs", qc, kc, decay)
+        eye = torch.eye(m, dtype=f, device=q.device)
+        minv = torch.linalg.solve_triangular(eye + bc[:, :, None] * a_kk, eye.expand(n, m, m), upper=False,
+                                             unitriangular=True)   # M = (I + diag(β) A_kk)⁻¹
+        ke = kc * cg.exp()
+        u = minv @ (bc[:, :, None] * vc)
+        w = minv @ (bc[:, :, None] * ke)
+        delta = u - w @ s
+        last = cg[:, -1]                                           # γ = G_C  [N, K]
+        kdec = kc * (last[:, None, :] - cg).exp()                  # K ∘ e^{γ − G}
+        saved.append((sl, qc, kc, vc, bc, cg, decay, a_kk, a_qk, minv, ke, w, delta, last, kdec, s))
+        s = last.exp()[..., None] * s + kdec.transpose(1, 2) @ delta
+
+    dq = torch.zeros_like(qs)
+    dk = torch.zeros_like(ks)
+    dv = torch.zeros_like(vs)
+    dg = torch.zeros_like(gs)
+    dbeta = torch.zeros_like(bs)
+    ds = torch.zeros(n, kd, vd, dtype=f, device=q.device)          # dS', the gradient of the chunk's end state
+    if d_final_state is not None:
+        ds = ds + d_final_state.to(f)
+    for sl, qc, kc, vc, bc, cg, decay, a_kk, a_qk, minv, ke, w, delta, last, kdec, s0 in reversed(saved):
+        doc = dos[:, sl]
+        qe = qc * cg.exp()
+        # the sequential part: dΔ and the gradient of the chunk's start state
+        d_delta = a_qk.transpose(1, 2) @ doc + kdec @ ds
+        ds0 = last.exp()[..., None] * ds + qe.transpose(1, 2) @ doc - w.transpose(1, 2) @ d_delta
+        # the chunk-parallel part
+        dqe = doc @ s0.transpose(1, 2)                             # ∂/∂(Q̃∘e^G)
+        dq1 = dqe * cg.exp()
+        d_aqk = (doc @ delta.transpose(1, 2)).tril()
+        d_w = -d_delta @ s0.transpose(1, 2)
+        dk5 = (delta @ ds.transpose(1, 2)) * (last[:, None, :] - cg).exp()
+        dgamma = last.exp() * (s0 * ds).sum(-1) + (kc * dk5).sum(1)
+        mt_du = minv.transpose(1, 2) @ d_delta                     # Mᵀ dU  (dU = dΔ)
+        mt_dw = minv.transpose(1, 2) @ d_w
+        dv[:, sl] = bc[:, :, None] * mt_du
+        d_m = d_delta @ (bc[:, :, None] * vc).transpose(1, 2) + d_w @ (bc[:, :, None] * ke).transpose(1, 2)
+        d_l = -minv.transpose(1, 2) @ d_m @ minv.transpose(1, 2)
+        d_akk = (bc[:, :, None] * d_l).tril(-1)
+        dbeta[:, sl] = (mt_du * vc).sum(-1) + (mt_dw * ke).sum(-1) + (d_l * a_kk).sum(-1)
+        dk4 = bc[:, :, None] * cg.exp() * mt_dw
+        # through the pairwise decays: A_qk[r,s] = Σ_d q̃_rd k_sd e^{G_rd − G_sd}, A_kk likewise
+        dq2 = torch.einsum("nrs,nsd,nrsd->nrd", d_aqk, kc, decay)
+        dk2 = torch.einsum("nrs,nrd,nrsd->nsd", d_aqk, qc, decay)
+        dk3r = torch.einsum("nrs,nsd,nrsd->nrd", d_akk, kc, decay)
+        dk3c = torch.einsum("nrs,nrd,nrsd->nsd", d_akk, kc, decay)
+        dqt = dq1 + dq2
+        dq[:, sl] = dqt * scale
+        dk[:, sl] = dk2 + dk3r + dk3c + dk4 + dk5
+        d_g_cum = qc * dqt + kc * (dk3r + dk4) - kc * (dk2 + dk3c + dk5)   # ∂/∂G
+        # G_r = Σ_{s≤r} g_s and γ = G_C: dg_s = Σ_{r≥s} dG_r + dγ
+        dg[:, sl] = d_g_cum.flip(1).cumsum(1).flip(1) + dgamma[:, None, :]
+        ds = ds0
+    dq = dq.view(nq, group, t_len, kd).sum(1)
+    dk = dk.view(nq, group, t_len, kd).sum(1)
+    if scalar_gate:
+        dg = dg.sum(-1)
+    return dq, dk, dv, dg, dbeta, (ds if initial_state is not None else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering, configs
+# --------------------------------------------------------------------------------------------
+
+
+def bwd_kernel(*, scalar_gate: bool, interpret: bool) -> RenderedKernel:
+    """Render the KDA backward kernel module (all four kernels) of one static variant."""
+    name = "kda_bwd" + ("_scalar" if scalar_gate else "") + ("_interp" if interpret else "")
+    return render(TEMPLATE, name, scalar_gate=bool(scalar_gate), interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _module(scalar_gate: bool, interpret: bool):
+    kernel = bwd_kernel(scalar_gate=scalar_gate, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto"):
+    return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
+            "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+
+
+#: ``config["scratch"]``: the dtype of the large scratch tensors W, U, KG, QG, Δ, dΔ and the chunk
+#: states and their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the
+#: differences of cumulative gates). ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit,
+#: else float32 (halves most of the backward's HBM traffic; a relative error of about 2⁻⁹ per
+#: element on quantities already rounded to 16 bits at the inputs).
+SCRATCH = ("auto", "float32", "bfloat16")
+
+
+# BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra1 / kda_bwd_intra2
+# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block);
+# BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS] state tile per program:
+# N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
+# num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
+# fit in shared memory is retried with one stage fewer (Triton's OutOfResources).
+# Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
+# float32 scratch (the bfloat16 scratch has a test of its own).
+_INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
+# GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
+# chunk 64, bf16 inputs: no register spills at 8 warps; shared memory 172 KB for kda_bwd_states at
+# 2 stages, kda_bwd_dstates 266 KB at 2 stages (so it falls back to 1 stage, 139 KB), the
+# parallel kernels <= 82 KB. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+_TABLE = {
+    "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
+    "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
+}
+
+
+def candidate_configs(device) -> list[dict]:
+    """Launch configs, best first (the first is the default): the interpreter's on CPU tensors,
+    else by device kind (``launch.device_kind``)."""
+    dev = launch.device_kind(device)
+    return [dict(c) for c in (_INTERP if dev == "interpreter" else _TABLE[dev])]
+
+
+def _config(config: Optional[dict], device) -> dict:
+    cfg = dict(candidate_configs(device)[0])
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"unknown KDA backward config keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(config)
+    launch.check_config(cfg)
+    for key in ("num_warps", "num_warps_state"):
+        if cfg[key] not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{key} must be 1, 2, 4, 8 or 16, got {cfg[key]!r}")
+    for key in ("num_stages", "num_stages_state"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    if cfg["scratch"] not in SCRATCH:
+        raise ValueError(f"config['scratch'] must be one of {SCRATCH}, got {cfg['scratch']!r}")
+    return cfg
+
+
+# (kernel name, its constexpr key) -> the num_stages that fitted (OutOfResources retries)
+_stages_fit: dict = {}
+
+
+def _launch(kernel, grid, args, kwargs, stages: int) -> None:
+    """``kernel[grid](*args, **kwargs, num_stages=...)``, retried with one pipeline stage fewer
+    while Triton raises OutOfResources (shared memory; raised at compile time, before anything
+    runs); the stage count that fitted is remembered per kernel and constexpr values."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
+           tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper())), stages)
+    s = _stages_fit.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs, num_stages=s)
+        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
+            if type(exc).__name__ != "OutOfResources" or s <= 1:
+                raise
+            s -= 1
+            continue
+        _stages_fit[key] = s
+        return
+
+
+# --------------------------------------------------------------------------------------------
+# The backward
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved):
+    dims = _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate)
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
+             "d_final_state": d_final_state}
+    for name, x in named.items():
+        if x is None:
+            continue
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}: cast it first")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: move every input to one device")
+    if chunk not in CHUNKS:
+        raise ValueError(f"chunk must be one of {CHUNKS} (a multiple of the 16-row sub-block), got {chunk!r}")
+    n, t, kd, vd = dims[1], dims[2], dims[3], dims[4]
+    states = None
+    if saved is not None:
+        unknown = set(saved) - set(SAVED_KEYS)
+        if unknown:
+            raise ValueError(f"saved may hold {SAVED_KEYS}, got unknown keys {sorted(unknown)}")
+        states = saved.get("chunk_states")
+        if states is not None:
+            want = (n, launch.cdiv(t, chunk), kd, vd)
+            if tuple(states.shape) != want:
+                raise ValueError(f"saved['chunk_states'] must be [N, cdiv(T, chunk), K, V] = {want} (the state "
+                                 f"before every chunk of {chunk} tokens), got {tuple(states.shape)}")
+            if states.dtype not in launch.DTYPES or states.device != q.device:
+                raise ValueError("saved['chunk_states'] must be a float tensor on q's device (float32 preferred)")
+    return dims, states
+
+
+def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_state=None,
+             scalar_gate: bool = False, chunk: int = 64, config: Optional[dict] = None,
+             saved: Optional[dict] = None):
+    """Gradients of KDA (the interface of the KDA forward launchers) from ``do``.
+
+    Args:
+        q, k: ``[NQ, T, K]``; v: ``[N, T, V]`` with ``N = NQ·group`` (value row n reads q/k row
+            ``n // group``); g: ``[N, T, K]`` log decay per key channel, or ``[N, T]`` with
+            ``scalar_gate``; beta: ``[N, T]``; do: ``[N, T, V]`` the gradient of ``o``. Any of
+            float32 / float16 / bfloat16 (they may differ), any strides (never copied).
+        scale: the factor on q (``o_t = Sᵀ(scale·q_t)``).
+        initial_state: ``[N, K, V]`` or None (zeros; then no dh0).
+        d_final_state: ``[N, K, V]`` the gradient of the final state when the forward returned it;
+            None: zero.
+        scalar_gate: g is one decay per head and token (the gated delta rule).
+        chunk: tokens per chunk, one of :data:`CHUNKS`.
+        config: keys ``BLOCK_K``, ``BLOCK_V``, ``BLOCK_VS`` (powers of two >= 16), ``num_warps``,
+            ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``), ``scratch``
+            (:data:`SCRATCH`); missing keys from :func:`candidate_configs`' first.
+        saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
+            ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
+            ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
+            chunk computes them: the sequential recompute of the states is then skipped.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dh0)``, float32: dq, dk ``[NQ, T, K]`` (summed over the value
+        heads of a group), dv ``[N, T, V]``, dg shaped like g, dbeta ``[N, T]``, dh0
+        ``[N, K, V]`` (None without ``initial_state``).
+
+    Raises:
+        ValueError: wrong ranks or shapes, an unsupported dtype, inputs on several devices, a
+            chunk not in :data:`CHUNKS`, a bad config or ``saved``.
+    """
+    (nq, n, t, kd, vd, group), states_in = _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state,
+                                                          scalar_gate, chunk, saved)
+    dev = q.device
+    f32 = torch.float32
+    if t == 0 or n == 0 or kd == 0 or vd == 0:
+        return _empty_grads(q, k, v, g, beta, initial_state, d_final_state)
+    cfg = _config(config, dev)
+    interpret = launch.interpreted(dev)
+    _, mod = _module(bool(scalar_gate), interpret)
+    all32 = all(x.dtype == f32 for x in (q, k, v, g, beta, do))
+    precision = launch.dot_precision(f32) if all32 else "tf32"
+    bt, bk, bv, bvs = int(chunk), cfg["BLOCK_K"], cfg["BLOCK_V"], cfg["BLOCK_VS"]
+    bkf = max(16, launch.next_power_of_2(kd))
+    nc = launch.cdiv(t, bt)
+    nvs = launch.cdiv(vd, bvs)
+    w, ws = cfg["num_warps"], cfg["num_warps_state"]
+    emp = launch.empty
+
+    gshape = (n, t) if scalar_gate else (n, t, kd)
+    g_c = emp(gshape, f32, dev)
+    e_g = emp((n, nc) if scalar_gate else (n, nc, kd), f32, dev)
+    a_kk, a_qk, m_inv, d_aqk, d_akk = (emp((n, t, bt), f32, dev) for _ in range(5))
+    sd = {"float32": f32, "bfloat16": torch.bfloat16}.get(cfg["scratch"])
+    if sd is None:  # auto
+        sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
+    w_b, k_g, q_g = (emp((n, t, kd), sd, dev) for _ in range(3))
+    u_b, delta, d_delta = (emp((n, t, vd), sd, dev) for _ in range(3))
+    d_states = emp((n, nc, kd, vd), sd, dev)
+    states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
+    dq_v = emp((n, t, kd), f32, dev)
+    dk_v = emp((n, t, kd), f32, dev)
+    dv = emp((n, t, vd), f32, dev)
+    dg = emp(gshape, f32, dev)
+    dbeta = emp((n, t), f32, dev)
+    dh0 = emp((n, kd, vd), f32, dev) if initial_state is not None else None
+    h0 = initial_state if initial_state is not None else delta      # a placeholder pointer, never read
+    dht = d_final_state if d_final_state is not None else delta
+    h0_st = initial_state.stride() if initial_state is not None else (0, 0, 0)
+    dht_st = d_final_state.stride() if d_final_state is not None else (0, 0, 0)
+    common = dict(KD=kd, VD=vd, BT=bt, INPUT_PRECISION=precision)
+
+    st, sst = cfg["num_stages"], cfg["num_stages_state"]
+    with launch.launching(interpret):
+        _launch(mod.kda_bwd_prep, (nc, n), (
+            q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, q_g, e_g,
+            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+        _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
+            k_g, e_g, w_b, u_b, h0, states, delta,
+            *h0_st, *states.stride(), t, nc),
+            dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
+                 num_warps=ws, **common), sst)
+        _launch(mod.kda_bwd_dstates, (nvs, n), (
+            do, k_g, q_g, e_g, a_qk, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
+            *do.stride(), *dht_st, t, nc),
+            dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
+                 num_warps=ws, **common), sst)
+        _launch(mod.kda_bwd_intra1, (nc, n), (
+            k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
+            dk_v, dv, dg, dbeta,
+            *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
+            t, group), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, bk)), (
+            q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
+            dq_v, dk_v, dg,
+            *q.stride(), *k.stride(), *do.stride(), *states.stride(),
+            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+    if group > 1:
+        dq = dq_v.view(nq, group, t, kd).sum(1)
+        dk = dk_v.view(nq, group, t, kd).sum(1)
+    else:
+        dq, dk = dq_v, dk_v
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _empty_grads(q, k, v, g, beta, initial_state, d_final_state):
+    """The gradients when there is nothing to compute (T, N, K or V zero): zeros, and dh0 the
+    gradient of the final state (the final state is the initial state when T = 0)."""
+    f32 = torch.float32
+    z = lambda x: torch.zeros(x.shape, dtype=f32, device=q.device)  # noqa: E731
+    dh0 = None
+    if initial_state is not None:
+        dh0 = torch.zeros(initial_state.shape, dtype=f32, device=q.device)
+        if d_final_state is not None and q.shape[1] == 0:
+            dh0 += d_final_state.to(f32)
+    return z(q), z(k), z(v), z(g), z(beta), dh0

@@ -1,0 +1,274 @@
+"""KDA backward (codegen/kda_bwd.py + templates/kda_bwd.py.jinja) against torch.autograd through the
+float64 token recurrence (patterns/kda_reference.recurrent).
+
+The hand-derived float64 ``reference_backward`` is checked first (it validates the derivation of
+docs/math.md, "KDA backward"), then the kernels: in Triton's interpreter on CPU at small, ragged
+sizes (T = 37 with chunks of 16, K = 24, V = 40), and on the GPU (``gpu``) in bfloat16. Every
+output is allocated poisoned (NaN), so an element a kernel fails to write shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _kernel_checks import rel_err
+import torch
+import torch.nn.functional as F
+
+from fuser.codegen import kda_bwd, launch
+from fuser.patterns import kda_reference
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _inputs(seed, nq, group, t, kd, vd, *, scalar_gate=False, h0=True, dht=True, strong=False, raw_k=False,
+            device="cpu"):
+    """Float32 inputs of the kernel interface (q, k [NQ, T, K]; v, do [N, T, V]; g; beta [N, T];
+    the states [N, K, V] or None): l2-normalised k unless ``raw_k``, gates -softplus(randn), with
+    ``strong`` about a fifth of them lowered by 30."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nq * group
+    q = torch.randn(nq, t, kd, generator=gen)
+    k = torch.randn(nq, t, kd, generator=gen)
+    k = k * 0.4 if raw_k else F.normalize(k, dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    gshape = (n, t) if scalar_gate else (n, t, kd)
+    g = -F.softplus(torch.randn(*gshape, generator=gen))
+    if strong:
+        g = g - 30.0 * (torch.rand(*gshape, generator=gen) < 0.2)
+    beta = torch.rand(n, t, generator=gen)
+    do = torch.randn(n, t, vd, generator=gen)
+    s0 = torch.randn(n, kd, vd, generator=gen) if h0 else None
+    ds = torch.randn(n, kd, vd, generator=gen) if dht else None
+    return [None if x is None else x.to(device) for x in (q, k, v, g, beta, do, s0, ds)]
+
+
+def _autograd(q, k, v, g, beta, do, s0, ds, *, scale, scalar_gate):
+    """The gradients of ``<o, do> + <final state, ds>`` by torch.autograd through the float64
+    recurrence (the kernel layout mapped to the reference's [B=1, T, H, *] one)."""
+    f = torch.float64
+    leaves = [x.detach().to(f).requires_grad_() for x in (q, k, v, g, beta)]
+    lq, lk, lv, lg, lb = leaves
+    ls0 = None if s0 is None else s0.detach().to(f).requires_grad_()
+    n, t = lv.shape[:2]
+    gg = lg[..., None].expand(n, t, lq.shape[-1]) if scalar_gate else lg
+    o, s_final = kda_reference.recurrent(
+        lq.transpose(0, 1)[None], lk.transpose(0, 1)[None], lv.transpose(0, 1)[None], gg.transpose(0, 1)[None],
+        lb.transpose(0, 1)[None], scale=scale, initial_state=None if ls0 is None else ls0[None],
+        output_final_state=True)
+    loss = (o[0].transpose(0, 1) * do.to(f)).sum()
+    if ds is not None:
+        loss = loss + (s_final[0] * ds.to(f)).sum()
+    grads = torch.autograd.grad(loss, leaves + ([ls0] if ls0 is not None else []))
+    return list(grads) + ([] if ls0 is not None else [None])
+
+
+def _compare(got, want, tol, what=""):
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            assert a is None, f"{what}{name}: expected None"
+            continue
+        assert a.shape == b.shape, f"{what}{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert torch.isfinite(a).all(), f"{what}{name}: non-finite (an unwritten, poisoned element?)"
+        err = rel_err(a, b)
+        assert err < tol, f"{what}{name}: relative error {err:.3g} >= {tol}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The derivation: float64 reference_backward against autograd
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nq,group,t,kd,vd,chunk,scalar_gate,h0,dht,strong", [
+    (1, 1, 16, 4, 4, 4, False, False, False, False),
+    (2, 2, 37, 8, 5, 16, False, True, True, False),    # T not a multiple of the chunk, GVA
+    (1, 3, 23, 6, 7, 64, False, True, False, False),   # one partial chunk, group 3
+    (2, 1, 37, 5, 3, 7, True, False, True, False),     # scalar gate, odd chunk
+    (1, 2, 40, 6, 4, 16, False, True, True, True),     # gates near -30
+    (1, 1, 40, 6, 4, 16, True, True, True, True),
+])
+def test_reference_backward_matches_autograd(nq, group, t, kd, vd, chunk, scalar_gate, h0, dht, strong):
+    q, k, v, g, beta, do, s0, ds = _inputs(t + kd, nq, group, t, kd, vd, scalar_gate=scalar_gate, h0=h0, dht=dht,
+                                           strong=strong)
+    scale = kd ** -0.5
+    f = torch.float64
+    want = _autograd(q, k, v, g, beta, do, s0, ds, scale=scale, scalar_gate=scalar_gate)
+    got = kda_bwd.reference_backward(q.to(f), k.to(f), v.to(f), g.to(f), beta.to(f), do, scale=scale,
+                                     initial_state=s0, d_final_state=ds, scalar_gate=scalar_gate, chunk=chunk)
+    assert all(x is None or x.dtype == f for x in got)
+    _compare(got, want, 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels, in the interpreter (CPU)
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # id, NQ, group, T, K, V, chunk, options
+    ("gva2_state_dfinal", 1, 2, 37, 24, 40, 16, dict(h0=True, dht=True)),
+    ("scalar_gate", 2, 1, 37, 24, 40, 16, dict(scalar_gate=True, h0=True, dht=False)),
+    ("no_state_strong_gates", 1, 1, 37, 24, 40, 16, dict(h0=False, dht=False, strong=True)),
+    ("chunk64_partial_strong", 1, 2, 37, 24, 40, 64, dict(h0=True, dht=True, strong=True)),
+    ("chunk32_raw_k", 1, 1, 37, 24, 40, 32, dict(h0=False, dht=True, raw_k=True)),
+    ("scalar_gate_gva_strong", 1, 2, 21, 16, 16, 16, dict(scalar_gate=True, h0=True, dht=True, strong=True)),
+]
+
+
+def _run(q, k, v, g, beta, do, s0, ds, *, scalar_gate, chunk, **kw):
+    with launch.poison_outputs():
+        return kda_bwd.backward(q, k, v, g, beta, do, scale=q.shape[-1] ** -0.5, initial_state=s0, d_final_state=ds,
+                                scalar_gate=scalar_gate, chunk=chunk, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernels_float32(case):
+    _, nq, group, t, kd, vd, chunk, opts = case
+    scalar_gate = opts.get("scalar_gate", False)
+    ins = _inputs(hash(case[0]) % 1000, nq, group, t, kd, vd, **opts)
+    got = _run(*ins, scalar_gate=scalar_gate, chunk=chunk)
+    assert all(x is None or (x.dtype == torch.float32 and x.device == ins[0].device) for x in got)
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=scalar_gate)
+    _compare(got, want, 1e-4)
+
+
+def test_kernels_float16_mixed_dtypes_and_strides():
+    """q, k, v, do in float16 with g, beta kept float32, q and v non-contiguous (K-major q, a slice
+    of v): the kernels read the strides, compute in float32."""
+    nq, group, t, kd, vd = 1, 2, 37, 24, 40
+    q, k, v, g, beta, do, s0, ds = _inputs(7, nq, group, t, kd, vd)
+    q, k, v, do = (x.half() for x in (q, k, v, do))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)          # strides (T·K, 1, T)
+    v = torch.cat([v, v], dim=-1)[..., :vd]                      # row stride 2V
+    assert not q.is_contiguous() and not v.is_contiguous()
+    got = _run(q, k, v, g, beta, do, s0.half(), ds, scalar_gate=False, chunk=16)
+    want = _autograd(q, k, v, g, beta, do, s0.half(), ds, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 1e-3)  # the inputs are the same fp16 values: only float32 compute error
+
+
+def test_bfloat16_scratch():
+    """``config={"scratch": "bfloat16"}`` (the GPU default for 16-bit inputs): W, U, KG, QG, Δ, dΔ
+    and the chunk states held in bfloat16, on float32 inputs here; gates near -30."""
+    nq, group, t, kd, vd = 1, 2, 37, 24, 40
+    ins = _inputs(13, nq, group, t, kd, vd, strong=True)
+    got = _run(*ins, scalar_gate=False, chunk=16, config={"scratch": "bfloat16"})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 2e-2)
+
+
+def test_saved_chunk_states_skip_the_recompute():
+    """``saved={"chunk_states": S}`` (the state before each chunk, from the float64 chunked forward
+    here) gives the same gradients as the recompute."""
+    nq, group, t, kd, vd, chunk = 1, 1, 37, 24, 40, 16
+    q, k, v, g, beta, do, s0, ds = _inputs(11, nq, group, t, kd, vd)
+    states = []
+    st = s0.double()
+    for c0 in range(0, t, chunk):
+        states.append(st)
+        sl = slice(c0, min(c0 + chunk, t))
+        _, st = kda_reference.chunked(q[:, sl].transpose(0, 1)[None], k[:, sl].transpose(0, 1)[None],
+                                      v[:, sl].transpose(0, 1)[None], g[:, sl].transpose(0, 1)[None],
+                                      beta[:, sl].transpose(0, 1)[None], scale=kd ** -0.5, initial_state=st[None],
+                                      output_final_state=True, chunk=chunk)
+        st = st[0]
+    saved = {"chunk_states": torch.stack(states, 1).float()}
+    got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=chunk, saved=saved)
+    want = _autograd(q, k, v, g, beta, do, s0, ds, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 1e-4)
+
+
+def test_empty_sequence():
+    q, k, v, g, beta, do, s0, ds = _inputs(1, 1, 1, 0, 8, 8)
+    dq, dk, dv, dg, dbeta, dh0 = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=16)
+    assert dq.shape == (1, 0, 8) and dg.shape == (1, 0, 8) and dbeta.shape == (1, 0)
+    torch.testing.assert_close(dh0, ds)  # T = 0: the final state is the initial state
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(2, 5, 8)), "q and k"),
+    (dict(v=torch.zeros(2, 6, 8)), "v must be"),
+    (dict(g=torch.zeros(2, 5)), "g must be"),
+    (dict(beta=torch.zeros(2, 5, 1)), "beta must be"),
+    (dict(do=torch.zeros(2, 5, 4)), "do"),
+    (dict(initial_state=torch.zeros(2, 8, 4)), "initial_state must be"),
+    (dict(d_final_state=torch.zeros(2, 4, 8)), "d_final_state must be"),
+    (dict(v=torch.zeros(2, 5, 8, dtype=torch.float64)), "float32, float16 or bfloat16"),
+    (dict(chunk=24), "chunk must be one of"),
+    (dict(config={"BLOCK_K": 24}), "power of two"),
+    (dict(config={"BLOCK_Q": 16}), "unknown KDA backward config"),
+    (dict(config={"num_stages": 0}), "num_stages"),
+    (dict(config={"scratch": "float16"}), "scratch"),
+    (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
+    (dict(saved={"states": None}), "unknown keys"),
+])
+def test_bad_inputs(change, match):
+    args = dict(q=torch.zeros(1, 5, 8), k=torch.zeros(1, 5, 8), v=torch.zeros(2, 5, 8), g=torch.zeros(2, 5, 8),
+                beta=torch.zeros(2, 5), do=torch.zeros(2, 5, 8), initial_state=None, d_final_state=None, chunk=16)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        kda_bwd.backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"),
+                         args.pop("do"), scale=1.0, **args)
+
+
+def test_rendered_variants():
+    for sg in (False, True):
+        kernel = kda_bwd.bwd_kernel(scalar_gate=sg, interpret=False)
+        assert kernel.name == "kda_bwd" + ("_scalar" if sg else "")
+        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1", "kda_bwd_intra2"):
+            assert f"def {fn}(" in kernel.source
+    for dev in ("sm90", "cuda"):
+        for cfg in kda_bwd._TABLE[dev]:
+            launch.check_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (bfloat16)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scalar_gate", [False, True])
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_gpu_bfloat16(scalar_gate, chunk):
+    nq, group, t, kd, vd = 2, 2, 301, 128, 96
+    ins = _inputs(5, nq, group, t, kd, vd, scalar_gate=scalar_gate, strong=True, device="cuda")
+    q, k, v, g, beta, do, s0, ds = ins
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=scalar_gate, chunk=chunk)
+    want = _autograd(*(None if x is None else x.cpu() for x in (q, k, v, g, beta, do, s0, ds)), scale=kd ** -0.5,
+                     scalar_gate=scalar_gate)
+    _compare([None if x is None else x.cpu() for x in got], want, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_new_length_does_not_recompile():
+    from _kernel_checks import compiled_keys
+
+    ins = _inputs(3, 1, 1, 100, 64, 64, device="cuda")
+    _run(*ins, scalar_gate=False, chunk=64)
+    _, mod = kda_bwd._module(False, False)
+    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1",
+                                           "kda_bwd_intra2")]
+    before = [compiled_keys(fn) for fn in fns]
+    ins = _inputs(3, 1, 1, 171, 64, 64, device="cuda")
+    _run(*ins, scalar_gate=False, chunk=64)
+    assert [compiled_keys(fn) for fn in fns] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scratch", ["auto", "float32"])
+def test_gpu_benchmark_shape(scratch, capsys):
+    """The comparison shape of the brief (B=1, T=4096, H=16, K=V=128, chunk 64, bf16): the
+    gradients against the float64 reference_backward (itself checked against autograd above), and
+    the backward's time printed (``pytest -s``; FLA's chunk_kda fwd+bwd is 2.92 ms on an H100)."""
+    import triton.testing
+
+    nq, t, kd, vd = 16, 4096, 128, 128
+    q, k, v, g, beta, do, s0, ds = _inputs(17, nq, 1, t, kd, vd, device="cuda")
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    kw = dict(scale=kd ** -0.5, initial_state=s0, d_final_state=ds, chunk=64, config={"scratch": scratch})
+    got = kda_bwd.backward(q, k, v, g, beta, do, **kw)
+    want = kda_bwd.reference_backward(q, k, v, g, beta, do, scale=kd ** -0.5, initial_state=s0, d_final_state=ds,
+                                      chunk=64)
+    _compare(got, want, 2e-2)
+    ms = triton.testing.do_bench(lambda: kda_bwd.backward(q, k, v, g, beta, do, **kw), warmup=10, rep=50)
+    with capsys.disabled():
+        print(f"\nKDA backward B=1 T=4096 H=16 K=V=128 bf16 scratch={scratch}: {ms:.3f} ms")
