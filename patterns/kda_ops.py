@@ -19,9 +19,9 @@ Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as
 (a copy when the layout needs one: the time axis is not next to the feature axis), as the
 kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py`` take them.
 
-Backward: ``codegen/kda_bwd.py`` when present (the chunked backward kernels); else autograd
-through the float64 chunked reference (``patterns/kda_reference.chunked``) — exact, slow
-(PyTorch ops per chunk, float64): the gradients of the fused loop are right before they are fast.
+Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
+:data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
+(``patterns/kda_reference.chunked``) — exact, slow (PyTorch ops per chunk, float64).
 """
 
 from __future__ import annotations
@@ -139,12 +139,58 @@ def _setup(ctx, inputs, output):
     ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state)
 
 
+#: Largest K (and V) the backward kernels (codegen/kda_bwd.py) take: their state tiles live in
+#: registers. Larger heads fall back to :func:`backward_reference`.
+KERNEL_BACKWARD_MAX_DIM = 256
+
+
 def _backward(ctx, d_o, d_state):
     q, k, v, g, beta, h0 = ctx.saved_tensors
     time_dims, t0, steps, scale, scalar_gate, out_dim, want_state = ctx.args
-    grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state if want_state else None, time_dims=time_dims,
-                               t0=t0, steps=steps, scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+    args = dict(time_dims=time_dims, t0=t0, steps=steps, scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+    d_state = d_state if want_state and d_state is not None and d_state.numel() else None
+    if max(q.shape[-1], v.shape[-1]) <= KERNEL_BACKWARD_MAX_DIM:
+        dq, dk, dv, dg, db, dh0 = kda_backward(q, k, v, g, beta, h0, d_o.contiguous(), d_state, time_dims, t0, steps,
+                                               scale, scalar_gate, out_dim)
+        grads = (dq, dk, dv, dg, db, dh0 if h0 is not None else None)
+    else:
+        grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state, **args)
     return (*grads, None, None, None, None, None, None, None, None, None, None)
+
+
+def _unflatten(x: torch.Tensor, like: torch.Tensor, time_dim: int, t0: int, steps: int) -> torch.Tensor:
+    """A gradient ``[N, T, *]`` (or ``[N, T]``) back in the layout of the input ``like`` (the time
+    axis at ``time_dim``; zeros outside ``[t0, t0 + steps)``), in ``like``'s dtype."""
+    lead = list(like.shape)
+    del lead[time_dim]
+    features = x.dim() == 3
+    shaped = x.reshape(*(lead[:-1] if features else lead), steps, *( [x.shape[-1]] if features else []))
+    shaped = shaped.movedim(-2 if features else -1, time_dim)
+    if shaped.shape == like.shape:
+        return shaped.to(like.dtype)
+    full = torch.zeros_like(like)
+    full.narrow(time_dim, t0, steps).copy_(shaped.reshape(full.narrow(time_dim, t0, steps).shape))
+    return full
+
+
+def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
+    """Gradients of :func:`kda` with respect to ``q, k, v, g, beta, h0`` by the chunked backward
+    kernels (:func:`fuser.codegen.kda_bwd.backward`), in the inputs' dtypes and layouts."""
+    from ..codegen import kda_bwd
+
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
+    kd, vd = q.shape[-1], v.shape[-1]
+    do = d_o.movedim(out_dim, len(lead)).reshape(-1, steps, vd)
+    h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
+    dsf = d_state.reshape(-1, kd, vd) if d_state is not None else None
+    dq, dk, dv, dg, db, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f,
+                                              d_final_state=dsf, scalar_gate=scalar_gate)
+    tq, tk, tv, tg, tb = time_dims
+    beta_like = beta.squeeze(-1) if beta.dim() == len(lead) + 2 else beta
+    out = [_unflatten(dq, q, tq, t0, steps), _unflatten(dk, k, tk, t0, steps), _unflatten(dv, v, tv, t0, steps),
+           _unflatten(dg, g, tg, t0, steps), _unflatten(db, beta_like, tb, t0, steps).reshape(beta.shape),
+           dh0.reshape(h0.shape).to(h0.dtype) if (h0 is not None and dh0 is not None) else None]
+    return tuple(out)
 
 
 def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
@@ -181,6 +227,30 @@ def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, ste
         gr = next(it)
         result.append(torch.zeros_like(x) if gr is None else gr.to(x.dtype))
     return tuple(result)
+
+
+@torch.library.custom_op("fuser::kda_backward", mutates_args=())
+def kda_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], d_o: torch.Tensor, d_state: Optional[torch.Tensor], time_dims: list[int], t0: int,
+    steps: int, scale: float, scalar_gate: bool, out_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`kda` by the kernels (an op of its own, so that AOTAutograd traces
+    the backward graph without running them): ``(dq, dk, dv, dg, dbeta, dh0)`` shaped like the
+    inputs (``dh0`` empty without ``h0``)."""
+    grads = backward_kernels(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
+                             scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+    like = (q, k, v, g, beta, h0)
+    # in the inputs' own strides, as the fake implementation says (empty_like keeps them)
+    out = [torch.empty_like(x).copy_(gr) for x, gr in zip(like[:5], grads[:5])]
+    out.append(torch.empty_like(h0).copy_(grads[5]) if h0 is not None and grads[5] is not None else q.new_empty(0))
+    return tuple(out)
+
+
+@kda_backward.register_fake
+def _kda_backward_fake(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps, scale, scalar_gate, out_dim):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), torch.empty_like(h0) if h0 is not None else q.new_empty(0))
 
 
 kda.register_autograd(_backward, setup_context=_setup)
