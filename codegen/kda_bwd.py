@@ -66,7 +66,7 @@ __all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", 
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
-#: register tiles of kda_bwd_intra at 4K float32 elements).
+#: register tiles of kda_bwd_intra1 at 4K float32 elements).
 CHUNKS = (16, 32, 64)
 #: The keys :func:`backward`'s ``saved`` may hold.
 SAVED_KEYS = ("chunk_states",)
