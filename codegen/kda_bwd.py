@@ -45,8 +45,9 @@ Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` 
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
 
 Performance: NOT MEASURED on a GPU (written without one; the sm90 configs are guesses checked
-only by compiling offline with Triton 3.6: no spills at the default config, shared memory within
-228 KB after the one-stage retry). The traffic is dominated by the scratch (about 1.6 GB at
+only by compiling offline with Triton 3.6 at K = V = 128, chunk 64: shared memory within 228 KB
+after the one-stage retry; no register spills except kda_bwd_dstates with bfloat16 scratch, about
+0.3 KB, and the scalar-gate kda_bwd_intra2, 40 B). The traffic is dominated by the scratch (about 1.6 GB at
 B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
 the first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
 first).
@@ -240,9 +241,10 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
-# chunk 64, bf16 inputs: no register spills at 8 warps; shared memory 172 KB for kda_bwd_states at
-# 2 stages, kda_bwd_dstates 266 KB at 2 stages (so it falls back to 1 stage, 139 KB), the
-# parallel kernels <= 82 KB. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+# chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch: kda_bwd_states 172 KB shared memory,
+# kda_bwd_dstates 266 KB (so it falls back to 1 stage, 139 KB), no spills; bfloat16 scratch:
+# 66 KB / 102 KB, kda_bwd_dstates spills ~0.3 KB; the parallel kernels <= 82 KB, 186-254
+# registers. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
 _TABLE = {
     "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
     "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
