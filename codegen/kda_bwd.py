@@ -36,8 +36,8 @@ gate, whose ``dG`` sums over K, runs every K block in one program)
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
-(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, T, V]`` ×3 (U, Δ, dΔ), ``[N, n_chunks, K, V]``
-×2 (the states, their gradients; the first not with ``saved``).
+(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×2 (the states, their
+gradients; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ, dΔ).
 
 Numerics: every exponential is of a difference of cumulative gates that is ≤ 0 when ``g ≤ 0``
 (``e^{G}·e^{−G}`` over a chunk would overflow with gates near −30); rows past ``T`` contribute 0.
@@ -45,10 +45,11 @@ Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` 
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
 
 Performance: NOT MEASURED on a GPU (written without one; the sm90 configs are guesses checked
-only by compiling offline with Triton 3.6: no spills at the default config, shared memory within
-228 KB after the one-stage retry). The traffic is dominated by the scratch (about 1.6 GB at
-B=1, T=4096, H=16, K=V=128 with float32 scratch, about half with bfloat16), so ``scratch`` is the
-first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
+only by compiling offline with Triton 3.6 at K = V = 128, chunk 64: shared memory within 228 KB
+after the one-stage retry; no register spills except kda_bwd_dstates with bfloat16 scratch, about
+0.3 KB, and the scalar-gate kda_bwd_intra2, 40 B). The traffic is dominated by the scratch (about 1.6 GB at
+B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
+the first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
 first).
 """
 
@@ -66,7 +67,7 @@ __all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", 
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
-#: register tiles of kda_bwd_intra at 4K float32 elements).
+#: register tiles of kda_bwd_intra1 at 4K float32 elements).
 CHUNKS = (16, 32, 64)
 #: The keys :func:`backward`'s ``saved`` may hold.
 SAVED_KEYS = ("chunk_states",)
@@ -222,11 +223,11 @@ def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto"):
             "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
 
 
-#: ``config["scratch"]``: the dtype of the large scratch tensors W, U, KG, QG, Δ, dΔ and the chunk
-#: states and their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the
-#: differences of cumulative gates). ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit,
-#: else float32 (halves most of the backward's HBM traffic; a relative error of about 2⁻⁹ per
-#: element on quantities already rounded to 16 bits at the inputs).
+#: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, QG and the chunk states and
+#: their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the differences of
+#: cumulative gates; U, Δ, dΔ too: Δ = U − W S cancels, and bfloat16 U, Δ, dΔ alone gave
+#: ~5e-3 relative error in dq on the interpreter tests, against ~2e-3 for the rest together).
+#: ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit, else float32.
 SCRATCH = ("auto", "float32", "bfloat16")
 
 
@@ -240,9 +241,10 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
-# chunk 64, bf16 inputs: no register spills at 8 warps; shared memory 172 KB for kda_bwd_states at
-# 2 stages, kda_bwd_dstates 266 KB at 2 stages (so it falls back to 1 stage, 139 KB), the
-# parallel kernels <= 82 KB. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+# chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch: kda_bwd_states 172 KB shared memory,
+# kda_bwd_dstates 266 KB (so it falls back to 1 stage, 139 KB), no spills; bfloat16 scratch:
+# 66 KB / 102 KB, kda_bwd_dstates spills ~0.3 KB; the parallel kernels <= 82 KB, 186-254
+# registers. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
 _TABLE = {
     "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
     "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
@@ -392,7 +394,8 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     if sd is None:  # auto
         sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
     w_b, k_g, q_g = (emp((n, t, kd), sd, dev) for _ in range(3))
-    u_b, delta, d_delta = (emp((n, t, vd), sd, dev) for _ in range(3))
+    # U, Δ, dΔ stay float32: Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
+    u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
     d_states = emp((n, nc, kd, vd), sd, dev)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
     dq_v = emp((n, t, kd), f32, dev)
