@@ -49,7 +49,7 @@ def _inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, scalar_gate=Fals
         raise AssertionError(gate)
     beta = torch.rand(n, t, generator=gen)
     s0 = torch.randn(n, kd, vd, generator=gen) if init else None
-    cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    cast = lambda x: x.to(device=device, dtype=dtype)
     return (cast(q), cast(k), cast(v), g.to(device), beta.to(device),
             None if s0 is None else s0.to(device))
 
@@ -170,12 +170,12 @@ def test_save_for_backward():
     nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
     q, k, v, g, beta, s0 = _inputs(8, nq, group, t, kd, vd)
     with launch.poison_outputs():
-        o, s, saved = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True,
+        o, _, saved = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True,
                                         chunk=chunk, save_for_backward=True)
     n, nc, tp = nq * group, 3, 48
     assert saved["chunk"] == chunk
     shapes = {"states": (n, nc, kd, vd), "g_last": (n, nc, kd), "qg": (n, tp, kd), "kd": (n, tp, kd), "w": (n, tp, kd),
-              "u": (n, tp, vd), "a_qk": (n, tp, chunk)}
+              "u": (n, tp, vd), "a_qk": (n, tp, chunk), "t_mat": (n, tp, chunk)}
     for name, shape in shapes.items():
         x = saved[name]
         assert tuple(x.shape) == shape and x.is_contiguous() and torch.isfinite(x).all(), name
@@ -189,6 +189,18 @@ def test_save_for_backward():
         ref_g = g[:, c * chunk:(c + 1) * chunk].double().sum(1)
         torch.testing.assert_close(saved["g_last"][:, c].double(), ref_g, rtol=1e-5, atol=1e-5)
     assert (saved["u"][:, t:] == 0).all() and (saved["w"][:, t:] == 0).all()  # rows past T are zero
+    # T = (I + diag(beta) A_kk)^-1 diag(beta) and scale * A_qk of chunk 1, head 1, in float64
+    sl, h = slice(chunk, 2 * chunk), 1
+    kc, qc, bc = k[h // group, sl].double(), q[h // group, sl].double(), beta[h, sl].double()
+    cg = g[h, sl].double().cumsum(0)
+    diff = (cg[:, None, :] - cg[None, :, :]).masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool).tril()[:, :, None],
+                                                         float("-inf"))
+    a_kk = torch.einsum("rd,sd,rsd->rs", kc, kc, diff.exp()).tril(-1)
+    a_qk = torch.einsum("rd,sd,rsd->rs", qc, kc, diff.exp()) * kd ** -0.5
+    t_mat = torch.linalg.solve_triangular(torch.eye(chunk, dtype=torch.float64) + bc[:, None] * a_kk,
+                                          torch.diag(bc), upper=False, unitriangular=True)
+    assert rel_err(saved["t_mat"][h, sl], t_mat) < 1e-5
+    assert rel_err(saved["a_qk"][h, sl], a_qk) < 1e-5
     assert rel_err(o, _reference(q, k, v, g, beta, kd ** -0.5, s0, False)[0]) < 1e-4
 
 
@@ -242,7 +254,7 @@ def test_configs_kernels_and_costs():
     assert kda_chunk.workspace_dtype(torch.float16, torch.float16, torch.float16) == torch.bfloat16
     assert kda_chunk.workspace_dtype(torch.bfloat16, torch.bfloat16, torch.float32) == torch.float32
     kw = dict(n=4, t=100, k_dim=64, v_dim=32, chunk=32)
-    assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 32) * 2 + 4 * 4 * 64 * 4
+    assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 2 + 4 * 4 * 64 * 4
     assert kda_chunk.workspace_bytes(**kw, save_for_backward=True) > kda_chunk.workspace_bytes(**kw)
     assert kda_chunk.hbm_bytes(nq=2, **kw) > 0 and kda_chunk.flops(**kw) > 0 and kda_chunk.exps(n=4, t=100, k_dim=64) > 0
     t = sympy.Symbol("T", positive=True, integer=True)
