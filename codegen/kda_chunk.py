@@ -1,0 +1,543 @@
+"""KDA (Kimi Delta Attention) forward in chunks (the WY form) on tensor cores: launchers,
+workspaces, config tables and cost helpers.
+
+KDA (Kimi Linear, Moonshot AI 2025) is the gated delta rule (Yang, Kautz and Hatamizadeh, "Gated
+Delta Networks", ICLR 2025) with one decay per key channel. Per value head a float32 state
+``S ∈ ℝ^{K×V}`` is updated every token ``t``::
+
+    S ← diag(e^{g_t}) S;   v̂_t = Sᵀ k_t;   S ← S + β_t k_t (v_t − v̂_t)ᵀ;   o_t = Sᵀ (scale · q_t)
+
+(scalar gate: one ``g_t`` per head and token decays all of ``S``). ``docs/math.md`` ("KDA: the
+chunked (WY) form") derives the chunked form used here; the float64 oracles are
+``patterns/kda_reference.py``. In a chunk of ``C`` tokens with ``S0`` the state before it and
+``G`` the inclusive cumulative sum of ``g`` inside the chunk (float32)::
+
+    A_kk[r, s] = Σ_d k_rd k_sd e^{G_rd − G_sd}  (s < r)      A_qk[r, s] = Σ_d q_rd k_sd e^{G_rd − G_sd}  (s ≤ r)
+    T = (I + diag(β) A_kk)⁻¹ diag(β),   U = T V,   W = T (K ∘ e^G)
+    Δ = U − W S0,   O = scale · ((Q ∘ e^G) S0 + A_qk Δ),   S_C = diag(e^{G_C}) S0 + (K ∘ e^{G_C − G})ᵀ Δ
+
+Everything but the last line is independent of ``S0``, hence two kernels:
+
+Kernel 1, ``templates/kda_chunk_prep.py.jinja``, grid ``(chunks, N)``
+    Per chunk and value head, over K in blocks of ``BLOCK_K1``, sub-block by sub-block (16
+    rows; only the right factors of the earlier sub-blocks stay live): ``G``; ``A_kk`` and
+    ``A_qk`` as ``[16, 16]`` tiles (``DT`` dots, float32 accumulators; the decays below);
+    ``Qg``, ``Kd``, ``G_C`` stored. Then the inverse ``X = (I + diag(β) A_kk)⁻¹`` block by block:
+    each diagonal tile ``X_ii = (I + L_ii)⁻¹ = (I − L)(I + L²)(I + L⁴)(I + L⁸)`` (``L = diag(β)
+    A_kk`` strictly lower, so ``L¹⁶ = 0``: six ``[16, 16]`` IEEE float32 dots instead of 15
+    sequential row steps, each a cross-warp reduction — measured 0.44 ms of 1.7 ms at K=128
+    before), then ``X_ij = −X_ii Σ_{m=j}^{i−1} L_im X_mj`` (IEEE float32 dots). ``T = X diag(β)``
+    is stored to the ``t_mat`` workspace and read back whole (after a CTA barrier), so that
+    ``U = T V`` and ``W = T (K ∘ e^G)`` are ``[C, C] × [C, BLOCK]`` tensor-core dots (as ``[16,
+    16]`` tile dots they spilled and cost 0.9 ms at K=128).
+Kernel 2, ``templates/kda_chunk_scan.py.jinja``, grid ``(⌈V / BLOCK_V⌉, N)``
+    Sequential over the chunks, the state tile ``[K, BLOCK_V]`` in float32 registers (as
+    ``⌈K / BLOCK_K⌉`` tiles): ``Δ = U − W S``, ``O = Qg S + Aqk Δ``,
+    ``S ← diag(e^{G_C}) S + Kdᵀ Δ``; loads the initial state, stores the final state and (with
+    ``save_for_backward``) the state before every chunk. The chunk loop's loads do not depend on
+    the state, so Triton's pipelining (``num_stages`` ≥ 2) prefetches them.
+
+Kernel 1 does all the exponentials (about ``4·C·K`` per chunk), so kernel 2 is dots and loads
+only (one ``e^{G_C}`` vector per chunk).
+
+Numerics of the decays (why nothing overflows):
+
+- ``e^{G_r − G_s}`` is never formed as ``e^{G_r} · e^{−G_s}`` over the chunk (``−G`` reaches
+  hundreds with strong gates; ``e^{88}`` overflows float32, and ``∞ · 0 = NaN``).
+- Off-diagonal sub-block pairs ``(i, j)``, ``j < i``: with ``c_i`` the value of ``G`` at the
+  row before sub-block ``i`` (0 for ``i = 0``) and ``c_{j+1}`` the value at the last row of
+  sub-block ``j``, ``e^{G_r − G_s} = e^{G_r − c_i} · e^{c_i − c_{j+1}} · e^{c_{j+1} − G_s}``:
+  for ``g ≤ 0`` every factor is ``≤ 1`` (``r`` is at or after the reference ``c_i``, ``s`` at
+  or before ``c_{j+1}`` and ``c_{j+1}`` before ``c_i``), so a factor can only underflow, to a
+  value whose true product is below ``~1e-38`` anyway. The first and last factors are per row
+  ``[16, K]`` (computed once per sub-block and shared by all pairs and by ``Qg``, ``Kd``), the
+  middle one a ``[K]`` vector per pair.
+- Diagonal pairs ``(i, i)``: ``e^{G_r − c_i} · e^{c_i − G_s}`` with the second factor clamped at
+  ``e^{30}`` (so every product is finite: at most ``e^{30}·|q||k|`` above the diagonal, where the
+  mask drops it). This is exact while every ``|G_r − c_i|`` of the sub-block is ``≤ 30``, which
+  the kernel tracks over all K blocks; a sub-block that spans more (strong gates: mean gate
+  below about −2 per token) gets its diagonal tile recomputed afterwards, pairwise from the
+  differences ``[16, 16, 16]`` per K slice with exponent ``−∞`` above the diagonal before the
+  exponential (16× the exponentials, only for such sub-blocks; the pairwise differences inside a
+  sub-block need only its own cumulative sum).
+- Scalar gate: the decay is a ``[16, 16]`` matrix per tile pair, pairwise (``e^{G_r − G_s}``,
+  ``−∞`` above the diagonal), multiplying ``K Kᵀ`` and ``Q Kᵀ`` computed without decay.
+- Positive gates: the same formulas; the factors then exceed 1 but stay finite while every
+  partial sum of ``g`` inside a chunk stays below ~80 (the float32 exponent range with margin);
+  slightly positive gates (e.g. up to 0.1) match the reference. Larger positive sums overflow
+  (``inf``/``NaN``), as the decays themselves would.
+- ``Qg = scale · q e^G`` and ``Kd = k e^{G_C − G}`` (``≤ 1`` factors for ``g ≤ 0``), the
+  state decay ``e^{G_C}`` from the stored ``G_C``.
+
+Workspaces (allocated per call, contiguous; ``T_pad = ⌈T / C⌉ · C``, rows past ``T`` are
+written as zeros; "dots' dtype" ``DT`` = float32 if any of q, k, v is float32, else bfloat16 —
+also for float16 inputs, so that the state cast for the tensor-core dots has float32's range):
+
+=========  ======================  =====  =========================================================
+name       shape                   dtype  content
+=========  ======================  =====  =========================================================
+``qg``     ``[N, T_pad, K]``       DT     ``scale · q ∘ e^G``
+``kd``     ``[N, T_pad, K]``       DT     ``k ∘ e^{G_C − G}``
+``w``      ``[N, T_pad, K]``       DT     ``W = T (K ∘ e^G)`` per chunk
+``u``      ``[N, T_pad, V]``       DT     ``U = T V`` per chunk
+``a_qk``   ``[N, T_pad, C]``       DT     ``scale · A_qk`` per chunk (row r of chunk c at ``c·C + r``;
+                                          zero above the diagonal)
+``t_mat``  ``[N, T_pad, C]``       DT     ``T = (I + diag(β) A_kk)⁻¹ diag(β)`` per chunk (same
+                                          layout; zero above the diagonal)
+``g_last`` ``[N, n_chunks, K]``    fp32   ``G_C``, the chunk's summed gate per key channel
+``states`` ``[N, n_chunks, K, V]`` fp32   the state before each chunk (``save_for_backward`` only)
+=========  ======================  =====  =========================================================
+
+Precision: decays, ``A``, the solve and the state are float32; the dots of kernel 1's ``A``,
+``U``, ``W`` and of kernel 2 take ``DT`` operands (``T``, the decayed ``q``/``k`` factors, and in
+kernel 2 the state and ``Δ``, rounded to ``DT`` as dot operands only) and accumulate in float32.
+Measured on the H100 with bf16 inputs (T up to 2000, K up to 256): relative error of o 0.3-0.4%
+against the float64 recurrence, of which bf16 output rounding alone is ~0.17%. float32 inputs use IEEE float32 dots unless torch's
+matmul precision allows TF32 (``launch.dot_precision``).
+
+Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
+``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
+argument (a new length does not recompile), ``K`` and ``V`` compile-time (any positive values,
+masked to the blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import launch
+from .render import RenderedKernel, render
+
+__all__ = [
+    "forward", "prep_kernel", "scan_kernel", "kernels_for", "candidate_configs", "workspace_dtype",
+    "workspace_bytes", "hbm_bytes", "flops", "exps", "CHUNKS", "MAX_K",
+]
+
+PREP_TEMPLATE = "kda_chunk_prep.py.jinja"
+SCAN_TEMPLATE = "kda_chunk_scan.py.jinja"
+
+#: The chunk lengths the kernels take (multiples of the 16-row sub-block).
+CHUNKS = (16, 32, 64)
+#: The largest key dimension: kernel 2 keeps the state [K, BLOCK_V] in registers.
+MAX_K = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def _check_chunk(chunk) -> int:
+    if isinstance(chunk, bool) or chunk not in CHUNKS:
+        raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
+    return int(chunk)
+
+
+def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool) -> RenderedKernel:
+    """Render kernel 1 (``templates/kda_chunk_prep.py.jinja``) for a chunk length and gate kind.
+
+    Raises:
+        ValueError: ``chunk`` not in :data:`CHUNKS`.
+    """
+    chunk = _check_chunk(chunk)
+    name = f"kda_chunk_prep_c{chunk}" + ("_scalar" if scalar_gate else "") + ("_interp" if interpret else "")
+    return render(PREP_TEMPLATE, name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret))
+
+
+def scan_kernel(*, chunk: int, k_blocks: int, interpret: bool) -> RenderedKernel:
+    """Render kernel 2 (``templates/kda_chunk_scan.py.jinja``): the state as ``k_blocks`` tiles.
+
+    Raises:
+        ValueError: ``chunk`` not in :data:`CHUNKS`, ``k_blocks`` not in 1..16.
+    """
+    chunk = _check_chunk(chunk)
+    if isinstance(k_blocks, bool) or not isinstance(k_blocks, int) or not 1 <= k_blocks <= 16:
+        raise ValueError(f"k_blocks must be an int in 1..16, got {k_blocks!r}")
+    name = f"kda_chunk_scan_c{chunk}_kb{k_blocks}" + ("_interp" if interpret else "")
+    return render(SCAN_TEMPLATE, name, chunk=chunk, k_blocks=k_blocks, interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _prep_module(chunk: int, scalar_gate: bool, interpret: bool):
+    kernel = prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_module(chunk: int, k_blocks: int, interpret: bool):
+    kernel = scan_kernel(chunk=chunk, k_blocks=k_blocks, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+
+def _cfg(bk, bv, w, s, bk1, bv1, w1, s1):
+    return {"BLOCK_K": bk, "BLOCK_V": bv, "num_warps": w, "num_stages": s,
+            "BLOCK_K1": bk1, "BLOCK_V1": bv1, "num_warps1": w1, "num_stages1": s1}
+
+
+# Keys: BLOCK_K, BLOCK_V, num_warps, num_stages: kernel 2 (the state tile is K x BLOCK_V, held as
+# ceil(K / BLOCK_K) tiles [BLOCK_K, BLOCK_V]; the grid is N x ceil(V / BLOCK_V) programs, each
+# sequential over T); BLOCK_K1, BLOCK_V1, num_warps1, num_stages1: kernel 1 (K and V are looped
+# in blocks of BLOCK_K1 / BLOCK_V1; the pairwise diagonal tiles are [16, 16, BLOCK_K1]).
+#
+# Interpreter: small blocks (several K blocks at test sizes).
+_INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
+
+# GPUs. sm90 bf16, MEASURED on the H100 (2026-11-23, N=32, T=8192, K=V, chunk 64, Triton 3.6, softplus
+# gates). Kernel 2 (BLOCK_K 64) over BLOCK_V {64, 32, 16} x warps {4, 8} x stages {1, 2, 3}:
+#   K=128: (64, 32, 4, 3) 0.250 ms best, (64, 64, 4, 3) 0.289, (64, 32, 4, 2) 0.345, 8 warps always
+#          slower, 1 stage 2-3x slower (the chunk loop's loads must be pipelined);
+#   K=64:  (64, 16, 4, 3) 0.165 ms best, (64, 32, 4, 3) 0.186, (64, 64, 4, 3) 0.222;
+#   K=256: 3 stages run out of shared memory; (64, 32, 4, 2) 0.948 ms best, (64, 32, 8, 2) 1.19,
+#          (64, 16, 4, 2) 1.58.
+# Kernel 1, BLOCK_K1 {16, 32, 64} x warps {4, 8} at K=128: (32, 4 warps) 0.83 ms best (16: 0.96,
+# 64: 0.98, 8 warps: 1.22; it spills at 255 registers); K=64 0.49 ms, K=256 1.51 ms; 1 stage a
+# little slower at K=64/256. Every other row (fp32, other GPUs): NOT MEASURED (guesses): kernel 2
+# keeps K x BLOCK_V float32 state (<= 8K elements per program at 4 warps) plus [C, BLOCK_V]
+# U/D/O tiles; a small BLOCK_V gives more programs (N * V / BLOCK_V), each sequential over T.
+# Key: (device kind, K bucket <= 64 / <= 128 / <= 256, size of the dots' dtype).
+_TABLE = {
+    ("sm90", 64, 2): [_cfg(64, 16, 4, 3, 32, 64, 4, 2), _cfg(64, 32, 4, 3, 32, 64, 4, 2),
+                      _cfg(64, 64, 4, 3, 32, 64, 4, 2)],
+    ("sm90", 128, 2): [_cfg(64, 32, 4, 3, 32, 64, 4, 2), _cfg(64, 64, 4, 3, 32, 64, 4, 2),
+                       _cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 16, 4, 3, 32, 64, 4, 2)],
+    ("sm90", 256, 2): [_cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 32, 8, 2, 32, 64, 4, 2),
+                       _cfg(64, 16, 4, 2, 32, 64, 4, 2)],
+    ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 32, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 1)],
+    ("sm90", 128, 4): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(64, 16, 4, 2, 32, 32, 4, 1)],
+    ("sm90", 256, 4): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
+    ("cuda", 64, 2): [_cfg(64, 32, 4, 3, 32, 64, 4, 2), _cfg(32, 32, 4, 2, 32, 32, 4, 1)],
+    ("cuda", 128, 2): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
+    ("cuda", 256, 2): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
+    ("cuda", 64, 4): [_cfg(32, 32, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 1, 16, 32, 4, 1)],
+    ("cuda", 128, 4): [_cfg(32, 16, 4, 2, 32, 32, 4, 1), _cfg(16, 16, 4, 1, 16, 16, 4, 1)],
+    ("cuda", 256, 4): [_cfg(32, 16, 4, 2, 16, 32, 4, 1), _cfg(16, 16, 4, 1, 16, 16, 4, 1)],
+}
+
+
+def _bucket(k_dim: int) -> int:
+    return 64 if k_dim <= 64 else 128 if k_dim <= 128 else 256
+
+
+def _fit(cfg: dict, k_dim: int, v_dim: int) -> dict:
+    """A config's blocks shrunk to the problem (no block wider than the next power of two of
+    its dimension, none below 16)."""
+    kp, vp = max(16, launch.next_power_of_2(k_dim)), max(16, launch.next_power_of_2(v_dim))
+    out = dict(cfg)
+    for key, lim in (("BLOCK_K", kp), ("BLOCK_V", vp), ("BLOCK_K1", kp), ("BLOCK_V1", vp)):
+        out[key] = min(out[key], lim)
+    return out
+
+
+def workspace_dtype(q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> torch.dtype:
+    """The dots' operand dtype ``DT`` of the workspaces: float32 if any of q, k, v is float32,
+    else bfloat16 (float16 inputs too: the state is rounded to ``DT`` as a dot operand, and
+    bfloat16 keeps float32's range)."""
+    if torch.float32 in (q_dtype, k_dtype, v_dtype):
+        return torch.float32
+    return torch.bfloat16
+
+
+def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device) -> list[dict]:
+    """Launch configs, best first (the first is the default): the interpreter's table on CPU
+    tensors, else by device kind (``launch.device_kind``), K bucket (≤ 64, ≤ 128, ≤ 256) and the
+    size of the dots' dtype (:func:`workspace_dtype`; ``dtype`` is that or an input dtype).
+    Blocks are shrunk to the problem's K and V. Keys: ``BLOCK_K``, ``BLOCK_V``, ``num_warps``,
+    ``num_stages`` (kernel 2), ``BLOCK_K1``, ``BLOCK_V1``, ``num_warps1``, ``num_stages1``
+    (kernel 1).
+
+    Raises:
+        ValueError: ``k_dim`` outside 1..:data:`MAX_K` or ``v_dim < 1``.
+    """
+    _check_dims(k_dim, v_dim)
+    dev = launch.device_kind(device)
+    if dev == "interpreter":
+        cands = _INTERP
+    else:
+        cands = _TABLE[(dev, _bucket(k_dim), 4 if dtype == torch.float32 else 2)]
+    out = []
+    for c in cands:
+        c = _fit(c, k_dim, v_dim)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _check_dims(k_dim: int, v_dim: int) -> None:
+    if not 1 <= k_dim <= MAX_K:
+        raise ValueError(f"KDA chunked forward: the key dimension K must be in 1..{MAX_K} (the state [K, BLOCK_V] "
+                         f"lives in registers), got K={k_dim}; split the heads' key dimension or use the "
+                         "recurrent kernel")
+    if v_dim < 1:
+        raise ValueError(f"KDA chunked forward: the value dimension V must be >= 1, got V={v_dim}")
+
+
+def _check_config(cfg: dict) -> dict:
+    launch.check_config(cfg)
+    for key in ("num_warps", "num_warps1"):
+        if cfg[key] not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{key} must be 1, 2, 4, 8 or 16, got {cfg[key]!r}")
+    for key in ("num_stages", "num_stages1"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    return cfg
+
+
+def _configs(config: Optional[dict], k_dim: int, v_dim: int, dtype: torch.dtype, device) -> list[dict]:
+    """The given config alone (missing keys from the default), or every candidate (default first)."""
+    cands = candidate_configs(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device)
+    if config:
+        unknown = set(config) - set(cands[0])
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(cands[0])}")
+        return [_check_config({**cands[0], **config})]
+    return [_check_config(c) for c in cands]
+
+
+def _k_blocks(k_dim: int, cfg: dict) -> int:
+    return launch.cdiv(k_dim, cfg["BLOCK_K"])
+
+
+def kernels_for(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, chunk: int = 64, scalar_gate: bool = False,
+                config: Optional[dict] = None) -> list[RenderedKernel]:
+    """The kernel modules :func:`forward` runs for these sizes (for reports), in launch order:
+    kernel 1 (prep) and kernel 2 (scan, whose unrolling depends on ``⌈K / BLOCK_K⌉`` of the
+    config: ``config`` or the default of :func:`candidate_configs`).
+
+    Raises:
+        ValueError: a bad chunk, K, V or config.
+    """
+    cfg = _configs(config, k_dim, v_dim, dtype, device)[0]
+    interpret = launch.interpreted(device)
+    return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret),
+            scan_kernel(chunk=chunk, k_blocks=_k_blocks(k_dim, cfg), interpret=interpret)]
+
+
+# --------------------------------------------------------------------------------------------
+# Cost helpers (plain ints for ints; they also take sympy expressions for the planner)
+# --------------------------------------------------------------------------------------------
+
+
+def _chunks(t, chunk):
+    if isinstance(t, int):
+        return launch.cdiv(t, chunk)
+    import sympy
+
+    return sympy.ceiling(sympy.sympify(t) / chunk)
+
+
+def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 2, save_for_backward: bool = False):
+    """Extra HBM :func:`forward` allocates beyond ``o`` and the final state, in bytes: the
+    workspaces of the module docstring (``ws_bytes`` the size of the dots' dtype, 2 or 4;
+    ``states`` only with ``save_for_backward``)."""
+    nc = _chunks(t, chunk)
+    tp = nc * chunk
+    total = n * tp * (3 * k_dim + v_dim + 2 * chunk) * ws_bytes + n * nc * k_dim * 4
+    if save_for_backward:
+        total += n * nc * k_dim * v_dim * 4
+    return total
+
+
+def hbm_bytes(*, n, nq, t, k_dim, v_dim, chunk: int = 64, in_bytes: int = 2, g_bytes=None, out_bytes=None,
+              ws_bytes: int = 2, scalar_gate: bool = False, initial_state: bool = False, final_state: bool = False,
+              save_for_backward: bool = False):
+    """Bytes through HBM of one :func:`forward` (a model: every operand read once per kernel
+    that reads it, L2 reuse ignored).
+
+    Kernel 1 reads q, k (per value head: ``N`` rows; with grouped heads L2 usually serves the
+    repeats — counted as ``N``), v, g, beta; reads k and g again (pass 2: W); writes qg, kd, w,
+    u, a_qk, t_mat (``ws_bytes`` each; t_mat is read back once) and ``G_C``. Strong-gate
+    sub-blocks' diagonal recomputation (another read of their q, k, g) is not counted. Kernel 2 reads the workspaces once per V block
+    (counted once: the V blocks of a head run concurrently and share them in L2), writes o,
+    reads/writes the states asked for. ``g_bytes``/``out_bytes`` default to ``in_bytes``.
+    """
+    g_bytes = in_bytes if g_bytes is None else g_bytes
+    out_bytes = in_bytes if out_bytes is None else out_bytes
+    nc = _chunks(t, chunk)
+    tp = nc * chunk
+    gk = 1 if scalar_gate else k_dim
+    k1 = (n * t * (3 * k_dim * in_bytes + v_dim * in_bytes + 2 * gk * g_bytes + in_bytes)
+          + n * tp * (3 * k_dim + v_dim + 3 * chunk) * ws_bytes + n * nc * k_dim * 4)
+    k2 = n * tp * (3 * k_dim + v_dim + chunk) * ws_bytes + n * nc * k_dim * 4 + n * t * v_dim * out_bytes
+    states = n * k_dim * v_dim * 4 * ((1 if initial_state else 0) + (1 if final_state else 0))
+    if save_for_backward:
+        states += n * nc * k_dim * v_dim * 4
+    return k1 + k2 + states
+
+
+def flops(*, n, t, k_dim, v_dim, chunk: int = 64):
+    """Matrix-unit FLOPs of one :func:`forward` (2 per multiply-add, the tiles as the kernels
+    compute them: the ``[16, 16]`` tile pairs of ``A`` on and below the diagonal, the full
+    ``[C, C]`` ``T`` in ``U``, ``W``, all of ``W S``, ``Qg S``, ``Kdᵀ Δ`` and the full ``[C, C]``
+    ``Aqk Δ``).
+
+    Per chunk and head, with ``p = s(s+1)/2`` tile pairs (``s = C / 16``): ``A_kk`` and
+    ``A_qk`` ``2 · 2·256·K·p``; the solve ``2·16³`` per ``[16, 16]`` dot: 6 per diagonal tile
+    and ``Σ_{j<i} (i − j + 1)`` off the diagonal (IEEE float32, on the FMA units); ``U`` and
+    ``W`` ``2·C²·(V + K)``; kernel 2 ``2·C·K·V`` three times and ``2·C²·V``.
+    """
+    nc = _chunks(t, chunk)
+    s = chunk // 16
+    p = s * (s + 1) // 2
+    solve_dots = 6 * s + sum(i - j + 1 for i in range(s) for j in range(i))
+    per_chunk = (4 * 256 * k_dim * p + 2 * 4096 * solve_dots
+                 + 2 * chunk * chunk * (v_dim + k_dim)
+                 + 3 * 2 * chunk * k_dim * v_dim + 2 * chunk * chunk * v_dim)
+    return n * nc * per_chunk
+
+
+def exps(*, n, t, k_dim, chunk: int = 64, scalar_gate: bool = False, pairwise_diagonal: bool = False):
+    """Exponentials of one :func:`forward`: per token and key channel 4 in kernel 1 (the two
+    sub-block factors, the diagonal tile's clamped factor and pass 2's ``e^G``), plus 16 per token
+    and channel where the diagonal tiles are recomputed pairwise (``pairwise_diagonal``: strong
+    gates, every sub-block spanning ``|ΔG| > 30``). Scalar gate: per token the pairwise
+    ``[16, 16]`` decays (``8·(s + 1)``, ``s = C / 16``) plus 2, and pass 2's ``e^G`` per
+    channel."""
+    nc = _chunks(t, chunk)
+    tp = nc * chunk
+    if scalar_gate:
+        return n * tp * (8 * (chunk // 16 + 1) + 2 + k_dim) + n * nc * k_dim
+    return n * tp * k_dim * (4 + (16 if pairwise_diagonal else 0)) + n * nc * k_dim
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; the KDA kernels take float32, float16 or bfloat16 "
+                             "(cast it first)")
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    nq, t, k_dim = q.shape
+    if v.dim() != 3 or v.shape[1] != t:
+        raise ValueError(f"v must be [N, T, V] with T={t} (q's), got {tuple(v.shape)}")
+    n, _, v_dim = v.shape
+    if nq == 0 or n % nq:
+        raise ValueError(f"v's N={n} must be a positive multiple of q's NQ={nq} (grouped value heads)")
+    want_g = (n, t) if scalar_gate else (n, t, k_dim)
+    if tuple(g.shape) != want_g:
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+                         f"{' (scalar_gate=True)' if scalar_gate else ''}, got {tuple(g.shape)}"
+                         + ("; pass scalar_gate=True for a gate per token" if g.shape == (n, t) else "")
+                         + ("; pass scalar_gate=False for a per-channel gate" if g.shape == (n, t, k_dim) and scalar_gate else ""))
+    if tuple(beta.shape) != (n, t):
+        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in launch.DTYPES:
+            raise ValueError("initial_state must be a float32, float16 or bfloat16 tensor [N, K, V] or None")
+        if tuple(initial_state.shape) != (n, k_dim, v_dim):
+            raise ValueError(f"initial_state must be [N, K, V] = {(n, k_dim, v_dim)}, got {tuple(initial_state.shape)}")
+    devices = {x.device for x in (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if out_dtype is not None and out_dtype not in launch.DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    _check_dims(k_dim, v_dim)
+    return n, nq, t, k_dim, v_dim
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: float,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    scalar_gate: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[dict] = None,
+    chunk: int = 64,
+    save_for_backward: bool = False,
+):
+    """KDA forward in chunks of ``chunk`` tokens (the WY form; module docstring).
+
+    Args:
+        q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value head ``n`` reads q/k
+            row ``n // group``. g: log-space decay ``[N, T, K]`` (``[N, T]`` with
+            ``scalar_gate``); ``g ≤ 0`` in practice (positive values: module docstring).
+            beta: ``[N, T]``. Any of float32 / float16 / bfloat16 each (they may differ), any
+            strides (never copied). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
+        scale: multiplies q (e.g. ``K ** -0.5``).
+        initial_state: ``[N, K, V]`` (any float dtype and strides) or None (zeros).
+        output_final_state: also return the state after the last token.
+        scalar_gate: g is ``[N, T]``, one decay for the whole state per token (gated delta rule).
+        out_dtype: o's dtype (default v's).
+        config: launch config (keys of :func:`candidate_configs`; missing keys from the
+            default); None: the table's candidates, the first that fits the device.
+        chunk: tokens per chunk, one of :data:`CHUNKS`.
+        save_for_backward: also return what a backward can reuse (below).
+
+    Returns:
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state
+        ``[N, K, V]`` float32 contiguous, or None unless ``output_final_state``.
+        With ``save_for_backward``: ``(o, final_state, saved)``, ``saved`` a dict of
+        contiguous tensors: ``"states"`` ``[N, n_chunks, K, V]`` float32, the state before
+        each chunk (``states[:, 0]`` is the initial state); ``"g_last"`` ``[N, n_chunks, K]``
+        float32, ``G_C`` (the chunk's summed gate; broadcast over K with a scalar gate);
+        ``"qg"``, ``"kd"``, ``"w"`` ``[N, T_pad, K]``, ``"u"`` ``[N, T_pad, V]``, ``"a_qk"``,
+        ``"t_mat"`` ``[N, T_pad, chunk]`` in the dots' dtype (:func:`workspace_dtype`), the workspaces of
+        the module docstring (``T_pad = n_chunks · chunk``, rows past T zero); ``"chunk"``.
+
+    Raises:
+        ValueError: wrong ranks or shapes (messages name the expected shape), an unsupported
+            dtype, inputs on several devices, K outside 1..256, a chunk not in
+            :data:`CHUNKS`, a bad config.
+    """
+    chunk = _check_chunk(chunk)
+    n, nq, t, k_dim, v_dim = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    device = v.device
+    out_dtype = v.dtype if out_dtype is None else out_dtype
+    dt = workspace_dtype(q.dtype, k.dtype, v.dtype)
+    configs = _configs(config, k_dim, v_dim, dt, device)
+    nc = launch.cdiv(t, chunk)
+    tp = nc * chunk
+    o = launch.empty((n, t, v_dim), out_dtype, device)
+    final = launch.empty((n, k_dim, v_dim), torch.float32, device) if output_final_state else None
+    states = launch.empty((n, nc, k_dim, v_dim), torch.float32, device) if save_for_backward else None
+    ws = {
+        "qg": launch.empty((n, tp, k_dim), dt, device),
+        "kd": launch.empty((n, tp, k_dim), dt, device),
+        "w": launch.empty((n, tp, k_dim), dt, device),
+        "u": launch.empty((n, tp, v_dim), dt, device),
+        "a_qk": launch.empty((n, tp, chunk), dt, device),
+        "t_mat": launch.empty((n, tp, chunk), dt, device),
+        "g_last": launch.empty((n, nc, k_dim), torch.float32, device),
+    }
+    if t == 0 or n == 0:
+        if final is not None:
+            final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
+        return _result(o, final, save_for_backward, states, ws, chunk)
+    interpret = launch.interpreted(device)
+    precision = launch.dot_precision(dt)
+    _, prep = _prep_module(chunk, bool(scalar_gate), interpret)
+    group = n // nq
+
+    def run(cfg):
+        _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret)
+        with launch.launching(interpret):
+            prep.launch_prep(q, k, v, g, beta, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
+                             ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision)
+            scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o, initial_state,
+                             final, states, config=cfg, input_precision=precision)
+
+    key = ("kda_chunk", chunk, bool(scalar_gate), k_dim, v_dim, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+           out_dtype, initial_state is not None, precision, str(device))
+    launch.launch_first_fitting(key, configs, run)
+    return _result(o, final, save_for_backward, states, ws, chunk)
+
+
+def _result(o, final, save_for_backward, states, ws, chunk):
+    if not save_for_backward:
+        return o, final
+    return o, final, dict(ws, states=states, chunk=chunk)

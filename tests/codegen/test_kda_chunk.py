@@ -1,0 +1,304 @@
+"""KDA chunked (WY) forward kernels (codegen/kda_chunk.py + templates/kda_chunk_*.py.jinja) against
+the float64 token recurrence (patterns/kda_reference.py).
+
+On CPU the kernels run in Triton's interpreter at tiny, ragged sizes (T not a multiple of the
+chunk, K and V not powers of two); tests marked ``gpu`` run the compiled kernels at training
+sizes. Outputs are allocated poisoned (NaN), so an element a kernel fails to write shows up.
+
+Note: the 3.9 interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
+float16 inputs (whose dots run on bfloat16 operands, see ``workspace_dtype``) carry about twice
+the GPU's error here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+from _kernel_checks import compiled_keys, rel_err
+import torch
+import torch.nn.functional as F
+
+from fuser.codegen import kda_chunk, launch
+from fuser.patterns import kda_reference
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+CPU = torch.device("cpu")
+
+
+def _inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, scalar_gate=False, gate="softplus", raw_k=False,
+            init=True, device=CPU):
+    """Random q, k [NQ, T, K], v [N, T, V], g, beta [N, T], initial state [N, K, V] (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nq * group
+    q = torch.randn(nq, t, kd, generator=gen)
+    k = torch.randn(nq, t, kd, generator=gen)
+    # raw k: unnormalised (norms spread around 1.2); else l2-normalised
+    k = k * (1.2 * kd ** -0.5) if raw_k else F.normalize(k, dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    gshape = (n, t) if scalar_gate else (n, t, kd)
+    if gate == "softplus":
+        g = -F.softplus(torch.randn(*gshape, generator=gen))
+    elif gate == "strong":  # near -30 per token
+        g = -30.0 + torch.rand(*gshape, generator=gen)
+    elif gate == "mixed":  # mild in the first half of the tokens, near -30 in the second (both diagonal paths)
+        g = -F.softplus(torch.randn(*gshape, generator=gen))
+        g[:, t // 2:] = -30.0 + torch.rand_like(g[:, t // 2:])
+    elif gate == "positive":  # slightly positive
+        g = 0.05 * torch.rand(*gshape, generator=gen)
+    else:
+        raise AssertionError(gate)
+    beta = torch.rand(n, t, generator=gen)
+    s0 = torch.randn(n, kd, vd, generator=gen) if init else None
+    cast = lambda x: x.to(device=device, dtype=dtype)
+    return (cast(q), cast(k), cast(v), g.to(device), beta.to(device),
+            None if s0 is None else s0.to(device))
+
+
+def _reference(q, k, v, g, beta, scale, s0, scalar_gate, chunked=False):
+    """kda_reference in its [B, T, H, *] layout (B = 1), back to [N, T, V] and [N, K, V] (float64)."""
+    if scalar_gate:
+        g = g[..., None].expand(*g.shape, q.shape[-1])
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], g.transpose(0, 1)[None],
+            beta.t()[None])
+    kw = dict(scale=scale, initial_state=None if s0 is None else s0[None], output_final_state=True)
+    o, s = (kda_reference.chunked(*args, **kw, chunk=64) if chunked else kda_reference.recurrent(*args, **kw))
+    return o[0].transpose(0, 1), s[0]
+
+
+def _check(q, k, v, g, beta, s0=None, *, scalar_gate=False, chunk=64, tol=None, config=None, out_dtype=None,
+           final=True, chunked_ref=False):
+    scale = q.shape[-1] ** -0.5
+    with launch.poison_outputs():
+        o, s = kda_chunk.forward(q, k, v, g, beta, scale=scale, initial_state=s0, output_final_state=final,
+                                 scalar_gate=scalar_gate, chunk=chunk, config=config, out_dtype=out_dtype)
+    ro, rs = _reference(q, k, v, g, beta, scale, s0, scalar_gate, chunked=chunked_ref)
+    tol = TOL[q.dtype] if tol is None else tol
+    assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
+    assert torch.isfinite(o).all(), "o has NaN/inf (an unwritten element, or an overflow)"
+    e = rel_err(o, ro)
+    assert e < tol, f"o: relative error {e:.3g} >= {tol}"
+    if final:
+        assert s.shape == (v.shape[0], q.shape[2], v.shape[2]) and s.dtype == torch.float32 and s.is_contiguous()
+        assert torch.isfinite(s).all()
+        e = rel_err(s, rs)
+        assert e < tol, f"final state: relative error {e:.3g} >= {tol}"
+    else:
+        assert s is None
+    return o, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter tests (CPU)
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # id, NQ, group, T, K, V, chunk, scalar gate, dtype
+    ("t37_c16", 1, 1, 37, 24, 40, 16, False, torch.float32),
+    ("t37_c32_gva", 1, 2, 37, 24, 40, 32, False, torch.float32),
+    ("t37_c64_fp16", 1, 1, 37, 24, 40, 64, False, torch.float16),
+    ("t130_c32", 1, 1, 130, 24, 40, 32, False, torch.float32),
+    ("t130_c64_k64_gva", 1, 2, 130, 64, 64, 64, False, torch.float32),
+    ("t130_c16_k64_fp16", 1, 1, 130, 64, 64, 16, False, torch.float16),
+    ("t37_c64_scalar_gva", 1, 2, 37, 24, 40, 64, True, torch.float32),
+    ("t130_c32_scalar_fp16", 1, 1, 130, 24, 40, 32, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_recurrence(case):
+    _, nq, group, t, kd, vd, chunk, scalar, dtype = case
+    q, k, v, g, beta, s0 = _inputs(CASES.index(case), nq, group, t, kd, vd, dtype=dtype, scalar_gate=scalar)
+    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=chunk)
+
+
+@pytest.mark.parametrize("gate", ["strong", "mixed"])
+@pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
+def test_strong_gates(gate, scalar):
+    # gates near -30 per token: e^{G} underflows within a chunk, e^{-G} would overflow; the pairwise
+    # diagonal path (and, "mixed", the fast one in the same call) must give the recurrence's values
+    q, k, v, g, beta, s0 = _inputs(3, 1, 2, 37, 24, 40, scalar_gate=scalar, gate=gate)
+    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=32)
+
+
+def test_slightly_positive_gates():
+    q, k, v, g, beta, s0 = _inputs(4, 1, 1, 37, 24, 40, gate="positive")
+    assert (g > 0).any()
+    _check(q, k, v, g, beta, s0, chunk=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_raw_k(dtype):
+    q, k, v, g, beta, s0 = _inputs(5, 1, 1, 37, 24, 40, raw_k=True, dtype=dtype)
+    _check(q, k, v, g, beta, s0, chunk=16)
+
+
+def test_no_states_and_config_blocks():
+    # no initial state, no final state; a config whose K and V blocks split K=24 / V=40 in two and three
+    q, k, v, g, beta, _ = _inputs(6, 1, 1, 37, 24, 40, init=False)
+    cfg = {"BLOCK_K": 16, "BLOCK_V": 16, "BLOCK_K1": 16, "BLOCK_V1": 16}
+    assert kda_chunk.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, chunk=32,
+                                 config=cfg)[1].params == (("chunk", 32), ("interpret", True), ("k_blocks", 2))
+    _check(q, k, v, g, beta, None, chunk=32, config=cfg, final=False)
+
+
+def test_strided_inputs_and_mixed_dtypes():
+    # every input a non-contiguous view; g and beta float32 next to float16 q, k, v; o in float32
+    nq, group, t, kd, vd = 1, 2, 37, 24, 40
+    n = nq * group
+    q, k, v, g, beta, s0 = _inputs(7, nq, group, t, kd, vd, dtype=torch.float16)
+    qs = torch.empty(t, nq, kd + 8, dtype=q.dtype)[:, :, 4:4 + kd].transpose(0, 1)  # [NQ, T, K], strides (K+8, NQ(K+8), 1)
+    qs.copy_(q)
+    ks = torch.empty(nq, kd, t, dtype=k.dtype).transpose(1, 2)  # K-major
+    ks.copy_(k)
+    vs = torch.empty(n, t, 2 * vd, dtype=v.dtype)[:, :, ::2]  # stride 2 along V
+    vs.copy_(v)
+    gs = torch.empty(t, n, kd).transpose(0, 1)
+    gs.copy_(g)
+    bs = torch.empty(t, n).t()
+    bs.copy_(beta)
+    s0s = torch.empty(n, vd, kd).transpose(1, 2)
+    s0s.copy_(s0)
+    assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, s0s))
+    o, s = _check(qs, ks, vs, gs, bs, s0s, chunk=16, out_dtype=torch.float32)
+    o2, s2 = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True, chunk=16,
+                               out_dtype=torch.float32)
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(s, s2, rtol=0, atol=0)
+
+
+def test_save_for_backward():
+    nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
+    q, k, v, g, beta, s0 = _inputs(8, nq, group, t, kd, vd)
+    with launch.poison_outputs():
+        o, _, saved = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True,
+                                        chunk=chunk, save_for_backward=True)
+    n, nc, tp = nq * group, 3, 48
+    assert saved["chunk"] == chunk
+    shapes = {"states": (n, nc, kd, vd), "g_last": (n, nc, kd), "qg": (n, tp, kd), "kd": (n, tp, kd), "w": (n, tp, kd),
+              "u": (n, tp, vd), "a_qk": (n, tp, chunk), "t_mat": (n, tp, chunk)}
+    for name, shape in shapes.items():
+        x = saved[name]
+        assert tuple(x.shape) == shape and x.is_contiguous() and torch.isfinite(x).all(), name
+    assert saved["states"].dtype == torch.float32 and saved["g_last"].dtype == torch.float32
+    torch.testing.assert_close(saved["states"][:, 0], s0)
+    for c in range(1, nc):  # the state before chunk c: the recurrence over the first c * chunk tokens
+        end = c * chunk
+        _, ref_s = _reference(q[:, :end], k[:, :end], v[:, :end], g[:, :end], beta[:, :end], kd ** -0.5, s0, False)
+        assert rel_err(saved["states"][:, c], ref_s) < 1e-5
+    for c in range(nc):  # G_C: the chunk's summed gate (the last chunk is shorter)
+        ref_g = g[:, c * chunk:(c + 1) * chunk].double().sum(1)
+        torch.testing.assert_close(saved["g_last"][:, c].double(), ref_g, rtol=1e-5, atol=1e-5)
+    assert (saved["u"][:, t:] == 0).all() and (saved["w"][:, t:] == 0).all()  # rows past T are zero
+    # T = (I + diag(beta) A_kk)^-1 diag(beta) and scale * A_qk of chunk 1, head 1, in float64
+    sl, h = slice(chunk, 2 * chunk), 1
+    kc, qc, bc = k[h // group, sl].double(), q[h // group, sl].double(), beta[h, sl].double()
+    cg = g[h, sl].double().cumsum(0)
+    diff = (cg[:, None, :] - cg[None, :, :]).masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool).tril()[:, :, None],
+                                                         float("-inf"))
+    a_kk = torch.einsum("rd,sd,rsd->rs", kc, kc, diff.exp()).tril(-1)
+    a_qk = torch.einsum("rd,sd,rsd->rs", qc, kc, diff.exp()) * kd ** -0.5
+    t_mat = torch.linalg.solve_triangular(torch.eye(chunk, dtype=torch.float64) + bc[:, None] * a_kk,
+                                          torch.diag(bc), upper=False, unitriangular=True)
+    assert rel_err(saved["t_mat"][h, sl], t_mat) < 1e-5
+    assert rel_err(saved["a_qk"][h, sl], a_qk) < 1e-5
+    assert rel_err(o, _reference(q, k, v, g, beta, kd ** -0.5, s0, False)[0]) < 1e-4
+
+
+def test_short_and_empty_sequences():
+    q, k, v, g, beta, s0 = _inputs(9, 1, 1, 1, 24, 40)
+    _check(q, k, v, g, beta, s0, chunk=16)
+    q, k, v, g, beta, s0 = _inputs(9, 1, 1, 0, 24, 40)
+    o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.2, initial_state=s0, output_final_state=True)
+    assert o.shape == (1, 0, 40) and torch.equal(s, s0)
+
+
+def test_bad_inputs():
+    q, k, v, g, beta, s0 = _inputs(10, 1, 2, 5, 24, 40)
+    f = kda_chunk.forward
+    with pytest.raises(ValueError, match=r"\[NQ, T, K\]"):
+        f(q[0], k[0], v, g, beta, scale=1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        f(q.expand(3, -1, -1), k.expand(3, -1, -1), v, g, beta, scale=1.0)
+    with pytest.raises(ValueError, match="scalar_gate=True"):
+        f(q, k, v, g[..., 0], beta, scale=1.0)
+    with pytest.raises(ValueError, match="beta must be"):
+        f(q, k, v, g, beta[:, :3], scale=1.0)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        f(q, k, v, g, beta, scale=1.0, initial_state=s0[:, :3])
+    with pytest.raises(ValueError, match="dtype"):
+        f(q, k, v, g.double(), beta, scale=1.0)
+    with pytest.raises(ValueError, match="chunk must be one of"):
+        f(q, k, v, g, beta, scale=1.0, chunk=48)
+    with pytest.raises(ValueError, match="power of two"):
+        f(q, k, v, g, beta, scale=1.0, config={"BLOCK_V": 24})
+    with pytest.raises(ValueError, match="unknown config keys"):
+        f(q, k, v, g, beta, scale=1.0, config={"BLOCK_M": 16})
+    big = torch.zeros(1, 5, 300)
+    with pytest.raises(ValueError, match="1..256"):
+        f(big, big, v, torch.zeros(2, 5, 300), beta, scale=1.0)
+
+
+def test_configs_kernels_and_costs():
+    for dev in ("sm90", "cuda"):
+        for bucket in (64, 128, 256):
+            for size in (2, 4):
+                for c in kda_chunk._TABLE[(dev, bucket, size)]:
+                    kda_chunk._check_config(dict(c))
+                    # the state tile stays a sane register tile: <= 8K float32 per 4 warps
+                    assert bucket * c["BLOCK_V"] <= 2048 * c["num_warps"]
+    cands = kda_chunk.candidate_configs(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU)
+    assert cands and all(c["BLOCK_K"] <= 32 and c["BLOCK_V"] <= 64 for c in cands)
+    ks = kda_chunk.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, chunk=64, scalar_gate=True)
+    assert [x.template for x in ks] == [kda_chunk.PREP_TEMPLATE, kda_chunk.SCAN_TEMPLATE]
+    assert "@triton.jit" in ks[0].source and ks[0].name.endswith("_interp")
+    assert kda_chunk.workspace_dtype(torch.float16, torch.float16, torch.float16) == torch.bfloat16
+    assert kda_chunk.workspace_dtype(torch.bfloat16, torch.bfloat16, torch.float32) == torch.float32
+    kw = dict(n=4, t=100, k_dim=64, v_dim=32, chunk=32)
+    assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 2 + 4 * 4 * 64 * 4
+    assert kda_chunk.workspace_bytes(**kw, save_for_backward=True) > kda_chunk.workspace_bytes(**kw)
+    assert kda_chunk.hbm_bytes(nq=2, **kw) > 0 and kda_chunk.flops(**kw) > 0 and kda_chunk.exps(n=4, t=100, k_dim=64) > 0
+    t = sympy.Symbol("T", positive=True, integer=True)
+    expr = kda_chunk.flops(n=4, t=t, k_dim=64, v_dim=32, chunk=32)
+    assert int(expr.subs(t, 100)) == kda_chunk.flops(**kw)
+    assert int(kda_chunk.hbm_bytes(nq=2, n=4, t=t, k_dim=64, v_dim=32, chunk=32).subs(t, 100)) == kda_chunk.hbm_bytes(nq=2, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests (compiled kernels, training sizes)
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # NQ, group, T, K, V, chunk, scalar, dtype, gate
+    (2, 2, 2000, 128, 128, 64, False, torch.bfloat16, "softplus"),
+    (2, 1, 1500, 64, 64, 32, False, torch.bfloat16, "softplus"),
+    (1, 2, 1000, 256, 256, 64, False, torch.bfloat16, "softplus"),
+    (2, 1, 777, 200, 96, 64, False, torch.float16, "mixed"),
+    (2, 1, 900, 128, 128, 16, True, torch.bfloat16, "strong"),
+    (2, 1, 600, 100, 72, 64, False, torch.float32, "softplus"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[2]}_K{c[3]}_V{c[4]}_c{c[5]}_{str(c[7])[6:]}_{c[8]}"
+                         + ("_scalar" if c[6] else ""))
+def test_gpu_matches_reference(case):
+    nq, group, t, kd, vd, chunk, scalar, dtype, gate = case
+    dev = torch.device("cuda")
+    q, k, v, g, beta, s0 = _inputs(11, nq, group, t, kd, vd, dtype=dtype, scalar_gate=scalar, gate=gate, device=dev)
+    # the float64 chunked reference (equal to the recurrence; fast at these lengths on the GPU)
+    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=chunk, chunked_ref=True)
+
+
+@pytest.mark.gpu
+def test_gpu_new_length_does_not_recompile():
+    dev = torch.device("cuda")
+    for t in (300, 333):
+        q, k, v, g, beta, s0 = _inputs(12, 1, 1, t, 64, 64, dtype=torch.bfloat16, device=dev)
+        kda_chunk.forward(q, k, v, g, beta, scale=0.125, initial_state=s0, output_final_state=True)
+        cfg = kda_chunk.candidate_configs(k_dim=64, v_dim=64, dtype=torch.bfloat16, device=dev)[0]
+        _, prep = kda_chunk._prep_module(64, False, False)
+        _, scan = kda_chunk._scan_module(64, kda_chunk._k_blocks(64, cfg), False)
+        keys = (compiled_keys(prep.kda_chunk_prep_kernel), compiled_keys(scan.kda_chunk_scan_kernel))
+        if t == 300:
+            first = keys
+    assert keys == first
