@@ -44,7 +44,8 @@ STEP_US = 0.25
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
-#: Largest K the chunked kernels keep the state of in registers.
+#: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
+#: in registers).
 CHUNK_MAX_K = 256
 #: Fraction of the fp32 FMA peak the recurrent kernel's state updates reach: NOT MEASURED.
 RECURRENT_EFFICIENCY = 0.5
@@ -106,11 +107,14 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
         return {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
                 "chain_us": STEP_US * T, "variant": variant}
-    c = chunk
-    work = 4 * N * T * (VD + KD + c)  # U, W, A_qk written and read once (float32)
-    flops = 2 * N * T * c * KD * 2 + 2 * N * T * c * (VD + KD) + 2 * N * T * KD * VD * 3 + 2 * N * T * c * VD
-    return {"bytes": io + state + 2 * work, "flops": flops, "kind": "mma", "launches": 2,
-            "chain_us": CHUNK_US * sympy.ceiling(T / c)}
+    from fuser.codegen import kda_chunk
+
+    ws = torch.finfo(kda_chunk.workspace_dtype(_dtype(b["q"]), _dtype(b["k"]), _dtype(b["v"]))).bits // 8
+    nbytes = kda_chunk.hbm_bytes(n=N, nq=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk, in_bytes=eq, g_bytes=eg,
+                                 out_bytes=eo, ws_bytes=ws, scalar_gate=b["scalar_gate"],
+                                 initial_state=b["h0"] is not None, final_state=b["want_state"])
+    return {"bytes": nbytes, "flops": kda_chunk.flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk), "kind": "mma",
+            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk)}
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
@@ -145,7 +149,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
 
     add("fuser[recurrent]", "recurrent", cost_terms(m, "recurrent"),
         "token by token, each program keeping a [K, BLOCK_V] block of the state for the whole sequence")
-    if subs[KD] <= CHUNK_MAX_K and _chunk_available():
+    if subs[KD] <= CHUNK_MAX_K:
         for c in (64,):
             add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c),
                 f"chunked WY form (chunks of {c}): intra-chunk kernel, then the state across chunks", chunk=c)
@@ -156,14 +160,6 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     return out
 
 
-def _chunk_available() -> bool:
-    try:
-        from fuser.codegen import kda_chunk  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def kernels_for(m: Match, plan: Candidate) -> list:
     """The rendered kernels a fuser plan runs (for reports)."""
     if plan.params.get("impl") != "fuser":
@@ -172,7 +168,10 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     kw = dict(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]), device=_device(b),
               scalar_gate=b["scalar_gate"], initial_state=b["h0"] is not None, output_final_state=b["want_state"])
     if plan.params["plan"] == "chunk":
-        from fuser.codegen import kda_chunk as kernels
-    else:
-        from fuser.codegen import kda_recurrent as kernels
-    return list(kernels.kernels_for(**kw))
+        from fuser.codegen import kda_chunk
+
+        return list(kda_chunk.kernels_for(k_dim=kw["k_dim"], v_dim=kw["v_dim"], dtype=kw["dtype"], device=kw["device"],
+                                          chunk=plan.params["chunk"], scalar_gate=kw["scalar_gate"]))
+    from fuser.codegen import kda_recurrent
+
+    return list(kda_recurrent.kernels_for(**kw))
