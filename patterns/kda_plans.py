@@ -38,9 +38,10 @@ from .kda_ops import plan_string
 N, T, KD, VD = sympy.symbols("N T K V", positive=True, integer=True)
 
 #: Latency of one token of the recurrent kernel's dependency chain, in microseconds (loads of
-#: q_t, k_t, g_t, v_t, two reductions over K, the update): NOT MEASURED, a guess from the
-#: instruction count at K = 128.
-STEP_US = 0.25
+#: q_t, k_t, g_t, v_t, two reductions over K, the update): MEASURED on the H100 at K=V=128
+#: (N=32, T=1024: 0.534 ms, ~0.52 µs a token). At the blog shape 256×8192 (T=8) the model gives
+#: 0.017 ms against 0.078 ms measured: the waves of short programs are not modelled.
+STEP_US = 0.5
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
@@ -49,12 +50,23 @@ CHUNK_US = 2.0
 CHUNK_MAX_K = 256
 #: Fraction of the fp32 FMA peak the recurrent kernel's state updates reach: NOT MEASURED.
 RECURRENT_EFFICIENCY = 0.5
-#: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED.
+#: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED on its own.
 CHUNK_EFFICIENCY = 0.3
-#: Bytes Inductor moves per token per state element (float32), from the issue's measurement on
-#: the H100 (B=1, T=8, H=2, K=256, V=8192: 0.247 ms = 31 µs a token for a 16 MiB state, ~5.6
-#: state passes a token); kernels per token ~3.
-INDUCTOR_STATE_PASSES = 5.6
+#: Measured over modelled time of the chunked forward on the H100 (B=1, T=4096, H=16, bf16:
+#: K=V=64 0.316 ms against 0.195 ms modelled, K=V=128 0.343 against 0.243): kernel 1 spills
+#: registers. Applied to the chunk plan's estimate.
+CHUNK_CALIBRATION = 1.5
+#: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
+#: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
+#: 256×8192 0.247 ms, 8192×1024 0.798 ms, 16384×1024 1.497 ms (model: 0.28, 0.82, 1.53 ms with
+#: 3 launches a token); kernels per token ~3.
+INDUCTOR_STATE_PASSES = 4.0
+#: The recurrent kernel's streamed variant (large K): the fraction of HBM bandwidth its state
+#: traffic reaches, MEASURED on the H100 (benchmarks/results/kda.md, T=8, H=2, V=1024): a 64 MiB
+#: state (K=8192) streamed at ~2.9 TB/s (0.552 ms), a 128 MiB state (K=16384) at ~1.65 TB/s
+#: (1.95 ms): full speed up to :data:`STREAMED_FAST_BYTES` of state, 0.55 above.
+STREAMED_FAST_BYTES = 64 * 2**20
+STREAMED_SLOW_EFFICIENCY = 0.55
 
 
 def _int(x) -> int:
@@ -105,8 +117,11 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
                                               dtype=_dtype(b["q"]), device=_device(b))["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
-        return {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
-                "chain_us": STEP_US * T, "variant": variant}
+        terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
+                 "chain_us": STEP_US * T, "variant": variant}
+        if variant == "streamed":
+            terms["state_bytes"] = 4 * N * KD * VD
+        return terms
     from fuser.codegen import kda_chunk
 
     ws = torch.finfo(kda_chunk.workspace_dtype(_dtype(b["q"]), _dtype(b["k"]), _dtype(b["v"]))).bits // 8
@@ -114,7 +129,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
                                  out_bytes=eo, ws_bytes=ws, scalar_gate=b["scalar_gate"],
                                  initial_state=b["h0"] is not None, final_state=b["want_state"])
     return {"bytes": nbytes, "flops": kda_chunk.flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk), "kind": "mma",
-            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk)}
+            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION}
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
@@ -126,8 +141,13 @@ def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> fl
         t_math = flops / (model.tflops["fp32"] * 1e12 * RECURRENT_EFFICIENCY)
     else:
         t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
-    t = max(nbytes / (model.bandwidth_gbs * 1e9), t_math)
-    t += cm.evaluate(terms["chain_us"], subs) * 1e-6 + cm.evaluate(terms["launches"], subs) * model.launch_us * 1e-6
+    bandwidth = model.bandwidth_gbs * 1e9
+    if "state_bytes" in terms and cm.evaluate(terms["state_bytes"], subs) > STREAMED_FAST_BYTES:
+        bandwidth *= STREAMED_SLOW_EFFICIENCY
+    t = max(nbytes / bandwidth, t_math)
+    t += cm.evaluate(terms["chain_us"], subs) * 1e-6
+    t *= terms.get("calibration", 1.0)
+    t += cm.evaluate(terms["launches"], subs) * model.launch_us * 1e-6
     return t * 1e3
 
 

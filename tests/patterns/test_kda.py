@@ -316,3 +316,23 @@ def test_kda_layer_example():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "kda regions fused: 1" in r.stdout
     assert "one training step through the fused KDA loop matches eager" in r.stdout
+
+
+@pytest.mark.parametrize("plan", ["recurrent", "chunk"])
+def test_each_plan_forced_matches_eager(plan):
+    # T=40 (not a multiple of the chunk), K=20, V=36
+    args = _inputs("bhtk", t=40, k=20, v=36)
+    ms = assert_fuses(blog_loop, *args, pattern="kda", options={"fuser.plan": f"kda.plan={plan}"})
+    assert ms[0].plan.params["plan"] == plan
+    (o, s), _ = _run(blog_loop, *args)
+    want_o, want_s = blog_loop(*args)
+    _close(o, want_o)
+    _close(s, want_s)
+
+
+def test_planner_offers_chunk_up_to_k_256_only():
+    _, small = fuse(blog_loop, *_inputs("bhtk", t=64, k=32, v=32))
+    assert {c.params.get("plan") for c in small.matches[0].alternatives} == {"recurrent", "chunk"}
+    assert small.matches[0].plan.params["plan"] == "chunk"  # T=64: one chunk against 64 dependent tokens
+    _, large = fuse(blog_loop, *_inputs("bhtk", t=3, k=300, v=8))
+    assert {c.params.get("plan") for c in large.matches[0].alternatives} == {"recurrent"}
