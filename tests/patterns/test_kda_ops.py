@@ -1,0 +1,82 @@
+"""torch.ops.fuser.kda and its backward op as custom ops: schema, fake implementations and
+autograd registration (torch.library.opcheck), the plan strings, and the layouts the op takes
+(time axis anywhere, a loop that starts after t = 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuser.patterns import kda_ops, kda_reference
+
+
+def _args(t=6, b=1, h=2, k=8, v=12, seed=0, grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, k, generator=gen)
+    kk = F.normalize(torch.randn(b, t, h, k, generator=gen), dim=-1)
+    vv = torch.randn(b, t, h, v, generator=gen)
+    g = -F.softplus(torch.randn(b, t, h, k, generator=gen))
+    beta = torch.rand(b, t, h, generator=gen)
+    xs = [q, kk, vv, g, beta]
+    if grad:
+        xs = [x.requires_grad_(True) for x in xs]
+    return xs
+
+
+def _call(q, k, v, g, beta, h0=None, t0=0, steps=None, plan="plan=recurrent", want_state=True):
+    steps = q.shape[1] - t0 if steps is None else steps
+    return torch.ops.fuser.kda(q, k, v, g, beta, h0, [1, 1, 1, 1, 1], t0, steps, 0.5, False, 1, v.dtype, want_state,
+                               torch.float32, plan)
+
+
+@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16"])
+def test_opcheck_forward(plan):
+    q, k, v, g, beta = _args()
+    h0 = torch.randn(1, 2, 8, 12)
+    torch.library.opcheck(torch.ops.fuser.kda.default,
+                          (q, k, v, g, beta, h0, [1, 1, 1, 1, 1], 0, 6, 0.5, False, 1, torch.float32, True,
+                           torch.float32, plan),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_opcheck_backward():
+    q, k, v, g, beta = _args()
+    h0 = torch.randn(1, 2, 8, 12)
+    d_o, d_s = torch.randn(1, 6, 2, 12), torch.randn(1, 2, 8, 12)
+    torch.library.opcheck(torch.ops.fuser.kda_backward.default,
+                          (q, k, v, g, beta, h0, d_o, d_s, [1, 1, 1, 1, 1], 0, 6, 0.5, False, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_loop_that_starts_later_reads_a_window_of_the_inputs():
+    q, k, v, g, beta = _args(t=9)
+    o, s = _call(q, k, v, g, beta, t0=3, steps=5)
+    want_o, want_s = kda_reference.recurrent(q[:, 3:8], k[:, 3:8], v[:, 3:8], g[:, 3:8], beta[:, 3:8], scale=0.5,
+                                             output_final_state=True)
+    assert o.shape == (1, 5, 2, 12)
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 300])  # the kernels' backward, then the float64 reference
+def test_gradients_of_a_window_are_zero_outside_it(dim):
+    q, k, v, g, beta = _args(t=7, k=dim if dim > 256 else 8, v=12, grad=True)
+    o, s = _call(q, k, v, g, beta, t0=2, steps=4)
+    (o.square().sum() + s.sum()).backward()
+    ref = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    wo, ws = kda_reference.recurrent(*(x[:, 2:6] for x in ref), scale=0.5, output_final_state=True)
+    (wo.square().sum() + ws.sum()).backward()
+    for got, want in zip((q, k, v, g, beta), ref):
+        assert got.grad[:, :2].abs().max() == 0 and got.grad[:, 6:].abs().max() == 0
+        err = (got.grad.double() - want.grad.double()).norm() / want.grad.double().norm()
+        assert err < 1e-4, err
+
+
+def test_plan_strings():
+    assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 32)) == {"plan": "chunk", "chunk": 32}
+    assert kda_ops.parse_plan("") == {"plan": "recurrent", "chunk": 64}
+    with pytest.raises(ValueError, match="expected plan= or chunk="):
+        kda_ops.parse_plan("plan=chunk;block=4")
+    with pytest.raises(ValueError, match="expected one of"):
+        kda_ops.parse_plan("plan=parallel")
