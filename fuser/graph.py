@@ -283,7 +283,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
-def _single_int_index(idx: tuple, rank: Optional[int]) -> Optional[int]:
+def single_int_index(idx: tuple, rank: Optional[int]) -> Optional[int]:
     """The dim an index tuple selects with its one integer, when every other entry is ``:``
     or one ``...`` (no ``None``, tensor or strided slice); else None."""
     ints = [i for i, e in enumerate(idx) if _is_int(e)]
@@ -685,7 +685,7 @@ class GraphView:
             idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
             if all(i is None or i == slice(None) or i is Ellipsis for i in idx):
                 return mk("reshape", (x0,), shape=shape(n))  # only inserts unit dims
-            dim = _single_int_index(idx, rank0)
+            dim = single_int_index(idx, rank0)
             if dim is not None:  # x[:, t]: one integer index, every other dim whole
                 return mk("select", (x0,), dim=dim, index=idx[[i for i, e in enumerate(idx) if _is_int(e)][0]])
             return None

@@ -46,12 +46,13 @@ import torch
 import torch.fx as fx
 
 from fuser.einsum import monomial
-from fuser.graph import GraphView, _single_int_index, dtype, location, ndim, shape
+from fuser.graph import GraphView, single_int_index, annotate, dtype, location, ndim, shape, val
 from fuser.names import user_name
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import symint_value
 
 from . import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
+from . import kda_plans
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INPUTS = ("q", "k", "v", "g", "beta")
@@ -113,7 +114,7 @@ def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
     if x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], fx.Node):
         idx = x.args[1] if isinstance(x.args[1], tuple) else (x.args[1],)
         rank = ndim(x.args[0])
-        picked = _single_int_index(tuple(e for e in idx if e is not None), rank)
+        picked = single_int_index(tuple(e for e in idx if e is not None), rank)
         if picked is not None:
             index = next(e for e in idx if isinstance(e, int) and not isinstance(e, bool))
             return x.args[0], picked, index, node
@@ -440,7 +441,7 @@ class KDAPattern(Pattern):
             time_dims=tuple(dims[n] for n in INPUTS), t0=int(t0), steps=n_steps, scale=first.scale,
             scalar_gate=first.scalar_gate, out_dim=out_dim, out_dtype=dtype(out_node),
             want_state="state" in outputs, state_dtype=dtype(last),
-            lead=tuple(lead), key_dim=kd, value_dim=vd, device=getattr(shape_val(last), "device", None),
+            lead=tuple(lead), key_dim=kd, value_dim=vd, device=getattr(val(last), "device", None),
         )
         in_dtypes = sorted({str(dtype(b)).replace("torch.", "") for b in bases.values()})
         summary = {
@@ -476,7 +477,7 @@ class KDAPattern(Pattern):
             c = view.canon(sk)
             if c.op != "setitem" or c.args[0] is not buf:
                 raise _Decline(f"step {j} writes its output elsewhere than '{buf.name}'")
-            d = _single_int_index(c.attrs["index"], rank)
+            d = single_int_index(c.attrs["index"], rank)
             if d is None:
                 raise _Decline(f"'{sk.name}' ({location(sk)}) writes o with an index other than o[:, t]")
             idx = next(e for e in c.attrs["index"] if isinstance(e, int) and not isinstance(e, bool))
@@ -504,18 +505,12 @@ class KDAPattern(Pattern):
 
     # -- planning --------------------------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
-        from fuser.patterns.kda_plans import candidates
-
-        return candidates(m, ctx)
+        return kda_plans.candidates(m, ctx)
 
     def kernels(self, m: Match, plan: Candidate) -> list:
-        from fuser.patterns.kda_plans import kernels_for
-
-        return kernels_for(m, plan)
+        return kda_plans.kernels_for(m, plan)
 
     def emit(self, m: Match, plan: Candidate, graph: fx.Graph) -> dict:
-        from fuser.graph import annotate
-
         b = m.bindings
         if plan.params.get("impl") != "fuser":
             raise ValueError(f"kda plan {plan.name} emits nothing")
@@ -528,12 +523,6 @@ class KDAPattern(Pattern):
             if "state" in m.outputs:
                 new["state"] = annotate(graph.call_function(operator.getitem, (op, 1)))
         return new
-
-
-def shape_val(n: fx.Node) -> Any:
-    from fuser.graph import val
-
-    return val(n)
 
 
 PATTERN = KDAPattern()
