@@ -169,9 +169,12 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
             that its grid reaches about two programs per SM.
         t_len: the sequence length, if known (default: 16, the short-sequence target).
 
-    GPU rows are guesses, NOT MEASURED: a ``64 × 128`` float32 state tile at 8 warps (32
-    accumulators a thread; alternatives ``32 × 128`` at 4 warps, ``64 × 64`` at 4 warps); Gram
-    tiles of 8192 elements, two steps a program.
+    GPU rows are guesses, NOT MEASURED (register counts from offline sm_90 compiles only): the
+    final state by the token loop in ``32 × 128`` float32 tiles at 4 warps (alternatives ``64 ×
+    128`` at 8 warps, ``16 × 128`` at 2, and the ``tl.dot`` form); ``[TG, TG, BLOCK_KG]`` Gram
+    tiles of 2048 elements, four steps a program; the h0 projection in ``[16, 64]`` state tiles,
+    two stages; 3xTF32 ``tl.dot`` (``DOT_PRECISION="tf32x3"``: tensor cores at about float32
+    accuracy) for the projection, the solve and the dot form of the state.
     """
     if k_dim < 1 or v_dim < 1:
         raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
@@ -183,20 +186,29 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
         # small tiles: several (ragged) key and value blocks, split-K partials at test sizes
         bv = min(32, v_pad)
         return [_cfg(gram_tile=4096, gram_steps=2, block_kp=min(64, k_pad), block_vp=bv, block_vs=bv,
-                     block_k=min(64, k_pad), block_v=bv, warps=4)]
+                     block_k=min(64, k_pad), block_v=bv, warps=4, precision="ieee")]
     bvs = _pick_block_vs(v_pad, t_pad, n_rows, 128)
-    bk = min(64, k_pad)
-    bv = min(128, v_pad)
+    bk, bv = min(32, k_pad), min(128, v_pad)
+    base = dict(block_vs=bvs, block_kp=16, block_vp=min(64, v_pad))
     cands = [
-        _cfg(block_vs=bvs, block_k=bk, block_v=bv, warps=8 if bk * bv >= 8192 else 4),
-        _cfg(block_vs=bvs, block_k=min(32, bk), block_v=bv, warps=4),
-        _cfg(block_vs=bvs, block_k=bk, block_v=min(64, bv), warps=4),
-        _cfg(block_vs=bvs, block_k=bk, block_v=bv, warps=8 if bk * bv >= 8192 else 4, gram_tile=16384, gram_steps=1,
-             warps_prep=8),
+        # the final state by the token loop, [32, 128] tiles at 4 warps (96-128 registers on sm_90)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4),
+        # bigger or smaller state tiles
+        _cfg(**base, block_k=min(64, k_pad), block_v=bv, warps=8),
+        _cfg(**base, block_k=min(16, k_pad), block_v=bv, warps=2),
+        # the final state by one tl.dot (3xTF32 mma)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True),
+        # wider h0 projection tiles, deeper prefetch
+        _cfg(**dict(base, block_kp=32, block_vp=min(128, v_pad)), block_k=bk, block_v=bv, warps=4, warps_prep=8,
+             stages=3),
+        # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, precision="ieee"),
+        # fewer, longer Gram programs
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, gram_steps=16),
     ]
-    if dev == "cuda":  # pre-Hopper: same tiles, no pipelining asked
+    if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
         for c in cands:
-            c["num_stages"] = 1
+            c["num_stages"] = min(c["num_stages"], 2)
     # dedupe (small K or V collapse rows)
     out: list[dict] = []
     for c in cands:
