@@ -22,10 +22,12 @@ kernels evaluate the same WY form chunk by chunk):
 
 1. **prep**, split over the key channels (split-K): ``SPLIT_G`` programs per row sum the two
    ``[T, T]`` Gram matrices over their channel range, as pairwise ``[TG, TG, BLOCK_KG]`` tiles
-   ``e^{G_r − G_s}`` (the exponent from the difference, ``−∞`` above the diagonal: never
-   ``e^{G}·e^{−G}``), and store partial sums. With ``h0`` more programs of the same launch
-   project the state: ``P_k = (K∘e^G) S0``, ``P_q = (Q∘e^G) S0`` (``tl.dot``; split over key
-   ranges and value blocks; partial sums).
+   ``e^{G_r − G_s}``, and store partial sums. The exponent is summed directly over the gates in
+   ``(s, r]`` (a scan of the masked gates along the tokens), ``−∞`` above the diagonal: never
+   ``e^{G}·e^{−G}``, and never the difference of two large cumulative sums (after a gate near
+   −30 that difference would lose about five digits in float32). With ``h0`` more programs of
+   the same launch project the state: ``P_k = (K∘e^G) S0``, ``P_q = (Q∘e^G) S0`` (``tl.dot``;
+   split over key ranges and value blocks; partial sums).
 2. **reduce** (only when the Gram partials are too many for every solve program to sum them):
    sums them in a fixed order.
 3. **solve**, one program per (value block, row): sums the partials in a fixed order
@@ -34,8 +36,9 @@ kernels evaluate the same WY form chunk by chunk):
    tiny), then ``Δ = Tm (V − P_k)`` and ``O`` by two ``tl.dot``; stores ``O`` and, when the final
    state is wanted, ``Δ`` (float32 ``[N, T, V]`` workspace).
 4. **state** (only with ``output_final_state``): one ``[BLOCK_K, BLOCK_V]`` tile of ``S_T`` per
-   program, ``(K∘e^{G_T − G})ᵀ Δ`` as one ``tl.dot`` over the tokens plus ``e^{G_T} S0``; stores
-   float32 rows coalesced along V. The bandwidth-bound part.
+   program, ``Σ_t (k_t∘e^{G_T − G_t}) δ_tᵀ`` by ``T`` rank-1 updates, last token first, carrying the
+   suffix sum ``G_T − G_t`` (default; few registers), or by one ``tl.dot`` (``STATE_DOT``), plus
+   ``e^{G_T} S0``; stores float32 rows coalesced along V. The bandwidth-bound part.
 
 Sizes: ``T`` is a runtime argument (``do_not_specialize``); the kernels are compiled per padded
 length (``TG = max(4, next_pow2(T))`` for the Gram tiles, ``T_PAD = max(16, next_pow2(T))`` for
