@@ -181,15 +181,20 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
     """
     if k_dim < 1 or v_dim < 1:
         raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
-    dev = launch.device_kind(device)
+    return [dict(c) for c in _candidates(launch.device_kind(device), k_dim, v_dim, n_rows, t_len)]
+
+
+@functools.lru_cache(maxsize=256)
+def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: Optional[int]) -> tuple:
+    """:func:`candidate_configs` by device kind (cached; callers copy the rows)."""
     _, t_pad = _pads(16 if t_len is None else min(max(1, t_len), MAX_T))
     v_pad = max(16, launch.next_power_of_2(v_dim))
     k_pad = max(16, launch.next_power_of_2(k_dim))
     if dev == "interpreter":
         # small tiles: several (ragged) key and value blocks, split-K partials at test sizes
         bv = min(32, v_pad)
-        return [_cfg(gram_tile=4096, gram_steps=2, block_kp=min(64, k_pad), block_vp=bv, block_vs=bv,
-                     block_k=min(64, k_pad), block_v=bv, warps=4, precision="ieee")]
+        return (_cfg(gram_tile=4096, gram_steps=2, block_kp=min(64, k_pad), block_vp=bv, block_vs=bv,
+                     block_k=min(64, k_pad), block_v=bv, warps=4, precision="ieee"),)
     bvs = _pick_block_vs(v_pad, t_pad, n_rows, 128)
     bk, bv = min(32, k_pad), min(128, v_pad)
     base = dict(block_vs=bvs, block_kp=16, block_vp=min(64, v_pad))
@@ -217,7 +222,7 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
     for c in cands:
         if c not in out:
             out.append(c)
-    return out
+    return tuple(out)
 
 
 def _pow2(cfg: dict, key: str, lo: int) -> int:
@@ -279,12 +284,14 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
     split_g = launch.cdiv(kd, k_per_g)
     plan = dict(cfg, TG=tg, T_PAD=t_pad, BLOCK_KG=block_kg, K_PER_G=k_per_g, SPLIT_G=split_g,
                 REDUCE=split_g > 1 and split_g * tg * tg > cfg["REDUCE_OVER"])
-    # tiles that grow with T get more warps (up to 8): the Gram tile past GRAM_TILE elements (its
-    # BLOCK_KG is at least 2), the solve's [T_PAD, T_PAD] and [T_PAD, BLOCK_VS] tiles past T_PAD = 16
+    # tiles that grow with T get more warps (up to 8): the Gram tile past GRAM_TILE elements (at
+    # T = 64 one key channel a step is already 4096), the solve's [T_PAD, T_PAD] and
+    # [T_PAD, BLOCK_VS] tiles past T_PAD = 16
     plan["WARPS_PREP"] = max(cfg["WARPS_PREP"], min(8, cfg["WARPS_PREP"] * (tg * tg * block_kg // cfg["GRAM_TILE"])))
     plan["WARPS_SOLVE"] = max(cfg["WARPS_SOLVE"], min(8, cfg["WARPS_SOLVE"] * (t_pad // 16)))
-    # the solve sums [SPLIT_B, T_PAD, T_PAD] partials a step; the reduce [SPLIT_BR, BLOCK_R]
-    plan["SPLIT_B"] = max(2, min(launch.next_power_of_2(split_g), 4096 // (t_pad * t_pad)))
+    # the solve sums [SPLIT_B, T_PAD, T_PAD] Gram and [SPLIT_BP, T_PAD, BLOCK_VS] projection partials
+    # a step (about 2048 elements: 16 a thread at 4 warps); the reduce [SPLIT_BR, BLOCK_R]
+    plan["SPLIT_B"] = max(2, min(launch.next_power_of_2(split_g), 2048 // (t_pad * t_pad)))
     plan["BLOCK_R"] = min(256, 2 * tg * tg)
     plan["SPLIT_BR"] = max(2, min(launch.next_power_of_2(split_g), 8192 // plan["BLOCK_R"]))
     plan["APART"] = n * split_g * 2 * tg * tg
@@ -296,7 +303,7 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
         k_per_p = launch.cdiv(launch.cdiv(kd, split_p), bkp) * bkp
         split_p = launch.cdiv(kd, k_per_p)
         plan.update(NVB_P=nvb, SPLIT_P=split_p, K_PER_P=k_per_p,
-                    SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 8192 // (t_pad * cfg["BLOCK_VS"]))))
+                    SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 2048 // (t_pad * cfg["BLOCK_VS"]))))
         plan["PPART"] = n * split_p * 2 * t_pad * vd
     plan["DELTA"] = n * t * vd if final else 0
     plan["WORK"] = plan["APART"] + plan["PPART"] + plan["DELTA"]
@@ -320,8 +327,8 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_st
               scalar_gate: bool = False, out_bytes: Optional[int] = None, state_bytes: int = 4) -> int:
     """Bytes one :func:`forward` call moves through HBM (for a roofline estimate).
 
-    Inputs counted once each (the kernels re-read q, k, g a few times: the prep, solve-free and
-    state kernels each load them, assumed to hit L2): q and k ``2 · NQ · T · K · in_bytes``; v
+    Inputs counted once each (the prep and state kernels each load k and g, and every value block
+    of the state kernel loads them again: assumed to hit L2): q and k ``2 · NQ · T · K · in_bytes``; v
     ``N · T · V · in_bytes``; g ``N · T · K · in_bytes`` (``N · T`` with ``scalar_gate``); beta
     ``N · T · in_bytes``; o ``N · T · V · out_bytes`` (default ``in_bytes``). The state: h0 is read
     by the projection and, with the final state, again by the state kernel (``N · K · V ·
@@ -348,6 +355,23 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_st
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bool, items: tuple) -> dict:
+    base = _candidates(dev, kd, vd, n, t)[0]
+    return _plan(_normalise({**base, **dict(items)}), n, t, kd, vd, has_h0, final)
+
+
+def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bool, config: Optional[dict]) -> dict:
+    """The checked config's launch plan (:func:`choose_config`, :func:`_plan`), cached per sizes and
+    config: a call with the same shapes spends no Python time on tables."""
+    items = tuple(sorted((config or {}).items()))
+    try:
+        return _cached_plan(dev, kd, vd, n, t, has_h0, final, items)
+    except TypeError:  # an unhashable config value: not cached (and checked by _normalise)
+        base = _candidates(dev, kd, vd, n, t)[0]
+        return _plan(_normalise({**base, **dict(config or {})}), n, t, kd, vd, has_h0, final)
+
+
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     """Shapes, dtypes and devices; returns (NQ, N, T, K, V)."""
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
@@ -370,13 +394,15 @@ def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     want_g = (n, t) if scalar_gate else (n, t, kd)
     if tuple(g.shape) != want_g:
         raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
-                         f"{' (scalar_gate=True)' if scalar_gate else ' (pass scalar_gate=True for one decay per token)'}"
-                         f", got {tuple(g.shape)}")
+                         + (" (scalar_gate=True)" if scalar_gate
+                            else " (pass scalar_gate=True for one decay per token)")
+                         + f", got {tuple(g.shape)}")
     if tuple(beta.shape) != (n, t):
         raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
-            shape = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            shape = (tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor)
+                     else type(initial_state).__name__)
             raise ValueError(f"initial_state must be [N, K, V] = {(n, kd, vd)} or None, got {shape}")
         tensors["initial_state"] = initial_state
     for name, x in tensors.items():
@@ -427,11 +453,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale}")
     device = q.device
-    cfg = choose_config(k_dim=kd, v_dim=vd, dtype=q.dtype, device=device, n_rows=n, t_len=t, config=config)
+    has_h0 = initial_state is not None
+    plan = _resolve(launch.device_kind(device), kd, vd, n, t, has_h0, bool(output_final_state), config)
     o = launch.empty((n, t, vd), out_dtype or v.dtype, device)
     final = launch.empty((n, kd, vd), torch.float32, device) if output_final_state else None
-    has_h0 = initial_state is not None
-    plan = _plan(cfg, n, t, kd, vd, has_h0, bool(output_final_state))
     if n == 0:  # no rows: nothing to launch
         return o, final
     if t == 0:  # no tokens: o is empty, the state is h0 (or zeros)

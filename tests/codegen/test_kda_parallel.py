@@ -148,7 +148,8 @@ def test_strided_and_mixed_dtypes():
     g_b = g.transpose(0, 1).contiguous()[None]                           # [1, T, HV, K] fp32
     beta_tn = beta.t().contiguous()                                      # [T, N] fp32
     h0_vk = h0.transpose(1, 2).contiguous()                              # [N, V, K]
-    qs, ks, vs, gs = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1), v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
+    qs, ks = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1)
+    vs, gs = v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
     bs, hs = beta_tn.t(), h0_vk.transpose(1, 2)
     assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, hs)) and ks.stride(-1) == 2
     assert qs.data_ptr() == q_b.data_ptr() and ks.data_ptr() == k_wide.data_ptr()  # views, no copy
@@ -172,7 +173,9 @@ def test_empty_sequence_and_rows():
 
 
 def test_kernels_for():
-    names = lambda **kw: [x.name for x in kp.kernels_for(k_dim=8192, v_dim=1024, dtype=torch.bfloat16, device=CPU, **kw)]
+    def names(**kw):
+        return [x.name for x in kp.kernels_for(k_dim=8192, v_dim=1024, dtype=torch.bfloat16, device=CPU, **kw)]
+
     assert names() == ["kda_parallel_interp"]
     assert names(initial_state=True, output_final_state=True, scalar_gate=True) == ["kda_parallel_h0_ht_interp"]
     source = kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, initial_state=True,
