@@ -1,0 +1,476 @@
+"""KDA forward for short sequences: the whole sequence as one chunk of the WY form, parallel over K and V.
+
+KDA (Kimi Delta Attention, Kimi Linear, Moonshot AI 2025) is the gated delta rule of Gated DeltaNet
+(Yang et al., ICLR 2025) with one decay per key channel. Per value row ``n`` (a flattened (batch,
+value head) pair) a float32 state ``S [K, V]`` evolves every token ``t`` as
+``S ← diag(e^{g_t}) S;  S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ;  o_t = Sᵀ(scale · q_t)``
+(``patterns/kda_reference.py``; the scalar-gate variant decays the whole state by one ``e^{g_t}``).
+
+For a sequence of at most :data:`MAX_T` tokens the chunked (WY) form of ``docs/math.md`` ("KDA")
+needs a single chunk. With ``G`` the inclusive cumulative sum of ``g`` over the tokens (per key
+channel) and ``S0`` the initial state::
+
+    A_kk[r, s] = Σ_d k_rd k_sd e^{G_rd − G_sd}  (s < r)      A_qk[r, s] = Σ_d q_rd k_sd e^{G_rd − G_sd}  (s ≤ r)
+    Tm = (I + diag(β) A_kk)⁻¹ diag(β)          Δ = Tm (V − (K∘e^G) S0)
+    O  = scale · ((Q∘e^G) S0 + A_qk Δ)         S_T = diag(e^{G_T}) S0 + (K∘e^{G_T − G})ᵀ Δ
+
+Nothing here walks the tokens through the state, so very large key dimensions (8192, 16384: the
+recurrent kernel must stream its state through memory every token there) cost about one write of
+the final state (``N·K·V·4`` bytes) plus, with ``h0``, two reads of it. The kernels
+(``templates/kda_parallel.py.jinja``, our own implementation of this algebra; FLA's chunked KDA
+kernels evaluate the same WY form chunk by chunk):
+
+1. **prep**, split over the key channels (split-K): ``SPLIT_G`` programs per row sum the two
+   ``[T, T]`` Gram matrices over their channel range, as pairwise ``[TG, TG, BLOCK_KG]`` tiles
+   ``e^{G_r − G_s}``, and store partial sums. The exponent is summed directly over the gates in
+   ``(s, r]`` (a scan of the masked gates along the tokens), ``−∞`` above the diagonal: never
+   ``e^{G}·e^{−G}``, and never the difference of two large cumulative sums (after a gate near
+   −30 that difference would lose about five digits in float32). With ``h0`` more programs of
+   the same launch project the state: ``P_k = (K∘e^G) S0``, ``P_q = (Q∘e^G) S0`` (``tl.dot``;
+   split over key ranges and value blocks; partial sums).
+2. **reduce** (only when the Gram partials are too many for every solve program to sum them):
+   sums them in a fixed order.
+3. **solve**, one program per (value block, row): sums the partials in a fixed order
+   (deterministic: no atomics anywhere), inverts the unit lower-triangular ``I + diag(β) A_kk``
+   by forward substitution (``T`` steps on a ``[T_PAD, T_PAD]`` tile, redone by every program:
+   tiny), then ``Δ = Tm (V − P_k)`` and ``O`` by two ``tl.dot``; stores ``O`` and, when the final
+   state is wanted, ``Δ`` (float32 ``[N, T, V]`` workspace).
+4. **state** (only with ``output_final_state``): one ``[BLOCK_K, BLOCK_V]`` tile of ``S_T`` per
+   program, ``Σ_t (k_t∘e^{G_T − G_t}) δ_tᵀ`` by ``T`` rank-1 updates, last token first, carrying the
+   suffix sum ``G_T − G_t`` (default; few registers), or by one ``tl.dot`` (``STATE_DOT``), plus
+   ``e^{G_T} S0``; stores float32 rows coalesced along V. The bandwidth-bound part.
+
+Sizes: ``T`` is a runtime argument (``do_not_specialize``); the kernels are compiled per padded
+length (``TG = max(4, next_pow2(T))`` for the Gram tiles, ``T_PAD = max(16, next_pow2(T))`` for
+the dots: at most five specialisations for T = 1..64), and per K, V and config. Any T in
+``0..MAX_T``, K, V ≥ 1 (masked, no power of two needed). Inputs of any strides (never copied),
+float32 / float16 / bfloat16 each; arithmetic and the state in float32. A scalar gate is passed
+to the kernels as a stride-0 view over the channels (no copy; the same kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from . import launch
+from .render import RenderedKernel, render
+
+__all__ = [
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "workspace_elements",
+    "MAX_T", "TEMPLATE",
+]
+
+TEMPLATE = "kda_parallel.py.jinja"
+
+#: The longest sequence the single-chunk form takes (the ``[TG, TG, BLOCK_KG]`` Gram tiles and the
+#: ``[T_PAD, T_PAD]`` solve grow as T²); longer ones: the recurrent or chunked kernels.
+MAX_T = 64
+
+#: Programs wanted on the GPU: about two per SM of an H100 (132 SMs).
+_WANT_PROGRAMS = 2 * 132
+
+#: The largest register tile (float32 elements per program) a config may ask for.
+TILE_MAX = 16384
+
+_PRECISIONS = ("ieee", "tf32x3")
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def kernel(*, has_h0: bool, store_final: bool, interpret: bool) -> RenderedKernel:
+    """Render the kernel module of one static variant (``templates/kda_parallel.py.jinja``).
+
+    Args:
+        has_h0: an initial state is read (else the state starts at zero and is never read).
+        store_final: the final state is computed and stored (adds the state kernel).
+        interpret: rendered for Triton's interpreter (CPU tensors).
+    """
+    name = ("kda_parallel" + ("_h0" if has_h0 else "") + ("_ht" if store_final else "")
+            + ("_interp" if interpret else ""))
+    return render(TEMPLATE, name, has_h0=bool(has_h0), store_final=bool(store_final), interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _module(has_h0: bool, store_final: bool, interpret: bool):
+    """The imported module of one static variant (rendered once per process)."""
+    k = kernel(has_h0=has_h0, store_final=store_final, interpret=interpret)
+    return k, launch.kernel_module(k, interpret)
+
+
+def kernels_for(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, scalar_gate: bool = False,
+                initial_state: bool = False, output_final_state: bool = False, config: Optional[dict] = None,
+                n_rows: Optional[int] = None) -> list[RenderedKernel]:
+    """The kernel modules :func:`forward` runs for these flags (one module; its prep, reduce, solve
+    and, with ``output_final_state``, state kernels), for reports. ``k_dim``, ``v_dim``, ``dtype``,
+    ``scalar_gate``, ``config`` and ``n_rows`` do not change the module (sizes are compile-time
+    constants inside it; a scalar gate is a stride-0 view)."""
+    return [kernel(has_h0=initial_state, store_final=output_final_state, interpret=launch.interpreted(device))]
+
+
+# --------------------------------------------------------------------------------------------
+# Configs and the launch plan
+# --------------------------------------------------------------------------------------------
+
+
+def _pads(t_len: int) -> tuple[int, int]:
+    """(TG, T_PAD): the Gram tiles' padded length and the dots' (at least 16, tl.dot's minimum)."""
+    p = launch.next_power_of_2(max(1, t_len))
+    return max(4, p), max(16, p)
+
+
+def _cfg(*, gram_tile=2048, gram_steps=4, reduce_over=8192, block_kp=16, block_vp=64, block_vs=64, block_k=32,
+         block_v=128, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2, precision="tf32x3") -> dict:
+    return {"GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
+            "BLOCK_KP": block_kp, "BLOCK_VP": block_vp, "BLOCK_VS": block_vs, "BLOCK_K": block_k, "BLOCK_V": block_v,
+            "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve, "num_warps": warps,
+            "num_stages": stages, "DOT_PRECISION": precision}
+
+
+def _pick_block_vs(v_pad: int, t_pad: int, n_rows: Optional[int], top: int) -> int:
+    """The solve's value block: the largest power of two in [16, top] with a ``[T_PAD, BLOCK_VS]``
+    tile of ≤ 4096 elements and, when N is known, about two programs per SM."""
+    best = 16
+    bv = 16
+    while bv <= min(top, max(16, v_pad)):
+        if t_pad * bv > 4096:
+            break
+        if n_rows is not None and n_rows * launch.cdiv(v_pad, bv) < _WANT_PROGRAMS:
+            break
+        best = bv
+        bv *= 2
+    return best
+
+
+def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows: Optional[int] = None,
+                      t_len: Optional[int] = None) -> list[dict]:
+    """Launch configs, best first (the first is the default).
+
+    Keys:
+        ``GRAM_TILE``: elements of the prep kernel's pairwise ``[TG, TG, BLOCK_KG]`` Gram tile
+        (``BLOCK_KG = GRAM_TILE / TG²`` key channels a step, at least 2); ``GRAM_STEPS``: steps a
+        Gram program takes (``SPLIT_G = cdiv(K, BLOCK_KG · GRAM_STEPS)`` programs per row);
+        ``REDUCE_OVER``: a separate reduce launch sums the Gram partials when ``SPLIT_G · TG²``
+        exceeds it (else every solve program sums them); ``BLOCK_KP``, ``BLOCK_VP``: the h0
+        projection's ``[BLOCK_KP, BLOCK_VP]`` state tile (key splits chosen to fill the GPU);
+        ``BLOCK_VS``: value columns per solve program; ``BLOCK_K``, ``BLOCK_V``: the final-state
+        tile per state program; ``WARPS_PREP``, ``WARPS_SOLVE``, ``num_warps`` (state kernel):
+        warps; ``num_stages`` (prep and state kernels); ``DOT_PRECISION``: ``"ieee"`` (float32
+        FMA dots) or ``"tf32x3"``.
+
+    Args:
+        k_dim, v_dim: K and V.
+        dtype: the inputs' dtype (unused by the current tables: the arithmetic is float32).
+        device: the tensors' device (``launch.device_kind``: interpreter, sm90, cuda).
+        n_rows: N (batch × value heads), if known: the solve's value block is then chosen so
+            that its grid reaches about two programs per SM.
+        t_len: the sequence length, if known (default: 16, the short-sequence target).
+
+    GPU rows are guesses, NOT MEASURED (register counts from offline sm_90 compiles only): the
+    final state by the token loop in ``32 × 128`` float32 tiles at 4 warps (alternatives ``64 ×
+    128`` at 8 warps, ``16 × 128`` at 2, and the ``tl.dot`` form); ``[TG, TG, BLOCK_KG]`` Gram
+    tiles of 2048 elements, four steps a program; the h0 projection in ``[16, 64]`` state tiles,
+    two stages; 3xTF32 ``tl.dot`` (``DOT_PRECISION="tf32x3"``: tensor cores at about float32
+    accuracy) for the projection, the solve and the dot form of the state.
+    """
+    if k_dim < 1 or v_dim < 1:
+        raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
+    return [dict(c) for c in _candidates(launch.device_kind(device), k_dim, v_dim, n_rows, t_len)]
+
+
+@functools.lru_cache(maxsize=256)
+def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: Optional[int]) -> tuple:
+    """:func:`candidate_configs` by device kind (cached; callers copy the rows)."""
+    _, t_pad = _pads(16 if t_len is None else min(max(1, t_len), MAX_T))
+    v_pad = max(16, launch.next_power_of_2(v_dim))
+    k_pad = max(16, launch.next_power_of_2(k_dim))
+    if dev == "interpreter":
+        # small tiles: several (ragged) key and value blocks, split-K partials at test sizes
+        bv = min(32, v_pad)
+        return (_cfg(gram_tile=4096, gram_steps=2, block_kp=min(64, k_pad), block_vp=bv, block_vs=bv,
+                     block_k=min(64, k_pad), block_v=bv, warps=4, precision="ieee"),)
+    bvs = _pick_block_vs(v_pad, t_pad, n_rows, 128)
+    bk, bv = min(32, k_pad), min(128, v_pad)
+    base = dict(block_vs=bvs, block_kp=16, block_vp=min(64, v_pad))
+    cands = [
+        # the final state by the token loop, [32, 128] tiles at 4 warps (96-128 registers on sm_90)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4),
+        # bigger or smaller state tiles
+        _cfg(**base, block_k=min(64, k_pad), block_v=bv, warps=8),
+        _cfg(**base, block_k=min(16, k_pad), block_v=bv, warps=2),
+        # the final state by one tl.dot (3xTF32 mma)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True),
+        # wider h0 projection tiles, deeper prefetch
+        _cfg(**dict(base, block_kp=32, block_vp=min(128, v_pad)), block_k=bk, block_v=bv, warps=4, warps_prep=8,
+             stages=3),
+        # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, precision="ieee"),
+        # fewer, longer Gram programs
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, gram_steps=16),
+    ]
+    if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
+        for c in cands:
+            c["num_stages"] = min(c["num_stages"], 2)
+    # dedupe (small K or V collapse rows)
+    out: list[dict] = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return tuple(out)
+
+
+def _pow2(cfg: dict, key: str, lo: int) -> int:
+    val = cfg.get(key)
+    if not isinstance(val, int) or isinstance(val, bool) or val < lo or val & (val - 1):
+        raise ValueError(f"config {key} must be a power of two >= {lo}, got {val!r}")
+    return val
+
+
+def _normalise(cfg: dict) -> dict:
+    """Check a merged config; raise ValueError naming the fix."""
+    _pow2(cfg, "GRAM_TILE", 32)
+    for key in ("BLOCK_KP", "BLOCK_VP", "BLOCK_VS", "BLOCK_K", "BLOCK_V"):
+        _pow2(cfg, key, 16)  # tl.dot operands: every dimension >= 16
+    for key in ("GRAM_STEPS", "REDUCE_OVER"):
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
+            raise ValueError(f"config {key} must be an int >= 1, got {cfg.get(key)!r}")
+    for key in ("WARPS_PREP", "WARPS_SOLVE", "num_warps"):
+        if cfg.get(key) not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"config {key} must be a power of two in 1..32, got {cfg.get(key)!r}")
+    if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config num_stages must be an int >= 1, got {cfg.get('num_stages')!r}")
+    if not isinstance(cfg.get("STATE_DOT"), bool):
+        raise ValueError(f"config STATE_DOT must be a bool, got {cfg.get('STATE_DOT')!r}")
+    if cfg.get("DOT_PRECISION") not in _PRECISIONS:
+        raise ValueError(f"config DOT_PRECISION must be one of {_PRECISIONS}, got {cfg.get('DOT_PRECISION')!r}")
+    for a, b in (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP")):
+        if cfg[a] * cfg[b] > TILE_MAX:
+            raise ValueError(f"config tile {a} x {b} = {cfg[a]} x {cfg[b]} exceeds {TILE_MAX} float32 elements: "
+                             f"use smaller blocks")
+    unknown = set(cfg) - set(_cfg())
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(_cfg())}")
+    return cfg
+
+
+def choose_config(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows: Optional[int] = None,
+                  t_len: Optional[int] = None, config: Optional[dict] = None) -> dict:
+    """The config :func:`forward` runs: ``config``'s keys over the table's first candidate, checked.
+
+    Raises:
+        ValueError: blocks that are not powers of two (≥ 16 for the dot operands, ≥ 32 for
+            ``GRAM_TILE``), tiles over :data:`TILE_MAX` elements, bad warps, stages, precision,
+            or unknown keys.
+    """
+    base = candidate_configs(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device, n_rows=n_rows, t_len=t_len)[0]
+    return _normalise({**base, **(config or {})})
+
+
+def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool) -> dict:
+    """The launch sizes of one call: pads, Gram and projection splits, workspace layout (float32
+    elements)."""
+    tg, t_pad = _pads(t)
+    if t_pad * cfg["BLOCK_VS"] > TILE_MAX:
+        raise ValueError(f"the solve tile T_PAD x BLOCK_VS = {t_pad} x {cfg['BLOCK_VS']} exceeds {TILE_MAX} float32 "
+                         f"elements at T={t}: use a smaller BLOCK_VS")
+    block_kg = max(1, min(cfg["GRAM_TILE"] // (tg * tg), launch.next_power_of_2(kd)))
+    k_per_g = block_kg * cfg["GRAM_STEPS"]
+    split_g = launch.cdiv(kd, k_per_g)
+    plan = dict(cfg, TG=tg, T_PAD=t_pad, BLOCK_KG=block_kg, K_PER_G=k_per_g, SPLIT_G=split_g,
+                REDUCE=split_g > 1 and split_g * tg * tg > cfg["REDUCE_OVER"])
+    # tiles that grow with T get more warps (up to 8): the Gram tile past GRAM_TILE elements (at
+    # T = 64 one key channel a step is already 4096), the solve's [T_PAD, T_PAD] and
+    # [T_PAD, BLOCK_VS] tiles past T_PAD = 16
+    plan["WARPS_PREP"] = max(cfg["WARPS_PREP"], min(8, cfg["WARPS_PREP"] * (tg * tg * block_kg // cfg["GRAM_TILE"])))
+    plan["WARPS_SOLVE"] = max(cfg["WARPS_SOLVE"], min(8, cfg["WARPS_SOLVE"] * (t_pad // 16)))
+    # the solve sums [SPLIT_B, T_PAD, T_PAD] Gram and [SPLIT_BP, T_PAD, BLOCK_VS] projection partials
+    # a step (about 2048 elements: 16 a thread at 4 warps); the reduce [SPLIT_BR, BLOCK_R]
+    plan["SPLIT_B"] = max(2, min(launch.next_power_of_2(split_g), 2048 // (t_pad * t_pad)))
+    plan["BLOCK_R"] = min(256, 2 * tg * tg)
+    plan["SPLIT_BR"] = max(2, min(launch.next_power_of_2(split_g), 8192 // plan["BLOCK_R"]))
+    plan["APART"] = n * split_g * 2 * tg * tg
+    plan["PPART"] = 0
+    if has_h0:
+        bkp, bvp = cfg["BLOCK_KP"], cfg["BLOCK_VP"]
+        nvb = launch.cdiv(vd, bvp)
+        split_p = max(1, min(launch.cdiv(_WANT_PROGRAMS, max(1, n * nvb)), launch.cdiv(kd, bkp)))
+        k_per_p = launch.cdiv(launch.cdiv(kd, split_p), bkp) * bkp
+        split_p = launch.cdiv(kd, k_per_p)
+        plan.update(NVB_P=nvb, SPLIT_P=split_p, K_PER_P=k_per_p,
+                    SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 2048 // (t_pad * cfg["BLOCK_VS"]))))
+        plan["PPART"] = n * split_p * 2 * t_pad * vd
+    plan["DELTA"] = n * t * vd if final else 0
+    plan["WORK"] = plan["APART"] + plan["PPART"] + plan["DELTA"]
+    return plan
+
+
+def workspace_elements(n: int, t: int, kd: int, vd: int, *, initial_state: bool, output_final_state: bool,
+                       config: dict) -> int:
+    """Float32 elements of the scratch buffer one :func:`forward` call allocates (Gram partials,
+    projection partials with h0, Δ with the final state) under ``config`` (a checked config,
+    :func:`choose_config`)."""
+    return _plan(config, n, t, kd, vd, initial_state, output_final_state)["WORK"]
+
+
+# --------------------------------------------------------------------------------------------
+# Traffic model
+# --------------------------------------------------------------------------------------------
+
+
+def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_state: bool, final_state: bool, *,
+              scalar_gate: bool = False, out_bytes: Optional[int] = None, state_bytes: int = 4) -> int:
+    """Bytes one :func:`forward` call moves through HBM (for a roofline estimate).
+
+    Inputs counted once each (the prep and state kernels each load k and g, and every value block
+    of the state kernel loads them again: assumed to hit L2): q and k ``2 · NQ · T · K · in_bytes``; v
+    ``N · T · V · in_bytes``; g ``N · T · K · in_bytes`` (``N · T`` with ``scalar_gate``); beta
+    ``N · T · in_bytes``; o ``N · T · V · out_bytes`` (default ``in_bytes``). The state: h0 is read
+    by the projection and, with the final state, again by the state kernel (``N · K · V ·
+    state_bytes`` each); the final state ``N · K · V · 4`` is written once. Workspace: Δ
+    (``N · T · V · 4``) written and read once with the final state; the projection's partials
+    (``2 · N · T · V · 4`` per key split, counted for one split) written and read once with h0.
+    The Gram partials (``O(N · T²)`` per split) are not counted.
+    """
+    out_bytes = in_bytes if out_bytes is None else out_bytes
+    total = 2 * NQ * T * K * in_bytes
+    total += N * T * V * in_bytes + N * T * (1 if scalar_gate else K) * in_bytes + N * T * in_bytes
+    total += N * T * V * out_bytes
+    state = N * K * V
+    if initial_state:
+        total += state * state_bytes * (2 if final_state else 1)
+        total += 2 * (2 * N * T * V * 4)
+    if final_state:
+        total += state * 4 + 2 * N * T * V * 4
+    return int(total)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bool, items: tuple) -> dict:
+    base = _candidates(dev, kd, vd, n, t)[0]
+    return _plan(_normalise({**base, **dict(items)}), n, t, kd, vd, has_h0, final)
+
+
+def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bool, config: Optional[dict]) -> dict:
+    """The checked config's launch plan (:func:`choose_config`, :func:`_plan`), cached per sizes and
+    config: a call with the same shapes spends no Python time on tables."""
+    items = tuple(sorted((config or {}).items()))
+    try:
+        return _cached_plan(dev, kd, vd, n, t, has_h0, final, items)
+    except TypeError:  # an unhashable config value: not cached (and checked by _normalise)
+        base = _candidates(dev, kd, vd, n, t)[0]
+        return _plan(_normalise({**base, **dict(config or {})}), n, t, kd, vd, has_h0, final)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+    """Shapes, dtypes and devices; returns (NQ, N, T, K, V)."""
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [NQ, T, K] of one shape (flatten batch and heads into NQ), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    nq, t, kd = q.shape
+    if v.dim() != 3 or v.shape[1] != t or (v.shape[0] % nq if nq else v.shape[0]):
+        raise ValueError(f"v must be [N, T={t}, V] with N a multiple of NQ={nq} (value row n reads "
+                         f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
+    n, _, vd = v.shape
+    if kd < 1 or vd < 1:
+        raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
+    if t > MAX_T:
+        raise ValueError(f"the single-chunk parallel KDA kernels take at most MAX_T={MAX_T} tokens, got T={t}: "
+                         f"use the recurrent or chunked kernels (codegen/kda_recurrent.py, the chunked form)")
+    want_g = (n, t) if scalar_gate else (n, t, kd)
+    if tuple(g.shape) != want_g:
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+                         + (" (scalar_gate=True)" if scalar_gate
+                            else " (pass scalar_gate=True for one decay per token)")
+                         + f", got {tuple(g.shape)}")
+    if tuple(beta.shape) != (n, t):
+        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
+            shape = (tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor)
+                     else type(initial_state).__name__)
+            raise ValueError(f"initial_state must be [N, K, V] = {(n, kd, vd)} or None, got {shape}")
+        tensors["initial_state"] = initial_state
+    for name, x in tensors.items():
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast it first)")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: put every input on one device")
+    if out_dtype is not None and out_dtype not in launch.DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    return nq, n, t, kd, vd
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+            scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+            scalar_gate: bool = False, out_dtype: Optional[torch.dtype] = None,
+            config: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KDA forward of a short sequence (at most :data:`MAX_T` tokens) as one chunk of the WY form
+    (module docstring): 2 to 4 kernel launches, no pass over the tokens through the state.
+
+    Args:
+        q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row
+            ``n // group`` (grouped value heads; batch and heads flattened batch-major).
+        g: log-space decay, ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``); ``g ≤ 0`` in practice
+            (finite values; the decays are formed so that none overflows when ``g ≤ 0``).
+        beta: ``[N, T]``, the delta-rule step size.
+        scale: multiplies q (float; typically ``K ** -0.5``).
+        initial_state: ``[N, K, V]`` or None (zeros: then the state is never read).
+        output_final_state: also return the state after the last token.
+        scalar_gate: one decay per (row, token) instead of one per key channel.
+        out_dtype: o's dtype (default v's).
+        config: a launch config (keys of :func:`candidate_configs`, missing keys from the table's
+            first row, see :func:`choose_config`); None: the table's default for this device.
+        Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never copied),
+        one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
+
+    Returns:
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state ``[N, K, V]``
+        float32 contiguous when ``output_final_state``, else None.
+
+    Raises:
+        ValueError: ``T > MAX_T`` (use the recurrent or chunked kernels), wrong ranks or shapes
+            (q/k ``[NQ, T, K]``, v ``[N, T, V]`` with ``N % NQ == 0``, g, beta, initial_state), an
+            unsupported dtype, tensors on different devices, a non-finite scale, or a config that
+            cannot work (:func:`choose_config`).
+    """
+    nq, n, t, kd, vd = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale}")
+    device = q.device
+    has_h0 = initial_state is not None
+    plan = _resolve(launch.device_kind(device), kd, vd, n, t, has_h0, bool(output_final_state), config)
+    o = launch.empty((n, t, vd), out_dtype or v.dtype, device)
+    final = launch.empty((n, kd, vd), torch.float32, device) if output_final_state else None
+    if n == 0:  # no rows: nothing to launch
+        return o, final
+    if t == 0:  # no tokens: o is empty, the state is h0 (or zeros)
+        if final is not None and has_h0:
+            final.copy_(initial_state)
+        elif final is not None:
+            final.zero_()
+        return o, final
+    if scalar_gate:  # one decay per token: a stride-0 view over the channels, no copy
+        g = g.unsqueeze(-1).expand(n, t, kd)
+    interpret = launch.interpreted(device)
+    _, module = _module(has_h0, bool(output_final_state), interpret)
+    work = torch.empty(plan["WORK"], dtype=torch.float32, device=device)
+    args = [q, k, v, g, beta, o, work] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
+    with launch.launching(interpret):
+        module.launch_kda_parallel(*args, scale=scale, plan=plan)
+    return o, final

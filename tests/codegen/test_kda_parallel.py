@@ -1,0 +1,322 @@
+"""The single-chunk parallel KDA forward (codegen/kda_parallel.py + templates/kda_parallel.py.jinja)
+against the float64 token recurrence (patterns/kda_reference.py).
+
+On CPU the kernels run in Triton's interpreter at small, ragged sizes (T, K, V not multiples of the
+blocks nor powers of two; K = 300 spans several key blocks and split-K partials); tests marked
+``gpu`` run the compiled kernels, among them the short-sequence, large-state shapes the kernels are
+for. Every output is allocated poisoned (NaN), so an element a kernel fails to write shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _kernel_checks import compiled_keys, rel_err
+import torch
+import torch.nn.functional as F
+
+from fuser.codegen import kda_parallel as kp
+from fuser.codegen import launch
+from fuser.patterns.kda_reference import recurrent
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+CPU = torch.device("cpu")
+DOT = {"STATE_DOT": True}                              # the final state by one tl.dot
+NO_REDUCE = {"REDUCE_OVER": 1 << 30}                   # every solve program sums the Gram partials
+FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per row
+
+
+def _inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, scalar_gate=False, h0=False,
+            l2=True, strong_decay=False):
+    """Fresh random inputs in the kernels' layout: q, k [NQ, T, K], v [N, T, V], g, beta, h0."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nq * group
+    q = torch.randn(nq, t, kd, generator=gen)
+    k = torch.randn(nq, t, kd, generator=gen)
+    if l2:
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    g = -F.softplus(torch.randn(*((n, t) if scalar_gate else (n, t, kd)), generator=gen))
+    if strong_decay:  # some gates near -30: the state is all but wiped there
+        g = torch.where(torch.rand(g.shape, generator=gen) < 0.2, torch.full_like(g, -30.0), g)
+    beta = torch.rand(n, t, generator=gen)
+    s0 = torch.randn(n, kd, vd, generator=gen) if h0 else None
+    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)]
+    return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
+
+
+def _reference(q, k, v, g, beta, scale, h0, scalar_gate):
+    """patterns/kda_reference.recurrent on the kernels' layout (one batch; heads = rows): o [N, T, V],
+    final state [N, K, V], float64."""
+    n, t, vd = v.shape
+    kd = q.shape[-1]
+    if scalar_gate:
+        g = g[..., None].expand(n, t, kd)
+    to4 = lambda x: x.transpose(0, 1)[None]  # [rows, T, *] -> [1, T, rows, *]
+    o, s = recurrent(to4(q), to4(k), to4(v), to4(g), beta.transpose(0, 1)[None], scale=scale,
+                     initial_state=None if h0 is None else h0[None], output_final_state=True)
+    return o[0].transpose(0, 1), s[0]
+
+
+def _check(q, k, v, g, beta, h0=None, *, scale=0.3, scalar_gate=False, final=True, config=None, out_dtype=None,
+           tol=None):
+    """Kernels (poisoned outputs) against the reference; returns (o, final state)."""
+    tol = TOL[q.dtype] if tol is None else tol
+    with launch.poison_outputs():
+        o, s = kp.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final,
+                          scalar_gate=scalar_gate, out_dtype=out_dtype, config=config)
+    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, scalar_gate)
+    assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
+    assert not o.isnan().any(), "an output element was never written"
+    err = rel_err(o, ref_o)
+    assert err < tol, f"o: relative error {err:.3g} >= {tol}"
+    if final:
+        assert s.shape == (v.shape[0], q.shape[-1], v.shape[-1]) and s.dtype == torch.float32 and s.is_contiguous()
+        assert not s.isnan().any(), "a final-state element was never written"
+        err = rel_err(s, ref_s)
+        assert err < tol, f"final state: relative error {err:.3g} >= {tol}"
+    else:
+        assert s is None
+    return o, s
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,kd,vd", [(1, 24, 70), (5, 24, 40), (8, 300, 70), (37, 24, 40)])
+@pytest.mark.parametrize("h0", [False, True], ids=["zeros", "h0"])
+def test_matches_reference(t, kd, vd, h0):
+    # grouped value heads (2); K=300: five Gram key blocks in three split-K programs, 19 projection
+    # key blocks; V=70, 40: ragged value blocks; T=37: 64-padded tiles, the Gram partials reduced by
+    # their own launch
+    q, k, v, g, beta, s0 = _inputs(1, 1, 2, t, kd, vd, h0=h0)
+    _check(q, k, v, g, beta, s0)
+
+
+@pytest.mark.parametrize("t", [8, 37])
+def test_float16(t):
+    q, k, v, g, beta, h0 = _inputs(2, 1, 2, t, 24, 40, dtype=torch.float16, h0=True)
+    _check(q, k, v, g, beta, h0)
+
+
+@pytest.mark.parametrize("t,kd", [(8, 24), (5, 300)])
+def test_scalar_gate(t, kd):
+    q, k, v, g, beta, h0 = _inputs(3, 2, 1, t, kd, 40, scalar_gate=True, h0=True)
+    _check(q, k, v, g, beta, h0, scalar_gate=True)
+
+
+@pytest.mark.parametrize("t", [9, 37])
+def test_raw_keys_and_strong_decay(t):
+    # unnormalised keys (|o| grows fast: rel_err scales by the output's norm) and gates near -30: the
+    # pairwise decays are summed directly, so a large cumulative gate costs no precision
+    q, k, v, g, beta, h0 = _inputs(4, 1, 2, t, 24, 40, l2=False, strong_decay=True, h0=True)
+    _check(q, k, v, g, beta, h0)
+
+
+@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS], ids=["state_dot", "no_reduce", "one_gram_program"])
+def test_config_variants(config):
+    # the final state by tl.dot instead of the token loop; the Gram partials summed in every solve
+    # program instead of a reduce launch; one Gram program over all channels: the same results
+    q, k, v, g, beta, h0 = _inputs(5, 1, 2, 37, 300, 40, h0=True, strong_decay=True)
+    t = 37 if config is not DOT else 11
+    q, k, v, g, beta = q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t]
+    _check(q, k, v, g, beta, h0, config=config)
+
+
+def test_final_state_off_and_out_dtype():
+    q, k, v, g, beta, h0 = _inputs(6, 1, 2, 11, 24, 40, h0=True)
+    o_on, _ = _check(q, k, v, g, beta, h0, final=True)
+    # without the final state (no Delta stored, no state kernel): the same o
+    o_off, _ = _check(q, k, v, g, beta, h0, final=False)
+    assert torch.equal(o_on, o_off)
+    o_zero, _ = _check(q, k, v, g, beta, None, final=False)  # neither h0 nor the final state
+    o16, _ = _check(q, k, v, g, beta, h0, final=False, out_dtype=torch.float16, tol=5e-3)
+    assert o16.dtype == torch.float16 and not torch.equal(o_zero, o_on)
+
+
+def test_strided_and_mixed_dtypes():
+    """Inputs in FLA's [B, T, H, *] layout viewed as [H, T, *] (B = 1: a view, no copy), keys with a
+    channel stride of 2, beta [T, N] transposed, h0 [N, V, K] transposed; q/k/v fp16 with g, beta
+    fp32; GVA group 2."""
+    t, h, hv, kd, vd = 13, 2, 4, 24, 40
+    q, k, v, g, beta, h0 = _inputs(7, h, hv // h, t, kd, vd, h0=True)
+    q_b = q.transpose(0, 1).contiguous()[None].half()                    # [1, T, H, K]
+    k_wide = torch.zeros(1, t, h, 2 * kd, dtype=torch.float16)
+    k_wide[..., ::2] = k.transpose(0, 1)[None].half()
+    v_b = v.transpose(0, 1).contiguous()[None].half()                    # [1, T, HV, V]
+    g_b = g.transpose(0, 1).contiguous()[None]                           # [1, T, HV, K] fp32
+    beta_tn = beta.t().contiguous()                                      # [T, N] fp32
+    h0_vk = h0.transpose(1, 2).contiguous()                              # [N, V, K]
+    qs, ks = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1)
+    vs, gs = v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
+    bs, hs = beta_tn.t(), h0_vk.transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, hs)) and ks.stride(-1) == 2
+    assert qs.data_ptr() == q_b.data_ptr() and ks.data_ptr() == k_wide.data_ptr()  # views, no copy
+    for config in (None, DOT):
+        o, _ = _check(qs, ks, vs, gs, bs, hs, tol=5e-3, config=config)
+        assert o.dtype == torch.float16
+
+
+def test_empty_sequence_and_rows():
+    # T = 0: o is empty, the final state is h0 (or zeros)
+    q, k, v, g, beta, h0 = _inputs(8, 1, 2, 0, 24, 40, h0=True)
+    with launch.poison_outputs():
+        o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True)
+        assert o.shape == (2, 0, 40) and torch.equal(s, h0)
+        _, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True)
+        assert torch.equal(s, torch.zeros_like(h0))
+    # N = 0: nothing to launch
+    q, k, v, g, beta, _ = _inputs(8, 0, 2, 5, 24, 40)
+    o, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    assert o.shape == (0, 5, 40) and s.shape == (0, 24, 40)
+
+
+def test_kernels_for():
+    def names(**kw):
+        return [x.name for x in kp.kernels_for(k_dim=8192, v_dim=1024, dtype=torch.bfloat16, device=CPU, **kw)]
+
+    assert names() == ["kda_parallel_interp"]
+    assert names(initial_state=True, output_final_state=True, scalar_gate=True) == ["kda_parallel_h0_ht_interp"]
+    source = kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, initial_state=True,
+                            output_final_state=True)[0].source
+    for fn in ("kda_parallel_prep_kernel", "kda_parallel_reduce_kernel", "kda_parallel_solve_kernel",
+               "kda_parallel_state_kernel", "launch_kda_parallel"):
+        assert f"def {fn}(" in source
+    assert "def kda_parallel_state_kernel(" not in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32,
+                                                                   device=CPU)[0].source
+
+
+def _bad(**change):
+    q, k, v, g, beta, _ = _inputs(9, 2, 2, 5, 24, 40)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, scale=0.5, scalar_gate=False, config=None,
+              out_dtype=None)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.randn(2, 65, 24), k=torch.randn(2, 65, 24), v=torch.randn(4, 65, 40), g=torch.randn(4, 65, 24),
+          beta=torch.rand(4, 65)), r"MAX_T=64.*use the recurrent or chunked kernels"),
+    (dict(q=torch.randn(2, 5, 24, 1)), r"q and k must be \[NQ, T, K\]"),
+    (dict(v=torch.randn(3, 5, 40)), r"multiple of NQ=2"),
+    (dict(g=torch.randn(4, 5)), r"scalar_gate=True"),
+    (dict(beta=torch.rand(4, 5, 1)), r"beta must be \[N, T\]"),
+    (dict(initial_state=torch.randn(4, 40, 24)), r"initial_state must be \[N, K, V\]"),
+    (dict(q=torch.randn(2, 5, 24, dtype=torch.float64), k=torch.randn(2, 5, 24, dtype=torch.float64)),
+     r"supported: float32, float16, bfloat16"),
+    (dict(out_dtype=torch.int32), r"out_dtype"),
+    (dict(scale=float("inf")), r"scale must be a finite"),
+    (dict(config={"BLOCK_K": 24}), r"BLOCK_K must be a power of two >= 16"),
+    (dict(config={"BLOCK_VS": 8}), r"BLOCK_VS must be a power of two >= 16"),
+    (dict(config={"BLOCK_K": 256, "BLOCK_V": 256}), r"exceeds 16384"),
+    (dict(config={"STATE_DOT": 1}), r"STATE_DOT must be a bool"),
+    (dict(config={"DOT_PRECISION": "tf32"}), r"DOT_PRECISION"),
+    (dict(config={"VARIANT": "registers"}), r"unknown config keys \['VARIANT'\]"),
+    (dict(config={"num_warps": 3}), r"num_warps"),
+])
+def test_bad_inputs(change, match):
+    kw = _bad(**change)
+    with pytest.raises(ValueError, match=match):
+        kp.forward(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("g"), kw.pop("beta"), **kw)
+
+
+def test_config_tables(monkeypatch):
+    """GPU tables (sm90 / cuda, by device kind): valid rows, register tiles within bounds, the solve's
+    grid about two programs per SM where the value dimension allows, plans for every T up to MAX_T."""
+    for kind in ("sm90", "cuda"):
+        monkeypatch.setattr(launch, "device_kind", lambda device, kind=kind: kind)
+        for kd, vd, n in [(256, 8192, 2), (512, 16384, 2), (8192, 1024, 2), (16384, 1024, 2), (128, 128, 64),
+                          (100, 72, None), (24, 40, 1)]:
+            cands = kp.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n, t_len=8)
+            assert cands and len(cands) == len({tuple(sorted(c.items())) for c in cands})
+            for c in cands:
+                assert kp.choose_config(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", config=c) == c
+                assert c["BLOCK_K"] * c["BLOCK_V"] <= 8192 and c["BLOCK_KP"] * c["BLOCK_VP"] <= 8192
+                for t in (1, 8, 16, 37, 64):
+                    plan = kp._plan(c, n or 4, t, kd, vd, True, True)
+                    assert plan["TG"] ** 2 * plan["BLOCK_KG"] <= max(c["GRAM_TILE"], plan["TG"] ** 2)
+                    assert plan["SPLIT_G"] * plan["K_PER_G"] >= kd and plan["SPLIT_P"] * plan["K_PER_P"] >= kd
+                    assert plan["WARPS_PREP"] <= 8 and plan["WARPS_SOLVE"] <= 8
+            # the solve's grid: about two programs per SM, or the smallest value block (16)
+            if n is not None:
+                assert n * launch.cdiv(vd, cands[0]["BLOCK_VS"]) >= min(264, n * launch.cdiv(vd, 16))
+
+
+def test_hbm_bytes():
+    n, nq, t, kd, vd = 2, 2, 8, 8192, 1024
+    inputs = 2 * nq * t * kd * 2 + n * t * (vd + kd + 1) * 2 + n * t * vd * 2
+    state = n * kd * vd * 4
+    delta = n * t * vd * 4
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, False, False) == inputs
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, False, True) == inputs + state + 2 * delta
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, True, True) == inputs + 3 * state + 2 * delta + 4 * delta
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, True, False, state_bytes=2) == inputs + state // 2 + 4 * delta
+    assert (kp.hbm_bytes(n, nq, t, kd, vd, 2, False, False, scalar_gate=True) == inputs - n * t * (kd - 1) * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (compiled kernels; run by the lead on the H100)
+# --------------------------------------------------------------------------------------------
+
+GPU = torch.device("cuda")
+
+#: the kernel blogs' short-sequence shapes (B=1, T=8, H=2): (K, V)
+BLOG_SHAPES = [(256, 8192), (512, 16384), (8192, 1024), (16384, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kd,vd", BLOG_SHAPES)
+@pytest.mark.parametrize("h0", [False, True], ids=["zeros", "h0"])
+def test_gpu_blog_shapes(kd, vd, h0):
+    q, k, v, g, beta, s0 = _inputs(10, 2, 1, 8, kd, vd, dtype=torch.bfloat16, device=GPU, h0=h0)
+    g = g.float()  # the gate kept in fp32, as models often do
+    _check(q, k, v, g, beta, None if s0 is None else s0.float(), scale=kd ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, DOT, NO_REDUCE, {"DOT_PRECISION": "ieee"}],
+                         ids=["default", "state_dot", "no_reduce", "ieee"])
+@pytest.mark.parametrize("t", [1, 8, 16, 37, 64])
+def test_gpu_lengths_and_configs(config, t):
+    q, k, v, g, beta, h0 = _inputs(11, 4, 2, t, 300, 200, device=GPU, h0=True, strong_decay=True)
+    _check(q, k, v, g, beta, h0, scale=300 ** -0.5, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scalar_gate", [False, True])
+def test_gpu_bf16_gva_scalar_gate(scalar_gate):
+    q, k, v, g, beta, h0 = _inputs(12, 8, 2, 20, 128, 128, dtype=torch.bfloat16, device=GPU, h0=True,
+                                   scalar_gate=scalar_gate)
+    _check(q, k, v, g, beta, h0.float(), scale=128 ** -0.5, scalar_gate=scalar_gate)
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_strided_fp16():
+    t, h, hv, kd, vd = 29, 3, 6, 100, 72
+    q, k, v, g, beta, h0 = _inputs(13, h, hv // h, t, kd, vd, dtype=torch.float16, device=GPU, h0=True)
+    qs = q.transpose(0, 1).contiguous().transpose(0, 1)  # [H, T, K] with strides of [T, H, K]
+    vs = v.transpose(0, 1).contiguous().transpose(0, 1)
+    for config in (None, DOT):
+        _check(qs, k, vs, g, beta, h0, config=config, out_dtype=torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    q, k, v, g, beta, h0 = _inputs(14, 2, 1, 8, 8192, 256, dtype=torch.bfloat16, device=GPU, h0=True)
+    a = kp.forward(q, k, v, g, beta, scale=0.1, initial_state=h0, output_final_state=True)
+    b = kp.forward(q, k, v, g, beta, scale=0.1, initial_state=h0, output_final_state=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_gpu_new_length_does_not_recompile():
+    """Lengths in one padded bucket (9..16) share every compiled kernel."""
+    mod = kp._module(False, True, False)[1]
+    kernels = (mod.kda_parallel_prep_kernel, mod.kda_parallel_solve_kernel, mod.kda_parallel_state_kernel)
+    for t in (9, 12, 16):
+        q, k, v, g, beta, _ = _inputs(15, 1, 2, t, 24, 40, device=GPU)
+        _check(q, k, v, g, beta)
+        if t == 9:
+            before = [compiled_keys(fn) for fn in kernels]
+    assert [compiled_keys(fn) for fn in kernels] == before
