@@ -156,7 +156,7 @@ class KDAPattern(Pattern):
     """The unrolled KDA (gated delta rule) recurrence."""
 
     name = "kda"
-    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk")}
+    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk", "parallel")}
 
     # -- anchors: where a state enters a chain ----------------------------------------------
     def anchors(self, view: GraphView):

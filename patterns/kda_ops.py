@@ -12,12 +12,13 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
     V]`` or None (zeros). The loop runs over time indices ``t0 .. t0 + steps − 1``. Returns ``o``
     ``[*L, V]`` with the time axis inserted at ``out_dim`` (``steps`` long), contiguous, in
     ``out_dtype``, and the final state ``[*L, K, V]`` in ``state_dtype`` (an empty tensor unless
-    ``want_state``). ``plan``: ``"plan=recurrent"`` or ``"plan=chunk;chunk=64"``
-    (:func:`parse_plan`).
+    ``want_state``). ``plan``: ``"plan=recurrent"``, ``"plan=chunk;chunk=64"`` or
+    ``"plan=parallel"`` (:func:`parse_plan`).
 
 Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
 (a copy when the layout needs one: the time axis is not next to the feature axis), as the
-kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py`` take them.
+kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py`` and ``codegen/kda_parallel.py``
+take them.
 
 Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
 :data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-PLANS = ("recurrent", "chunk")
+PLANS = ("recurrent", "chunk", "parallel")
 
 
 def plan_string(plan: str, chunk: int = 64) -> str:
@@ -99,8 +100,10 @@ def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_stat
 
         return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
                                scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"])
-    from ..codegen import kda_recurrent as kernels
-
+    if plan["plan"] == "parallel":
+        from ..codegen import kda_parallel as kernels
+    else:
+        from ..codegen import kda_recurrent as kernels
     return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
                            scalar_gate=scalar_gate, out_dtype=out_dtype)
 

@@ -14,6 +14,12 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     ``A_kk``, ``A_qk``, the triangular solve, ``U``, ``W`` into float32 workspaces), then a pass
     sequential over the chunks carrying the state in registers (K ≤ 256). The dependency chain
     is ``T / C`` long.
+``fuser[parallel]``
+    the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
+    matrices split over K across programs, a per-head solve, and the final state written tile by
+    tile — without an initial state the state is never read, so the floor is writing it. Any K.
+    **Not measured on a GPU yet**: on CUDA it is offered only when forced
+    (``fuser.plan={"kda.plan": "parallel"}``); in the interpreter always.
 ``inductor``
     the unrolled loop as written: Inductor round-trips the state through HBM every token.
 
@@ -45,6 +51,8 @@ STEP_US = 0.5
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
+#: The parallel form's per-head triangular solve (T dependent rows), in microseconds: NOT MEASURED.
+PARALLEL_SOLVE_US = 3.0
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
@@ -122,6 +130,15 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
         if variant == "streamed":
             terms["state_bytes"] = 4 * N * KD * VD
         return terms
+    if plan == "parallel":
+        from fuser.codegen import kda_parallel
+
+        x = shapes(m)  # its traffic model takes numbers: the example shapes
+        nbytes = kda_parallel.hbm_bytes(x[N], x[N], x[T], x[KD], x[VD], eq, b["h0"] is not None, b["want_state"],
+                                        scalar_gate=b["scalar_gate"], out_bytes=eo)
+        # the Gram matrices (T² K twice), the h0 projections (2 T K V), the state tiles (T K V)
+        flops = 4 * N * T * T * KD + (4 * N * T * KD * VD if b["h0"] is not None else 0) + 2 * N * T * KD * VD
+        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": PARALLEL_SOLVE_US}
     from fuser.codegen import kda_chunk
 
     ws = torch.finfo(kda_chunk.workspace_dtype(_dtype(b["q"]), _dtype(b["k"]), _dtype(b["v"]))).bits // 8
@@ -169,6 +186,14 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
 
     add("fuser[recurrent]", "recurrent", cost_terms(m, "recurrent"),
         "token by token, each program keeping a [K, BLOCK_V] block of the state for the whole sequence")
+    from fuser.codegen import kda_parallel
+
+    on_gpu = dev is not None and torch.device(dev).type != "cpu"
+    forced = ("kda.plan", "parallel") in tuple(ctx.options.plan)
+    if subs[T] <= kda_parallel.MAX_T and (not on_gpu or forced):
+        add("fuser[parallel]", "parallel", cost_terms(m, "parallel"),
+            "single-chunk parallel form: T x T Gram matrices split over K, a per-head solve, the final state "
+            "written tile by tile")
     if subs[KD] <= CHUNK_MAX_K:
         for c in (64,):
             add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c),
@@ -187,6 +212,10 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     b = m.bindings
     kw = dict(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]), device=_device(b),
               scalar_gate=b["scalar_gate"], initial_state=b["h0"] is not None, output_final_state=b["want_state"])
+    if plan.params["plan"] == "parallel":
+        from fuser.codegen import kda_parallel
+
+        return list(kda_parallel.kernels_for(**kw))
     if plan.params["plan"] == "chunk":
         from fuser.codegen import kda_chunk
 

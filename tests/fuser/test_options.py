@@ -119,7 +119,7 @@ def test_wrong_types_are_option_errors(options, message):
                                      r"attention_kl.impl, attention_kl.split_k, attention_kl.backward"),
     ("h2o.impl=flash", r"h2o.impl takes one of: fuser, inductor"),
     ("kda.backward=two_kernel", r"kda has no choice 'backward'; valid keys for kda: kda.impl, kda.plan"),
-    ("kda.plan=parallel", r"kda.plan takes one of: recurrent, chunk"),
+    ("kda.plan=parallel_scan", r"kda.plan takes one of: recurrent, chunk, parallel"),
     ("attention.backward=three_kernel", r"attention.backward takes one of: two_kernel, atomic_dq, autotune"),
     ("attention.impl=flash", r"attention.impl takes one of: fuser, sdpa, inductor"),
     ("attention_kl.impl=sdpa", r"attention_kl.impl takes one of: fuser, inductor"),

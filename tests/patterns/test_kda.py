@@ -318,7 +318,7 @@ def test_kda_layer_example():
     assert "one training step through the fused KDA loop matches eager" in r.stdout
 
 
-@pytest.mark.parametrize("plan", ["recurrent", "chunk"])
+@pytest.mark.parametrize("plan", ["recurrent", "chunk", "parallel"])
 def test_each_plan_forced_matches_eager(plan):
     # T=40 (not a multiple of the chunk), K=20, V=36
     args = _inputs("bhtk", t=40, k=20, v=36)
@@ -330,9 +330,11 @@ def test_each_plan_forced_matches_eager(plan):
     _close(s, want_s)
 
 
-def test_planner_offers_chunk_up_to_k_256_only():
+def test_planner_offers_chunk_up_to_k_256_and_parallel_up_to_t_64():
     _, small = fuse(blog_loop, *_inputs("bhtk", t=64, k=32, v=32))
-    assert {c.params.get("plan") for c in small.matches[0].alternatives} == {"recurrent", "chunk"}
-    assert small.matches[0].plan.params["plan"] == "chunk"  # T=64: one chunk against 64 dependent tokens
+    assert {c.params.get("plan") for c in small.matches[0].alternatives} == {"recurrent", "chunk", "parallel"}
+    _, long = fuse(blog_loop, *_inputs("bhtk", t=70, k=32, v=32))  # past the parallel form's 64 steps
+    assert {c.params.get("plan") for c in long.matches[0].alternatives} == {"recurrent", "chunk"}
+    assert long.matches[0].plan.params["plan"] == "chunk"  # one chunk boundary against 70 dependent tokens
     _, large = fuse(blog_loop, *_inputs("bhtk", t=3, k=300, v=8))
-    assert {c.params.get("plan") for c in large.matches[0].alternatives} == {"recurrent"}
+    assert {c.params.get("plan") for c in large.matches[0].alternatives} == {"recurrent", "parallel"}
