@@ -266,15 +266,33 @@ def _place(m: Match, view: GraphView) -> Optional[str]:
         feeders.add(n)
         stack.extend(a for a in flat_args(n) if isinstance(a, fx.Node))
 
-    def read_at(x: fx.Node) -> int:
+    def read_span(x: fx.Node) -> tuple[int, int]:
         uses = [order[u] for u in x.users if u in m.region or u in feeders]
-        return min(uses) if uses else order[x]
+        return (min(uses), max(uses)) if uses else (order[x], order[x])
 
-    reads = [(x, read_at(x)) for x in inputs if view.alias_key(x) is not None]
+    reads = [(x, *read_span(x)) for x in inputs if view.alias_key(x) is not None]
+    # values the pattern analysed *through* (``q = x * c`` folded into the scale: the op reads x
+    # and recomputes q): the op never reads their memory, so an in-place write to it between
+    # their definition and the region's last read (``q[:, 0] = 0``) changes what the program
+    # computes but not what the op does
+    declared = {view.alias_key(x) for x in m.inputs if isinstance(x, fx.Node)}
+    last_read = max(order[n] for n in m.region)
+    for x in dict.fromkeys(list(inputs) + sorted(feeders, key=order.__getitem__)):
+        key = view.alias_key(x)
+        if key is None or key in declared:
+            continue
+        hits = view.writes_between(key, order[x], last_read, exclude=m.region)
+        if hits:
+            w = hits[0]
+            return (f"'{x.name}' is written in place by '{w.name}' ({location(w)}) before the {m.pattern} region "
+                    f"reads it; the fused op computes '{x.name}' from its inputs and would not see the write")
 
     def conflict(pos: int):
-        for x, at in reads:
-            hits = view.writes_between(view.alias_key(x), at, pos, exclude=m.region)
+        # the replacement reads each input once, at pos; the program read it from `first` to
+        # `last` (an unrolled loop reads its inputs step after step): no write to its memory may
+        # fall anywhere between those reads and pos
+        for x, first, last in reads:
+            hits = view.writes_between(view.alias_key(x), min(first, pos), max(last, pos), exclude=m.region)
             if hits:
                 return x, hits[0]
         return None

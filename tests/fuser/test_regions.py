@@ -148,3 +148,26 @@ def test_root_must_be_an_output():
     with pytest.raises(ValueError, match="must be one of the outputs"):
         Match("x", root=a, region=frozenset({a, b}), bindings={}, summary={}, location="", outputs={"o": b})
     assert Match("x", root=a, region=frozenset({a}), bindings={}, summary={}, location="").outputs == {"out": a}
+
+
+def test_a_value_looked_through_and_written_in_place_declines():
+    # `q * 1.0` is folded into the attention's scale, so the fused op reads the argument q and
+    # recomputes the product; the program then zeroes a row of the product in place before the
+    # attention reads it: fusing would ignore that write (found while adding KDA: wrong results)
+    from fuser.testing import fuse, run_rewritten
+
+    def f(q, k, v):
+        q = q * 1.0
+        q[:, :, 0] = 0.0
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1)
+        out = p @ v
+        q[:, :, 1] = 5.0  # after the attention
+        return out, q
+
+    args = [torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    graphs, result = fuse(f, *args, options={"fuser.interpret": True})
+    assert not [m for m in result.matches if m.fused]
+    assert any("written in place by" in r.reason and "would not see the write" in r.reason for r in result.rejected)
+    got = run_rewritten(graphs, *[a.clone() for a in args])
+    want = f(*[a.clone() for a in args])
+    torch.testing.assert_close(got, want)

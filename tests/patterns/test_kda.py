@@ -338,3 +338,22 @@ def test_planner_offers_chunk_up_to_k_256_and_parallel_up_to_t_64():
     assert long.matches[0].plan.params["plan"] == "chunk"  # one chunk boundary against 70 dependent tokens
     _, large = fuse(blog_loop, *_inputs("bhtk", t=3, k=300, v=8))
     assert {c.params.get("plan") for c in large.matches[0].alternatives} == {"recurrent", "parallel"}
+
+
+def test_an_input_written_inside_the_loop_is_declined():
+    def loop(q, k, v, g, beta):
+        v = v.clone()
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+            if t + 1 < q.shape[1]:
+                v[:, t + 1] *= 2  # later steps read the doubled values: one read before the loop cannot
+        return o
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="written in place")
+    graphs, _ = fuse(loop, *_inputs("bthk"))
+    _close(run_rewritten(graphs, *_inputs("bthk")), loop(*_inputs("bthk")))
