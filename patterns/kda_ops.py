@@ -92,9 +92,18 @@ def _assemble(o_flat: torch.Tensor, lead: list, steps: int, out_dim: int) -> tor
     return o.movedim(len(lead), out_dim).contiguous()
 
 
+#: Gates below this are raised to it before the chunked and parallel kernels see them: exp of
+#: either is exactly 0 in float32 (below about −104), so a step's decay is unchanged, while a gate
+#: of −inf (a hard reset, e.g. ``log(0)``) would make those kernels' differences of cumulative sums
+#: ``−inf − (−inf) = NaN``. The recurrent kernel multiplies step by step and needs no floor.
+GATE_FLOOR = -200.0
+
+
 def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict):
     """The kernels of ``plan`` on flattened inputs (``[N, T, *]``): ``(o [N, T, V], state [N, K, V]
     float32 or None)``."""
+    if plan["plan"] in ("chunk", "parallel"):
+        g = g.clamp_min(GATE_FLOOR)
     if plan["plan"] == "chunk":
         from ..codegen import kda_chunk as kernels
 
@@ -186,6 +195,7 @@ def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps
     do = d_o.movedim(out_dim, len(lead)).reshape(-1, steps, vd)
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     dsf = d_state.reshape(-1, kd, vd) if d_state is not None else None
+    gf = gf.clamp_min(GATE_FLOOR)  # as in the forward (a −inf gate: dg there is 0, as eager's)
     dq, dk, dv, dg, db, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f,
                                               d_final_state=dsf, scalar_gate=scalar_gate)
     tq, tk, tv, tg, tb = time_dims

@@ -80,3 +80,20 @@ def test_plan_strings():
         kda_ops.parse_plan("plan=chunk;block=4")
     with pytest.raises(ValueError, match="expected one of"):
         kda_ops.parse_plan("plan=parallel")
+
+
+@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16", "plan=parallel"])
+def test_a_gate_of_minus_infinity_resets_the_state(plan):
+    # exp(-inf) = 0: eager's state restarts there; the chunked forms difference cumulative sums
+    q, k, v, g, beta = _args(t=20, grad=True)
+    with torch.no_grad():
+        g[:, 5, :, :3] = float("-inf")
+        g[:, 11] = float("-inf")
+    o, s = _call(q, k, v, g, beta, plan=plan)
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, rtol=1e-4, atol=1e-5)
+    if plan != "plan=parallel":
+        (o.square().sum() + s.sum()).backward()
+        assert all(torch.isfinite(x.grad).all() for x in (q, k, v, g, beta))
