@@ -34,7 +34,6 @@ import torch
 
 from fuser import costmodel as cm
 from fuser.codegen import launch
-from fuser.graph import shape
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
