@@ -79,7 +79,7 @@ def test_plan_strings():
     with pytest.raises(ValueError, match="expected plan= or chunk="):
         kda_ops.parse_plan("plan=chunk;block=4")
     with pytest.raises(ValueError, match="expected one of"):
-        kda_ops.parse_plan("plan=parallel")
+        kda_ops.parse_plan("plan=scan")
 
 
 @pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16", "plan=parallel"])
