@@ -152,7 +152,18 @@ def apply(
         log.debug("fuser: near-miss of %s at %s superseded by a match of the same region", r.pattern, r.location)
     result.rejected = [r for r in result.rejected if r.node not in taken_names]
 
+    replaced: dict = {}  # an output of an emitted match -> its replacement
     for pattern, m in found:
+        if replaced:
+            # a match that reads an earlier match's output (one loop's o feeding the next) was
+            # found on the graph before that output was replaced: read the replacement, which
+            # must come before this match's insertion point
+            _remap(m, replaced)
+            why = _stale_placement(m, gm.graph, set(replaced.values()))
+            if why:
+                result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
+                log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
+                continue
         cands = pattern.candidates(m, ctx)
         plan, reason = planner.choose(m, cands, options)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
@@ -170,6 +181,7 @@ def apply(
                     raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
             new = _protect_saved(m, new, view, gm.graph, before)
             _replace(m, new, gm.graph)
+            replaced.update({m.outputs[name]: node for name, node in new.items()})
         except Exception as exc:  # a bug in a pattern must not break the user's model
             _undo(gm.graph, before)
             log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location, plan.name, exc)
@@ -189,6 +201,37 @@ def apply(
         gm.graph.lint()
         gm.recompile()
     return result
+
+
+def _remap(m: Match, mapping: dict) -> None:
+    """Replace, in ``m``'s bindings and inputs, every node of ``mapping`` (an output of a match
+    emitted before ``m``) by its replacement (in dicts, lists and tuples)."""
+
+    def sub(x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            return mapping.get(x, x)
+        if isinstance(x, dict):
+            return {k: sub(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(sub(e) for e in x)
+        return x
+
+    m.bindings = sub(m.bindings)
+    m.inputs = sub(m.inputs)
+
+
+def _stale_placement(m: Match, graph: fx.Graph, replacements: set) -> Optional[str]:
+    """Why ``m`` cannot be emitted after earlier rewrites (its insertion point erased, or an
+    input that is an earlier replacement defined after it), or None."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    at = m.insertion_point
+    if at not in position:
+        return "its insertion point was part of an earlier fused region"
+    for x in m.inputs:
+        if isinstance(x, fx.Node) and x in replacements and position.get(x, len(position)) >= position[at]:
+            return (f"it reads '{x.name}', the output of an earlier fused region, which is only computed after "
+                    "the point where this region's replacement must go")
+    return None
 
 
 def _guard_softmax_axis(graph: fx.Graph, view: GraphView) -> set:
