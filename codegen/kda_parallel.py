@@ -373,46 +373,15 @@ def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bo
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
-    """Shapes, dtypes and devices; returns (NQ, N, T, K, V)."""
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    for name, x in tensors.items():
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [NQ, T, K] of one shape (flatten batch and heads into NQ), got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
-    nq, t, kd = q.shape
-    if v.dim() != 3 or v.shape[1] != t or (v.shape[0] % nq if nq else v.shape[0]):
-        raise ValueError(f"v must be [N, T={t}, V] with N a multiple of NQ={nq} (value row n reads "
-                         f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
-    n, _, vd = v.shape
-    if kd < 1 or vd < 1:
-        raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
-    if t > MAX_T:
-        raise ValueError(f"the single-chunk parallel KDA kernels take at most MAX_T={MAX_T} tokens, got T={t}: "
+    """The launchers' common checks (:func:`fuser.codegen.kda_recurrent.check_inputs`) and
+    T ≤ :data:`MAX_T`; returns (NQ, N, T, K, V)."""
+    from .kda_recurrent import check_inputs
+
+    dims = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    if dims[2] > MAX_T:
+        raise ValueError(f"the single-chunk parallel KDA kernels take at most MAX_T={MAX_T} tokens, got T={dims[2]}: "
                          f"use the recurrent or chunked kernels (codegen/kda_recurrent.py, the chunked form)")
-    want_g = (n, t) if scalar_gate else (n, t, kd)
-    if tuple(g.shape) != want_g:
-        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
-                         + (" (scalar_gate=True)" if scalar_gate
-                            else " (pass scalar_gate=True for one decay per token)")
-                         + f", got {tuple(g.shape)}")
-    if tuple(beta.shape) != (n, t):
-        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
-            shape = (tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor)
-                     else type(initial_state).__name__)
-            raise ValueError(f"initial_state must be [N, K, V] = {(n, kd, vd)} or None, got {shape}")
-        tensors["initial_state"] = initial_state
-    for name, x in tensors.items():
-        if x.dtype not in launch.DTYPES:
-            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast it first)")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}: put every input on one device")
-    if out_dtype is not None and out_dtype not in launch.DTYPES:
-        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    return nq, n, t, kd, vd
+    return dims
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,

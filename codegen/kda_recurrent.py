@@ -306,8 +306,17 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, variant: s
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
-    """Shapes, dtypes and devices; returns (NQ, N, T, K, V)."""
+def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+    """The checks every KDA forward launcher makes of the interface's shapes, dtypes and devices
+    (q, k ``[NQ, T, K]``, v ``[N, T, V]``, g ``[N, T, K]`` or ``[N, T]``, beta ``[N, T]``, h0
+    ``[N, K, V]``; float32/float16/bfloat16 on one device).
+
+    Returns:
+        ``(NQ, N, T, K, V)``.
+
+    Raises:
+        ValueError: naming the input and the fix.
+    """
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
@@ -376,7 +385,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             0``, g, beta, initial_state), an unsupported dtype, tensors on different devices, a
             non-finite scale, or a config that cannot work (:func:`choose_config`).
     """
-    nq, n, t, kd, vd = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    nq, n, t, kd, vd = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale}")

@@ -2,8 +2,10 @@
 compiled specialisations."""
 
 import torch
+import torch.nn.functional as F
 
 from fuser.codegen import launch
+from fuser.patterns.kda_reference import recurrent
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -49,3 +51,64 @@ def compiled_keys(fn) -> set:
     if not hasattr(fn, "device_caches"):
         pytest.skip("this Triton keeps no device_caches")
     return {key for entry in fn.device_caches.values() for key in entry[0]}
+
+
+# -- KDA forward launchers (codegen/kda_recurrent.py, codegen/kda_parallel.py) --------------------
+
+KDA_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+CPU = torch.device("cpu")
+
+
+def kda_inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, scalar_gate=False, h0=False,
+               l2=True, strong_decay=False):
+    """Fresh random inputs in the kernels' layout: q, k [NQ, T, K], v [N, T, V], g, beta, h0."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nq * group
+    q = torch.randn(nq, t, kd, generator=gen)
+    k = torch.randn(nq, t, kd, generator=gen)
+    if l2:
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    g = -F.softplus(torch.randn(*((n, t) if scalar_gate else (n, t, kd)), generator=gen))
+    if strong_decay:  # some gates near -30: the state is all but wiped there
+        g = torch.where(torch.rand(g.shape, generator=gen) < 0.2, torch.full_like(g, -30.0), g)
+    beta = torch.rand(n, t, generator=gen)
+    s0 = torch.randn(n, kd, vd, generator=gen) if h0 else None
+    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)]
+    return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
+
+
+def kda_reference_rows(q, k, v, g, beta, scale, h0, scalar_gate):
+    """patterns/kda_reference.recurrent on the kernels' layout (one batch; heads = rows): o [N, T, V],
+    final state [N, K, V], float64."""
+    n, t, vd = v.shape
+    kd = q.shape[-1]
+    if scalar_gate:
+        g = g[..., None].expand(n, t, kd)
+    to4 = lambda x: x.transpose(0, 1)[None]  # [rows, T, *] -> [1, T, rows, *]
+    o, s = recurrent(to4(q), to4(k), to4(v), to4(g), beta.transpose(0, 1)[None], scale=scale,
+                     initial_state=None if h0 is None else h0[None], output_final_state=True)
+    return o[0].transpose(0, 1), s[0]
+
+
+def check_kda_forward(forward, q, k, v, g, beta, h0=None, *, scale=0.3, scalar_gate=False, final=True, config=None,
+                      out_dtype=None, tol=None):
+    """``forward`` (a KDA forward launcher: codegen/kda_recurrent.py, kda_parallel.py) with poisoned
+    outputs against the float64 reference; returns (o, final state)."""
+    tol = KDA_TOL[q.dtype] if tol is None else tol
+    with launch.poison_outputs():
+        o, s = forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final,
+                          scalar_gate=scalar_gate, out_dtype=out_dtype, config=config)
+    ref_o, ref_s = kda_reference_rows(q, k, v, g, beta, scale, h0, scalar_gate)
+    assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
+    assert not o.isnan().any(), "an output element was never written"
+    err = rel_err(o, ref_o)
+    assert err < tol, f"o: relative error {err:.3g} >= {tol}"
+    if final:
+        assert s.shape == (v.shape[0], q.shape[-1], v.shape[-1]) and s.dtype == torch.float32 and s.is_contiguous()
+        assert not s.isnan().any(), "a final-state element was never written"
+        err = rel_err(s, ref_s)
+        assert err < tol, f"final state: relative error {err:.3g} >= {tol}"
+    else:
+        assert s is None
+    return o, s

@@ -10,7 +10,10 @@ run everywhere: "streamed" is forced through ``config`` with small key tiles.
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import compiled_keys, rel_err
+from _kernel_checks import CPU, check_kda_forward, compiled_keys, rel_err
+from _kernel_checks import KDA_TOL as TOL
+from _kernel_checks import kda_inputs as _inputs
+from _kernel_checks import kda_reference_rows as _reference
 import torch
 import torch.nn.functional as F
 
@@ -18,65 +21,14 @@ from fuser.codegen import kda_recurrent as kr
 from fuser.codegen import launch
 from fuser.patterns.kda_reference import recurrent
 
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-CPU = torch.device("cpu")
 REGS = {"VARIANT": "registers"}
 STREAM16 = {"VARIANT": "streamed", "BLOCK_K": 16}   # K=24: two key tiles, the second ragged
 STREAM8 = {"VARIANT": "streamed", "BLOCK_K": 8, "BLOCK_V": 16}
 
 
-def _inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, scalar_gate=False, h0=False,
-            l2=True, strong_decay=False):
-    """Fresh random inputs in the kernels' layout: q, k [NQ, T, K], v [N, T, V], g, beta, h0."""
-    gen = torch.Generator().manual_seed(seed)
-    n = nq * group
-    q = torch.randn(nq, t, kd, generator=gen)
-    k = torch.randn(nq, t, kd, generator=gen)
-    if l2:
-        k = F.normalize(k, dim=-1)
-    v = torch.randn(n, t, vd, generator=gen)
-    g = -F.softplus(torch.randn(*((n, t) if scalar_gate else (n, t, kd)), generator=gen))
-    if strong_decay:  # some gates near -30: the state is all but wiped there
-        g = torch.where(torch.rand(g.shape, generator=gen) < 0.2, torch.full_like(g, -30.0), g)
-    beta = torch.rand(n, t, generator=gen)
-    s0 = torch.randn(n, kd, vd, generator=gen) if h0 else None
-    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)]
-    return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
-
-
-def _reference(q, k, v, g, beta, scale, h0, scalar_gate):
-    """patterns/kda_reference.recurrent on the kernels' layout (one batch; heads = rows): o [N, T, V],
-    final state [N, K, V], float64."""
-    n, t, vd = v.shape
-    kd = q.shape[-1]
-    if scalar_gate:
-        g = g[..., None].expand(n, t, kd)
-    to4 = lambda x: x.transpose(0, 1)[None]  # [rows, T, *] -> [1, T, rows, *]
-    o, s = recurrent(to4(q), to4(k), to4(v), to4(g), beta.transpose(0, 1)[None], scale=scale,
-                     initial_state=None if h0 is None else h0[None], output_final_state=True)
-    return o[0].transpose(0, 1), s[0]
-
-
-def _check(q, k, v, g, beta, h0=None, *, scale=0.3, scalar_gate=False, final=True, config=None, out_dtype=None,
-           tol=None):
-    """Kernel (poisoned outputs) against the reference; returns (o, final state)."""
-    tol = TOL[q.dtype] if tol is None else tol
-    with launch.poison_outputs():
-        o, s = kr.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final,
-                          scalar_gate=scalar_gate, out_dtype=out_dtype, config=config)
-    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, scalar_gate)
-    assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
-    assert not o.isnan().any(), "an output element was never written"
-    err = rel_err(o, ref_o)
-    assert err < tol, f"o: relative error {err:.3g} >= {tol}"
-    if final:
-        assert s.shape == (v.shape[0], q.shape[-1], v.shape[-1]) and s.dtype == torch.float32 and s.is_contiguous()
-        assert not s.isnan().any(), "a final-state element was never written"
-        err = rel_err(s, ref_s)
-        assert err < tol, f"final state: relative error {err:.3g} >= {tol}"
-    else:
-        assert s is None
-    return o, s
+def _check(*args, **kwargs):
+    """The launcher against the float64 reference (``_kernel_checks.check_kda_forward``)."""
+    return check_kda_forward(kr.forward, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
