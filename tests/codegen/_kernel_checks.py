@@ -78,6 +78,27 @@ def kda_inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, s
     return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
 
 
+def kda_strided_views(seed, t, h, hv, kd, vd):
+    """Fresh inputs in FLA's ``[B, T, H, *]`` layout viewed as ``[H, T, *]`` (B = 1: views, no
+    copy): keys with a channel stride of 2, beta ``[T, N]`` transposed, h0 ``[N, V, K]``
+    transposed; q/k/v float16 with g, beta, h0 float32; ``hv // h`` value heads per q/k head.
+    Returns ``(q, k, v, g, beta, h0)``, none of them contiguous."""
+    q, k, v, g, beta, h0 = kda_inputs(seed, h, hv // h, t, kd, vd, h0=True)
+    q_b = q.transpose(0, 1).contiguous()[None].half()                    # [1, T, H, K]
+    k_wide = torch.zeros(1, t, h, 2 * kd, dtype=torch.float16)
+    k_wide[..., ::2] = k.transpose(0, 1)[None].half()
+    v_b = v.transpose(0, 1).contiguous()[None].half()                    # [1, T, HV, V]
+    g_b = g.transpose(0, 1).contiguous()[None]                           # [1, T, HV, K] fp32
+    beta_tn = beta.t().contiguous()                                      # [T, N] fp32
+    h0_vk = h0.transpose(1, 2).contiguous()                              # [N, V, K]
+    qs, ks = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1)
+    vs, gs = v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
+    bs, hs = beta_tn.t(), h0_vk.transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, hs)) and ks.stride(-1) == 2
+    assert qs.data_ptr() == q_b.data_ptr() and ks.data_ptr() == k_wide.data_ptr()  # views, no copy
+    return qs, ks, vs, gs, bs, hs
+
+
 def kda_reference_rows(q, k, v, g, beta, scale, h0, scalar_gate):
     """patterns/kda_reference.recurrent on the kernels' layout (one batch; heads = rows): o [N, T, V],
     final state [N, K, V], float64."""

@@ -10,7 +10,7 @@ for. Every output is allocated poisoned (NaN), so an element a kernel fails to w
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import CPU, check_kda_forward, compiled_keys, rel_err
+from _kernel_checks import CPU, check_kda_forward, compiled_keys, kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
@@ -91,20 +91,7 @@ def test_strided_and_mixed_dtypes():
     """Inputs in FLA's [B, T, H, *] layout viewed as [H, T, *] (B = 1: a view, no copy), keys with a
     channel stride of 2, beta [T, N] transposed, h0 [N, V, K] transposed; q/k/v fp16 with g, beta
     fp32; GVA group 2."""
-    t, h, hv, kd, vd = 13, 2, 4, 24, 40
-    q, k, v, g, beta, h0 = _inputs(7, h, hv // h, t, kd, vd, h0=True)
-    q_b = q.transpose(0, 1).contiguous()[None].half()                    # [1, T, H, K]
-    k_wide = torch.zeros(1, t, h, 2 * kd, dtype=torch.float16)
-    k_wide[..., ::2] = k.transpose(0, 1)[None].half()
-    v_b = v.transpose(0, 1).contiguous()[None].half()                    # [1, T, HV, V]
-    g_b = g.transpose(0, 1).contiguous()[None]                           # [1, T, HV, K] fp32
-    beta_tn = beta.t().contiguous()                                      # [T, N] fp32
-    h0_vk = h0.transpose(1, 2).contiguous()                              # [N, V, K]
-    qs, ks = q_b[0].transpose(0, 1), k_wide[0, ..., ::2].transpose(0, 1)
-    vs, gs = v_b[0].transpose(0, 1), g_b[0].transpose(0, 1)
-    bs, hs = beta_tn.t(), h0_vk.transpose(1, 2)
-    assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, hs)) and ks.stride(-1) == 2
-    assert qs.data_ptr() == q_b.data_ptr() and ks.data_ptr() == k_wide.data_ptr()  # views, no copy
+    qs, ks, vs, gs, bs, hs = kda_strided_views(7, 13, 2, 4, 24, 40)
     for config in (None, DOT):
         o, _ = _check(qs, ks, vs, gs, bs, hs, tol=5e-3, config=config)
         assert o.dtype == torch.float16
