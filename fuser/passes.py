@@ -153,13 +153,14 @@ def apply(
     result.rejected = [r for r in result.rejected if r.node not in taken_names]
 
     replaced: dict = {}  # an output of an emitted match -> its replacement
+    erased: set = set()  # the regions of emitted matches
     for pattern, m in found:
         if replaced:
             # a match that reads an earlier match's output (one loop's o feeding the next) was
             # found on the graph before that output was replaced: read the replacement, which
             # must come before this match's insertion point
             _remap(m, replaced)
-            why = _stale_placement(m, gm.graph, set(replaced.values()))
+            why = _stale_placement(m, gm.graph, set(replaced.values()), erased)
             if why:
                 result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
                 log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
@@ -182,6 +183,7 @@ def apply(
             new = _protect_saved(m, new, view, gm.graph, before)
             _replace(m, new, gm.graph)
             replaced.update({m.outputs[name]: node for name, node in new.items()})
+            erased |= m.region
         except Exception as exc:  # a bug in a pattern must not break the user's model
             _undo(gm.graph, before)
             log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location, plan.name, exc)
@@ -220,15 +222,18 @@ def _remap(m: Match, mapping: dict) -> None:
     m.inputs = sub(m.inputs)
 
 
-def _stale_placement(m: Match, graph: fx.Graph, replacements: set) -> Optional[str]:
-    """Why ``m`` cannot be emitted after earlier rewrites (its insertion point erased, or an
-    input that is an earlier replacement defined after it), or None."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
+def _stale_placement(m: Match, graph: fx.Graph, replacements: set, erased: set) -> Optional[str]:
+    """Why ``m`` cannot be emitted after earlier rewrites (its insertion point in an ``erased``
+    region, or an input that is an earlier replacement defined after that point), or None."""
     at = m.insertion_point
-    if at not in position:
+    if at in erased:
         return "its insertion point was part of an earlier fused region"
-    for x in m.inputs:
-        if isinstance(x, fx.Node) and x in replacements and position.get(x, len(position)) >= position[at]:
+    late = [x for x in m.inputs if isinstance(x, fx.Node) and x in replacements]
+    if not late:
+        return None
+    position = {n: i for i, n in enumerate(graph.nodes)}  # only when a replacement is read
+    for x in late:
+        if position.get(x, len(position)) >= position[at]:
             return (f"it reads '{x.name}', the output of an earlier fused region, which is only computed after "
                     "the point where this region's replacement must go")
     return None
