@@ -372,3 +372,28 @@ def test_one_loop_feeding_the_next():
     got, _ = _run(two, *args)
     for a, b in zip(got, two(*args)):
         _close(a, b)
+
+
+def test_a_grad_mode_switch_inside_the_loop_is_declined():
+    # eager records no gradient through the first two steps; one fused op would record all of them
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v)
+        for t in range(q.shape[1]):
+            with torch.set_grad_enabled(t >= 2):
+                s = s * g[:, t][..., None].exp()
+                s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                     v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+                o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    args = [x.requires_grad_(True) for x in _inputs("bthk")]
+    assert_declines(loop, *args, pattern="kda", reason="partly with gradients on and partly off")
+    o, _ = _run(loop, *args)
+    grads = torch.autograd.grad(o.square().sum(), args, allow_unused=True)
+    ref = [x.detach().clone().requires_grad_(True) for x in args]
+    want = torch.autograd.grad(loop(*ref).square().sum(), ref, allow_unused=True)
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            _close(a, b, 1e-5)
