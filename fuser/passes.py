@@ -57,9 +57,6 @@ def _check_region(m: Match, view: GraphView) -> Optional[str]:
     outputs = set(m.outputs.values())
     if not outputs <= m.region:
         return "internal error while matching: the match names outputs outside its region"
-    if len({view.grad_enabled[n] for n in m.region}) > 1:
-        return ("the region runs partly with gradients on and partly off (torch.no_grad or set_grad_enabled "
-                "inside it); the fused op would record its gradients in one mode")
     end = max(view.order[n] for n in m.region)
     # memory the region allocates (o = torch.zeros_like(v) before a loop that fills it): what
     # aliases it after the region reads the region's output, which the replacement provides

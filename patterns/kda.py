@@ -427,6 +427,10 @@ class KDAPattern(Pattern):
             raise _Decline(f"the initial state '{head.name}' is {dtype(h0)}")
         region = set().union(*(st.nodes for st in steps)) | region_extra
         region.discard(None)
+        if len({view.grad_enabled[n] for n in region}) > 1:
+            # (attention-KL takes a no-grad teacher beside a student on purpose; one KDA op cannot)
+            raise _Decline("the loop runs partly with gradients on and partly off (torch.no_grad or "
+                           "set_grad_enabled inside it); the fused op would record its gradients in one mode")
         # the selections of the inputs go with the region when nothing else reads them
         for st in steps:
             for _, _, _, sel in st.leaves.values():
