@@ -397,3 +397,21 @@ def test_a_grad_mode_switch_inside_the_loop_is_declined():
         assert (a is None) == (b is None)
         if a is not None:
             _close(a, b, 1e-5)
+
+
+def test_a_buffer_longer_than_the_loop_is_declined():
+    # o has one more time step than the loop writes: its last row keeps the zeros the op would lose
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = v.new_zeros(v.shape[0], v.shape[1] + 1, *v.shape[2:])
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    args = _inputs("bthk")
+    assert_declines(loop, *args, pattern="kda", reason="fills completely")
+    got, _ = _run(loop, *args)
+    _close(got, loop(*args))
