@@ -288,6 +288,9 @@ def _launch(kernel, grid, args, kwargs, stages: int) -> None:
     key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
            tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper())), stages)
     s = _stages_fit.get(key, stages)
+    if launch.tracing():  # recorded for Inductor, not compiled here
+        launch.jit_call(kernel)[grid](*args, **kwargs, num_stages=s)
+        return
     while True:
         try:
             kernel[grid](*args, **kwargs, num_stages=s)

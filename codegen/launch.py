@@ -203,16 +203,38 @@ def _tune_load() -> dict[str, dict]:
         return {}
 
 
-def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any],
-             timer: Callable[[Callable[[], Any]], float] | None = None) -> dict:
+def _stand_in(x: Any) -> Any:
+    """A real tensor with ``x``'s sizes, strides, dtype and device (``x`` fake or functional),
+    filled with standard normal values (floats) or random bits (bool, integers)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    size, stride = [int(d) for d in x.shape], [int(d) for d in x.stride()]
+    numel = 1 + sum((d - 1) * st for d, st in zip(size, stride)) if all(size) else 0
+    if x.dtype.is_floating_point:
+        flat = torch.randn(numel, dtype=x.dtype, device=x.device)
+    else:
+        flat = torch.randint(0, 2, (numel,), device=x.device).to(x.dtype)
+    return flat.as_strided(size, stride)
+
+
+def autotune(key: str, candidates: Sequence[dict], run: Callable[..., Any],
+             timer: Callable[[Callable[[], Any]], float] | None = None,
+             inputs: Sequence[Any] | None = None) -> dict:
     """Return the fastest of ``candidates`` for ``key``, timing them on first use.
 
     Args:
         key: identifies the problem: kernel family, shapes, dtypes, GPU name.
         candidates: configs (plain JSON-able dicts); the first is the default.
-        run: launches the kernel(s) with one config; must not change its inputs.
+        run: launches the kernel(s) with one config, ``run(config)``, or ``run(config, *inputs)``
+            when ``inputs`` are given; must not change its inputs.
         timer: milliseconds of one call of a function; default ``triton.testing.do_bench``
             (GPU; median of 20 ms of runs). Interpreted kernels pass :func:`wall_clock_ms`.
+        inputs: the tensors (or None) ``run`` reads. While the op is traced (:func:`tracing`:
+            fake tensors, nothing can run) the candidates are timed on real stand-ins of the
+            same sizes, strides, dtypes and device, random values (:func:`_stand_in`), outside
+            the tracer: autotuning under ``torch.compile`` happens at compile time, as
+            Inductor's own. Without ``inputs`` a traced call takes the cached winner or the
+            first candidate, unremembered.
 
     Returns:
         The winning config. Winners are kept in memory and in ``<cache>/autotune.json``, so
@@ -226,6 +248,20 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[[dict], Any],
         if key in disk:
             _tune_mem[key] = disk[key]
             return disk[key]
+    if tracing():
+        first = _first_tensor(inputs or (), {})
+        if first is None or first.device.type != "cuda":
+            log.info("fuser: autotune %s: traced, nothing to time; the default config %s", key, candidates[0])
+            return candidates[0]
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # outside the tracer: real tensors, real launches
+            real = [_stand_in(x) for x in inputs]
+            return autotune(key, candidates, run, timer, real)
+    if inputs is not None:
+        run_one = run
+        run = lambda cfg: run_one(cfg, *inputs)  # noqa: E731
+    log.info("fuser: autotuning %s: %d configs", key, len(candidates))
     if timer is None:
         import triton.testing
 
@@ -303,6 +339,9 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
     per ``key``. An explicitly given config (a list of one) fails as is.
     """
     start = _working.get(key, 0) if len(configs) > 1 else 0  # an explicit config is tried as is
+    if tracing():  # the launch is recorded, not compiled: the config must fit as it stands
+        run(configs[start])
+        return
     for i in range(start, len(configs)):
         try:
             run(configs[i])
@@ -315,12 +354,162 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
         return
 
 
+def tracing() -> bool:
+    """True while tensors are fake or functional: a fused op's body is being traced (Dynamo's
+    fake propagation, AOTAutograd's functionalisation that hands the kernels to Inductor), not
+    run. Launchers then choose configs without timing or retrying (:func:`autotune`,
+    :func:`launch_first_fitting`) and launch through ``torch.library.wrap_triton``."""
+    from torch._C import _get_dispatch_mode, _TorchDispatchModeKey
+
+    return any(_get_dispatch_mode(k) is not None
+               for k in (_TorchDispatchModeKey.FAKE, _TorchDispatchModeKey.FUNCTIONAL, _TorchDispatchModeKey.PROXY))
+
+
+#: Fused ops on the GPU hand their kernels to Inductor (:func:`inline_into_inductor`); with
+#: ``FUSER_OPAQUE_OPS=1`` (read at import) they stay opaque custom ops that launch their kernels
+#: from Python on every call, as every op does on the CPU (the interpreter) — for comparison.
+INLINE_INTO_INDUCTOR = os.environ.get("FUSER_OPAQUE_OPS", "0") != "1"
+#: The device types whose calls are inlined (tests on a CPU-only torch trace with "meta" tensors
+#: standing for CUDA ones: fake CUDA tensors cannot ``copy_`` there).
+INLINE_DEVICE_TYPES = ("cuda",)
+
+
+def _symbolic(args, kwargs) -> bool:
+    """True when a size, stride or integer argument of the call is symbolic (dynamic shapes)."""
+    def sym(x) -> bool:
+        if isinstance(x, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(x, torch.Tensor):
+            return any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))
+        if isinstance(x, (list, tuple)):
+            return any(sym(y) for y in x)
+        return False
+
+    return any(sym(a) for a in list(args) + list(kwargs.values()))
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return b
+    return None
+
+
+def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op(name, mutates_args=...)`` whose GPU kernels Inductor launches
+    (:func:`inline_into_inductor`); the decorated function is the op's body for both."""
+
+    def decorate(fn: Callable[..., Any]):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        inline_into_inductor(op, fn)
+        return op
+
+    return decorate
+
+
+def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
+    """Let Inductor launch the GPU kernels of the custom op ``op`` as its own.
+
+    ``op`` (a ``torch.library.custom_op``) keeps its fake implementation and autograd formula:
+    Dynamo and AOTAutograd's joint graph see one opaque op. When AOTAutograd functionalises the
+    graph, a GPU call of ``op`` is replaced by a trace of ``impl`` (the op's Python body) on
+    fake tensors: its tensor ops, and each kernel launch recorded through
+    ``torch.library.wrap_triton`` (every template launches that way, :func:`launching`). Inductor
+    then compiles those kernels with its own (in its parallel compile workers, at compile time)
+    and launches them from its generated wrapper (``TORCH_LOGS=output_code`` shows them): the
+    per-call cost of the op's dispatch, our Python and Triton's launcher disappears. This is
+    what ``torch.library.triton_op`` does, with two differences: CPU tensors (kernels in
+    Triton's interpreter, which Inductor cannot launch) keep the opaque op, and the kernels are
+    rendered per variant, so they are not listed up front.
+
+    ``impl`` must be traceable with fake tensors: no data-dependent Python, configs chosen
+    without timing (:func:`autotune` and :func:`launch_first_fitting` know when they are traced).
+    A call with symbolic sizes (dynamic shapes) keeps the opaque op: the bodies choose configs
+    and kernels from sizes (power-of-two buckets, block counts), which would specialise the
+    compiled graph to one size and recompile it for every other. ``torch.export`` keeps the op
+    whole (as it does triton ops).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    known = (torch.Tensor, FakeTensor, FunctionalTensor)
+
+    def decompose(mode, func, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        first = _first_tensor(args, kwargs)
+        if (not INLINE_INTO_INDUCTOR or first is None or first.device.type not in INLINE_DEVICE_TYPES
+                or custom_triton_ops_decomposition_disabled() or _symbolic(args, kwargs)):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        if any(t not in known for t in types):
+            return NotImplemented
+        with mode:
+            return impl(*args, **kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, decompose)
+
+
+class _TracedLaunch:
+    """``wrap_triton(kernel)[grid]`` that first checks the launch's float arguments (see
+    :func:`jit_call`)."""
+
+    def __init__(self, kernel) -> None:
+        from torch.library import wrap_triton
+
+        self.kernel = kernel
+        self.wrapped = wrap_triton(kernel)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.check_floats(args, kwargs)
+            return self.wrapped[grid](*args, **kwargs)
+
+        return launch
+
+    def check_floats(self, args, kwargs) -> None:
+        params = {p.name: p for p in self.kernel.params}
+        named = list(zip(self.kernel.arg_names, args)) + list(kwargs.items())
+        for name, value in named:
+            p = params.get(name)
+            if p is None or p.is_constexpr or not isinstance(value, float):
+                continue
+            if f"{name} = tl.cast({name}, tl.float32)" not in self.kernel.src:
+                raise RuntimeError(
+                    f"fuser bug: kernel {self.kernel.fn.__name__} takes the float argument {name!r} without "
+                    f"`{name} = tl.cast({name}, tl.float32)` at its entry; Inductor passes Python floats to the "
+                    f"kernels it launches as float64 (Triton's own launcher: float32), so the kernel would "
+                    f"compute in float64 or fail to compile. Please report it.")
+
+
+def jit_call(kernel):
+    """What a template launches ``kernel`` (a ``@triton.jit`` function) through:
+    ``jit_call(kernel)[grid](*args, **meta)``.
+
+    When the op runs: ``kernel`` itself (Triton's launcher). While the op is traced
+    (:func:`tracing`): ``torch.library.wrap_triton(kernel)``, which records the launch for Inductor
+    (:func:`inline_into_inductor`), after checking that every Python float argument of a
+    non-constexpr parameter is cast to float32 at the kernel's entry (``x = tl.cast(x, tl.float32)``,
+    the template macro ``as_fp32``):
+    Inductor types such arguments float64 where Triton types them float32, and a kernel that
+    does not cast them computes in float64 (a loop-carried accumulator changes type: a compile
+    error). The check turns a forgotten cast into an error at trace time.
+    """
+    if not tracing():
+        return kernel
+    return _TracedLaunch(kernel)
+
+
 @contextlib.contextmanager
 def launching(interpret: bool) -> Iterator[None]:
-    """Context for one launch: nothing on the GPU; for interpreted kernels
-    :func:`interpreter_mode`, with NumPy's "invalid value" and "overflow" warnings silenced
-    (kernels compute NaN such as ``-inf - -inf``, or overflow such as ``finfo.min + finfo.min``,
-    in ``tl.where`` branches that are never selected: free on the GPU, but NumPy reports it)."""
+    """Context for the launches of one call of a kernel family: nothing on the GPU (templates
+    launch through :func:`jit_call`); for interpreted kernels :func:`interpreter_mode`, with
+    NumPy's "invalid value" and "overflow" warnings silenced (kernels compute NaN such as
+    ``-inf - -inf``, or overflow such as ``finfo.min + finfo.min``, in ``tl.where`` branches that
+    are never selected: free on the GPU, but NumPy reports it)."""
     if not interpret:
         yield
         return

@@ -112,14 +112,18 @@ def causal_offset(causal: str, n_q: int, n_k: int) -> int:
 
 
 def expand_mask(mask, mask_kind: str, shape) -> tuple:
-    """The mask as a 4-D ``[B, H, Nq, Nk]`` view (stride 0 on broadcast dims; bool as uint8) and
-    whether it is the same for every query row (then kernels load one vector per key tile)."""
+    """The mask as a 4-D ``[B, H, Nq, Nk]`` view (stride 0 on broadcast dims; bool as uint8 when
+    the kernels are launched from here, as bool when Inductor launches them: its lowering cannot
+    reinterpret a bool tensor, and Triton loads a bool pointer as bytes either way) and whether
+    it is the same for every query row (then kernels load one vector per key tile)."""
+    from .launch import tracing
+
     if mask is None:
         return None, False
     if mask.dim() > 4:
         raise ValueError(f"mask must have at most 4 dims, got {tuple(mask.shape)}")
     m = mask.expand(*shape)
-    if m.dtype == torch.bool:
+    if m.dtype == torch.bool and not tracing():
         m = m.view(torch.uint8)
     row_broadcast = m.stride(2) == 0 or shape[2] == 1
     return m, row_broadcast

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from . import options as options_mod
 from . import passes, registry
-from .codegen import render
+from .codegen import launch, render
 from .options import FuserOptionError, FuserWarning
 from .report import next_graph_index, record
 
@@ -47,9 +47,10 @@ def source_hash() -> str:
 
 
 def _cache_key_pass(existing: Any) -> Any:
-    """A no-op Inductor post-grad pass whose ``uuid()`` is :func:`source_hash`, composed with
-    any pass the user already set: it puts fuser's sources into Inductor's FX-graph cache key,
-    so an edit to fuser never serves stale compiled code."""
+    """A no-op Inductor post-grad pass whose ``uuid()`` is :func:`source_hash` (and whether fused
+    ops are inlined into Inductor, ``codegen.launch.INLINE_INTO_INDUCTOR``), composed with any
+    pass the user already set: it puts fuser's sources into Inductor's FX-graph cache key, so an
+    edit to fuser never serves stale compiled code."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     # torch 2.11 takes one pass per hook, 2.13 also a list or tuple: accept both.
@@ -66,7 +67,7 @@ def _cache_key_pass(existing: Any) -> Any:
                 p(graph)
 
         def uuid(self) -> Any:
-            parts = [f"fuser:{source_hash()}"]
+            parts = [f"fuser:{source_hash()}", f"inline:{int(launch.INLINE_INTO_INDUCTOR)}"]
             for p in inner:
                 u = p.uuid() if hasattr(p, "uuid") else None
                 if u is None:

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..codegen import attention_kl as kernels
+from ..codegen import launch
 from .attention_ops import parse_plan
 
 
@@ -43,7 +44,7 @@ def _empty_stat(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("fuser::attention_kl", mutates_args=())
+@launch.fused_op("fuser::attention_kl")
 def attention_kl(
     q1: torch.Tensor,
     k1: torch.Tensor,
@@ -94,7 +95,7 @@ def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, 
     return rows, kernels.alloc_stats(q1, p1 > 0, p1), kernels.alloc_stats(q1, p2 > 0, p2), kernels.alloc_stats(q1)
 
 
-@torch.library.custom_op("fuser::attention_kl_backward", mutates_args=())
+@launch.fused_op("fuser::attention_kl_backward")
 def attention_kl_backward(
     g: torch.Tensor,
     q1: torch.Tensor,

@@ -94,12 +94,12 @@ def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optiona
     if launch.interpreted(q.device) or len(cands) == 1:
         return cands[0]
 
-    def run(cfg):
+    def run(cfg, q, k, v, mask):
         kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg,
                         **fills)
 
     key = _tune_key("fwd", q, k, v, mask, causal, mask_kind, _fill_tag(causal, mask_kind, fills))
-    return launch.autotune(key, cands, run)
+    return launch.autotune(key, cands, run, inputs=(q, k, v, mask))
 
 
 def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, needs, mode,
@@ -119,19 +119,20 @@ def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, need
     if launch.interpreted(q.device) or len(pairs) == 1:
         best = pairs[0]
     else:
-        def run(cfg):
+        def run(cfg, dout, q, k, v, out, lse, mask):
             c = dict(cfg)
             m = c.pop("bwd_mode")
             kernels.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
                              bwd_mode=m, needs_grad=needs, config=c, **fills)
 
         extra = f"|needs{''.join(str(int(x)) for x in needs)}|{'+'.join(modes)}{_fill_tag(causal, mask_kind, fills)}"
-        best = launch.autotune(_tune_key("bwd", q, k, v, mask, causal, mask_kind, extra), pairs, run)
+        best = launch.autotune(_tune_key("bwd", q, k, v, mask, causal, mask_kind, extra), pairs, run,
+                               inputs=(dout, q, k, v, out, lse, mask))
     best = dict(best)
     return best.pop("bwd_mode"), best
 
 
-@torch.library.custom_op("fuser::attention", mutates_args=())
+@launch.fused_op("fuser::attention")
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,7 +173,7 @@ def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mas
     return out, kernels.alloc_lse(q, two_part)
 
 
-@torch.library.custom_op("fuser::attention_backward", mutates_args=())
+@launch.fused_op("fuser::attention_backward")
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

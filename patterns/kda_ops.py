@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..codegen import launch
+
 PLANS = ("recurrent", "chunk", "parallel")
 
 
@@ -117,7 +119,7 @@ def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_stat
                            scalar_gate=scalar_gate, out_dtype=out_dtype)
 
 
-@torch.library.custom_op("fuser::kda", mutates_args=())
+@launch.fused_op("fuser::kda")
 def kda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
@@ -242,7 +244,7 @@ def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, ste
     return tuple(result)
 
 
-@torch.library.custom_op("fuser::kda_backward", mutates_args=())
+@launch.fused_op("fuser::kda_backward")
 def kda_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], d_o: torch.Tensor, d_state: Optional[torch.Tensor], time_dims: list[int], t0: int,

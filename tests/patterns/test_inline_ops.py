@@ -1,0 +1,294 @@
+"""The fused ops as Inductor sees them on the GPU (``codegen.launch.inline_into_inductor``),
+checked on the CPU: each op is traced with fake GPU tensors through functionalisation (what
+AOTAutograd does before Inductor), and must become the launches of its kernels
+(``triton_kernel_wrapper_functional`` nodes) and tensor ops only — no opaque ``fuser.*`` op
+left, nothing run, no data-dependent Python, every float argument cast to float32 at its
+kernel's entry (``launch.jit_call``), and outputs with the shapes, strides and dtypes the op's
+fake implementation promised Dynamo. CPU tensors keep the opaque op (the interpreter).
+
+The kernels' results on the GPU through this path: the GPU tests that compile with
+``backend="fuser"`` (``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fuser  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.codegen import launch
+
+INF = float("-inf")
+ATTN_PLAN = "backward=two_kernel;autotune=0"
+KL_PLAN = "split_k=1;backward=two_kernel"
+F32_MIN = torch.finfo(torch.float32).min
+WINDOW = "and(ge(1,-1,0),ge(-1,1,1))"
+
+
+#: What the GPU's tensors are here: "meta" tensors stand for CUDA ones, inlined as CUDA calls are
+#: (``launch.INLINE_DEVICE_TYPES``): on a CPU-only torch, fake CUDA tensors cannot ``copy_``.
+GPU = "meta"
+
+
+@pytest.fixture(autouse=True)
+def _an_h100(monkeypatch):
+    """Config tables key on the device: answer as an H100 would, with no GPU here."""
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", True)
+    monkeypatch.setattr(launch, "INLINE_DEVICE_TYPES", ("cuda", GPU))
+    # Inductor's analysis of which arguments a kernel writes compiles it to TTIR for the current
+    # target: name an H100 (nothing is compiled further, nothing runs)
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class _H100Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _H100Driver())
+
+
+def _fake_like(mode, x, device=GPU):
+    if not isinstance(x, torch.Tensor):
+        return x
+    with mode:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+
+
+def _trace(op, args, device=GPU):
+    """(graph module, fake outputs of the traced body, fake outputs of the op's fake impl)."""
+    mode = FakeTensorMode()
+    fargs = [_fake_like(mode, a, device) if not isinstance(a, list) else a for a in args]
+    with mode:
+        gm = make_fx(dispatch_functionalize(lambda *xs: op(*xs)))(*fargs)
+        expect = op(*fargs)  # dispatches to the fake implementation under FakeTensorMode
+        got = gm(*fargs)
+    return gm, got, expect
+
+
+def _targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _check_inlined(op, args):
+    gm, got, expect = _trace(op, args)
+    targets = _targets(gm)
+    assert any("triton_kernel_wrapper_functional" in t for t in targets), targets
+    assert not any(t.startswith("fuser.") for t in targets), targets
+    # Inductor's analysis of the kernels finds they write only buffers the op allocated: no
+    # input is copied to protect it from a kernel's writes
+    for node in gm.graph.nodes:
+        if "triton_kernel_wrapper_functional" in str(node.target):
+            written = [node.kwargs["kwargs"][name] for name in node.kwargs["tensors_to_clone"]]
+            assert not [w for w in written if isinstance(w, torch.fx.Node) and w.op == "placeholder"], node.kwargs
+    for g, e in zip(got, expect):
+        assert (g.shape, g.dtype) == (e.shape, e.dtype)
+        if e.numel() > 1:
+            assert g.stride() == e.stride(), (g.shape, g.stride(), e.stride())
+    return gm
+
+
+def _qkv(hq=4, hkv=2, n=40, d=16, dtype=torch.float16):
+    return [torch.empty(2, h, n, d, dtype=dtype) for h in (hq, hkv, hkv)]
+
+
+ATTN_VARIANTS = [
+    ("none", "none", None, (INF, INF, "replace", "", [], INF, "replace")),
+    ("top_left", "none", None, (INF, INF, "replace", "", [], INF, "replace")),
+    ("bottom_right", "bool_keep", "bool", (-1e4, F32_MIN, "add", "", [], INF, "replace")),
+    ("none", "additive", "float", (INF, INF, "replace", "", [], INF, "replace")),
+    ("none", "bool_keep", "bool", (-2.0, INF, "replace", "or(ge(1,-1,0),ge(0,-1,1))", [0, 3], F32_MIN, "add")),
+    ("none", "none", None, (INF, INF, "replace", WINDOW, [2, 7], -1.5, "replace")),
+]
+ATTN_IDS = ["plain", "causal", "bool_fills", "additive", "pred_fill_mask", "window_fill"]
+
+
+def _mask(kind, n=40):
+    if kind == "bool":
+        return torch.zeros(2, 1, 1, n, dtype=torch.bool)
+    if kind == "float":
+        return torch.zeros(2, 1, n, n)
+    return None
+
+
+@pytest.mark.parametrize("need_lse", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("causal,mask_kind,mask,fills", ATTN_VARIANTS, ids=ATTN_IDS)
+def test_attention_forward_becomes_its_kernel_launch(causal, mask_kind, mask, fills, need_lse):
+    q, k, v = _qkv()
+    _check_inlined(torch.ops.fuser.attention.default,
+                   (q, k, v, _mask(mask), 0.25, causal, mask_kind, need_lse, ATTN_PLAN, *fills))
+
+
+@pytest.mark.parametrize("mode", ["two_kernel", "atomic_dq"])
+@pytest.mark.parametrize("causal,mask_kind,mask,fills", ATTN_VARIANTS, ids=ATTN_IDS)
+def test_attention_backward_becomes_its_kernel_launches(causal, mask_kind, mask, fills, mode):
+    q, k, v = _qkv()
+    two_part = mask_kind == "additive" or fills[:2] != (INF, INF) or fills[5] != INF
+    lse = torch.empty(2, 4, 2, 40) if two_part else torch.empty(2, 4, 40)
+    out = torch.empty(2, 40, 4, 16, dtype=q.dtype).transpose(1, 2)
+    _check_inlined(torch.ops.fuser.attention_backward.default,
+                   (torch.empty_like(out), q, k, v, out, lse, _mask(mask), 0.25, causal, mask_kind,
+                    f"backward={mode};autotune=0", [True, True, True], *fills))
+
+
+KL_FILLS = [(INF, INF, INF, INF, "replace", False), (-1e4, F32_MIN, -2.0, -3.0, "add", False),
+            (-1e4, F32_MIN, -2.0, -3.0, "add", True)]
+
+
+@pytest.mark.parametrize("split_k", ["1", "2"])
+@pytest.mark.parametrize("fills", KL_FILLS, ids=["hide", "fills", "zero_hidden"])
+def test_attention_kl_forward_becomes_its_kernel_launches(fills, split_k):
+    q1, k1, q2, k2 = (torch.empty(2, h, 33, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    _check_inlined(torch.ops.fuser.attention_kl.default,
+                   (q1, k1, q2, k2, _mask("bool", 33), 0.25, 0.2, "bottom_right", "bool_drop", True,
+                    f"split_k={split_k};backward=two_kernel", *fills))
+
+
+@pytest.mark.parametrize("mode", ["two_kernel", "atomic_dq"])
+@pytest.mark.parametrize("fills", KL_FILLS, ids=["hide", "fills", "zero_hidden"])
+def test_attention_kl_backward_becomes_its_kernel_launches(fills, mode):
+    q1, k1, q2, k2 = (torch.empty(2, h, 33, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    mode_fake = FakeTensorMode()
+    fq = [_fake_like(mode_fake, x) for x in (q1, k1, q2, k2)]
+    with mode_fake:  # statistics shaped as the forward makes them
+        mask = _fake_like(mode_fake, _mask("bool", 33))
+        rows, lse1, lse2, delta = torch.ops.fuser.attention_kl(*fq, mask, 0.25, 0.2, "top_left", "bool_drop", True,
+                                                               KL_PLAN, *fills)
+    stats = [torch.empty(t.shape, dtype=t.dtype) for t in (lse1, lse2, delta)]
+    _check_inlined(torch.ops.fuser.attention_kl_backward.default,
+                   (torch.empty(2, 4, 33), q1, k1, q2, k2, *stats, _mask("bool", 33), 0.25, 0.2, "top_left",
+                    "bool_drop", f"split_k=1;backward={mode}", [True] * 4, *fills))
+
+
+def _kda(t=40, h=2, k=32, v=48, dtype=torch.bfloat16, scalar_gate=False):
+    q, kk = torch.empty(1, t, h, k, dtype=dtype), torch.empty(1, t, h, k, dtype=dtype)
+    vv = torch.empty(1, t, h, v, dtype=dtype)
+    g = torch.empty(1, t, h) if scalar_gate else torch.empty(1, t, h, k)
+    return q, kk, vv, g, torch.empty(1, t, h, dtype=dtype)
+
+
+@pytest.mark.parametrize("plan,t,k,v", [("plan=recurrent", 40, 32, 48), ("plan=recurrent", 8, 2048, 64),
+                                        ("plan=chunk;chunk=64", 100, 32, 48), ("plan=parallel", 40, 32, 48)],
+                         ids=["recurrent", "recurrent_streamed", "chunk", "parallel"])
+@pytest.mark.parametrize("h0,want_state", [(False, False), (True, True)], ids=["stateless", "states"])
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
+def test_kda_forward_becomes_its_kernel_launches(plan, t, k, v, h0, want_state, scalar_gate):
+    if plan == "plan=parallel" and (h0 or want_state):
+        pytest.skip("the parallel plan serves loops without an initial or final state")
+    q, kk, vv, g, beta = _kda(t, 2, k, v, scalar_gate=scalar_gate)
+    state = torch.empty(1, 2, k, v) if h0 else None
+    _check_inlined(torch.ops.fuser.kda.default,
+                   (q, kk, vv, g, beta, state, [1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16,
+                    want_state, torch.float32, plan))
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_kda_backward_becomes_its_kernel_launches(h0):
+    q, kk, vv, g, beta = _kda(70)
+    state = torch.empty(1, 2, 32, 48) if h0 else None
+    _check_inlined(torch.ops.fuser.kda_backward.default,
+                   (q, kk, vv, g, beta, state, torch.empty(1, 70, 2, 48, dtype=torch.bfloat16),
+                    torch.empty(1, 2, 32, 48) if h0 else None, [1, 1, 1, 1, 1], 0, 70, 32 ** -0.5, False, 1))
+
+
+def test_cpu_tensors_keep_the_opaque_op():
+    q, k, v = _qkv(dtype=torch.float32)
+    gm, _, _ = _trace(torch.ops.fuser.attention.default,
+                      (q, k, v, None, 0.25, "none", "none", True, ATTN_PLAN, INF, INF, "replace", "", [], INF,
+                       "replace"), device="cpu")
+    targets = _targets(gm)
+    assert "fuser.attention.default" in targets
+    assert not any("triton_kernel_wrapper" in t for t in targets)
+
+
+def test_opaque_ops_when_inlining_is_off(monkeypatch):
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", False)
+    q, k, v = _qkv()
+    gm, _, _ = _trace(torch.ops.fuser.attention.default,
+                      (q, k, v, None, 0.25, "none", "none", True, ATTN_PLAN, INF, INF, "replace", "", [], INF,
+                       "replace"))
+    assert "fuser.attention.default" in _targets(gm)
+
+
+KERNEL_SOURCE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def uncast(X, scale, N: tl.constexpr):
+    tl.store(X + tl.arange(0, N), tl.load(X + tl.arange(0, N)) * scale)
+
+
+@triton.jit
+def cast(X, scale, N: tl.constexpr):
+    scale = tl.cast(scale, tl.float32)
+    tl.store(X + tl.arange(0, N), tl.load(X + tl.arange(0, N)) * scale)
+'''
+
+
+def test_a_float_argument_without_its_cast_is_refused_while_traced(tmp_path, monkeypatch):
+    import importlib.util
+
+    path = tmp_path / "float_kernels.py"
+    path.write_text(KERNEL_SOURCE)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spec = importlib.util.spec_from_file_location("float_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert launch.jit_call(mod.uncast) is mod.uncast  # not traced: Triton's own launcher
+    mode = FakeTensorMode()
+    x = _fake_like(mode, torch.empty(16))
+
+    def run(kernel):
+        def f(x):
+            launch.jit_call(kernel)[(1,)](x, 0.5, N=16)
+            return x
+        with mode:
+            return make_fx(dispatch_functionalize(f))(x)
+
+    with pytest.raises(RuntimeError, match=r"float argument 'scale'.*tl\.cast\(scale, tl\.float32\)"):
+        run(mod.uncast)
+    gm = run(mod.cast)
+    assert any("triton_kernel_wrapper_functional" in t for t in _targets(gm))
+
+
+def test_autotuning_while_traced_takes_the_cached_winner_or_the_default(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "_tune_file", lambda: tmp_path / "autotune.json")
+    launch._tune_mem.pop("k-traced", None)
+    ran = []
+    with FakeTensorMode():
+        assert launch.autotune("k-traced", [{"a": 1}, {"a": 2}], ran.append) == {"a": 1}
+    assert ran == [] and "k-traced" not in launch._tune_mem  # nothing timed, nothing remembered
+    launch._tune_mem["k-traced"] = {"a": 2}
+    with FakeTensorMode():
+        assert launch.autotune("k-traced", [{"a": 1}, {"a": 2}], ran.append) == {"a": 2}
+    launch._tune_mem.pop("k-traced")
+
+
+def test_symbolic_sizes_keep_the_opaque_op():
+    # dynamic shapes: the bodies pick configs from sizes, which would specialise the graph to one
+    # size; the opaque op serves every size (its kernels are chosen when it runs)
+    q, k, v = (torch.empty(x.shape, dtype=x.dtype, device=GPU) for x in _qkv())
+    args = (None, 0.25, "none", "none", True, ATTN_PLAN, INF, INF, "replace", "", [], INF, "replace")
+    gm = make_fx(dispatch_functionalize(lambda q, k, v: torch.ops.fuser.attention(q, k, v, *args)),
+                 tracing_mode="symbolic")(q, k, v)
+    targets = _targets(gm)
+    assert "fuser.attention.default" in targets
+    assert not any("triton_kernel_wrapper" in t for t in targets)
+
+
+def test_stand_ins_for_autotuning_keep_sizes_strides_and_dtypes():
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(2, 40, 4, 16, dtype=torch.float16).transpose(1, 2)
+        m = torch.empty(2, 1, 1, 40, dtype=torch.bool).expand(2, 4, 40, 40)
+    for fake in (x, m):
+        real = launch._stand_in(fake)
+        assert type(real) is torch.Tensor
+        assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
