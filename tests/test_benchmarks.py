@@ -184,3 +184,23 @@ def test_overhead_smoke(tmp_path):
             assert f["fused"] is None and "nothing to fuse" in f["note"]
         else:
             assert f["fused"] is True and f["note"].startswith("fused: fuser"), f
+
+
+def test_compile_time_smoke(tmp_path):
+    """The tiny HF Llama prefill compiled with fuser in two processes, the first with empty
+    caches and the second reusing them (Inductor's rows are the same child with another backend,
+    left out here to keep the test short: a cold Inductor compile on the CPU is ~20 s)."""
+    pytest.importorskip("transformers")
+    md, data = run_script("compile_time", tmp_path, "--backends", "fuser", "--cache-root", str(tmp_path / "caches"))
+    assert data["complete"] and [(c["workload"], c["cache"]) for c in data["configs"]] == [("prefill", "cold"),
+                                                                                          ("prefill", "warm")]
+    assert "fuser first call s" in md and "fuser's compile phases" in md
+    cold, warm = (c["results"]["fuser"] for c in data["configs"])
+    for r in (cold, warm):
+        assert r["status"] == "ok" and r["first_call_s"] > 0 and r["ms"] == pytest.approx(r["first_call_s"] * 1e3), r
+        assert r["fused"] == r["matches"] == 1 and r["rel_err"] <= 1e-4, r
+        assert r["fuser_compile_s"] > 0 and set(r["phases_ms"]) >= {"canonicalise", "match[attention]", "plan"}
+    assert cold["cache_dirs"] == warm["cache_dirs"]
+    kernels = Path(cold["cache_dirs"]["FUSER_CACHE_DIR"]) / "kernels"
+    assert any(kernels.glob("attention_fwd*.py"))  # the child wrote fuser's kernels there, not elsewhere
+    assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
