@@ -19,6 +19,10 @@ Cache directory: ``$FUSER_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fuser`` (de
 ``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. Inside
 :func:`exporting_to` (the backend wraps each compile with ``fuser.debug_dir``), or with
 ``$FUSER_DEBUG_DIR`` set, every rendered kernel is also copied there under the same name.
+
+Timing: inside :func:`timing` (the pass and the backend wrap each compile), the templates
+rendered and the kernel modules imported are timed as the phases ``render`` and
+``import kernels`` of that compile (``fuser.report.CompileTimes``); elsewhere nothing is timed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import jinja2
 
@@ -59,6 +63,27 @@ _rendered: dict[str, "RenderedKernel"] = {}
 _modules: dict[str, ModuleType] = {}
 # the debug directory of the compile in progress (``fuser.debug_dir``); never process-wide
 _debug_dir: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fuser_debug_dir", default=None)
+# the phase timer of the compile in progress (see :func:`timing`): phase name -> context manager
+_phase: contextvars.ContextVar[Optional[Callable[[str], ContextManager]]] = contextvars.ContextVar(
+    "fuser_phase_timer", default=None)
+
+
+@contextlib.contextmanager
+def timing(phase: Optional[Callable[[str], ContextManager]]) -> Iterator[None]:
+    """Inside the block, rendering (:func:`render`, when it renders) and importing
+    (:func:`load_module`, when it imports) run inside ``phase("render")`` and
+    ``phase("import kernels")``: the compile-time report's phases. Scoped to the current
+    context, like :func:`exporting_to`."""
+    token = _phase.set(phase)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
+
+
+def _timed(name: str) -> ContextManager:
+    phase = _phase.get()
+    return phase(name) if phase is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -146,10 +171,11 @@ def render(template: str, name: str, **params: Any) -> RenderedKernel:
     if hit is not None:
         _export_debug(hit)
         return hit
-    source = _env.get_template(template).render(**params)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}_{digest}.py"
-    _atomic_write(path, source)
+    with _timed("render"):
+        source = _env.get_template(template).render(**params)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        path = cache_dir() / f"{name}_{digest}.py"
+        _atomic_write(path, source)
     kernel = RenderedKernel(
         name=name,
         template=template,
@@ -185,11 +211,12 @@ def load_module(kernel: RenderedKernel) -> ModuleType:
         if mod is not None:
             return mod
     mod_name = f"fuser_kernels.{kernel.name}_{kernel.digest}"
-    spec = importlib.util.spec_from_file_location(mod_name, kernel.path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    spec.loader.exec_module(mod)
+    with _timed("import kernels"):
+        spec = importlib.util.spec_from_file_location(mod_name, kernel.path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
     with _lock:
         _modules.setdefault(kernel.digest, mod)
         return _modules[kernel.digest]

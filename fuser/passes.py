@@ -4,12 +4,16 @@
 ``example_value``, make_fx's ``val``, or ShapeProp's ``tensor_meta``); the backend calls it on
 Dynamo's graph before handing the result to Inductor, and :func:`fuser.rewrite` exposes it
 for unit tests of pattern rewrites.
+
+Each application is timed by phase (:class:`fuser.report.CompileTimes`, on
+``PassResult.times``): the backend logs it and ``explain()`` reports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -17,9 +21,11 @@ import torch.fx as fx
 
 from . import planner, registry
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
+from .codegen import render
 from .graph import GraphView, annotate, flat_args, location, val, written_args
 from .options import Options
 from .pattern import Match, MatchContext, Pattern, Rejection
+from .report import CompileTimes, PhaseTimer
 from .static import StaticEvaluator
 
 log = logging.getLogger("fuser")
@@ -38,10 +44,13 @@ class PassResult:
     Attributes:
         matches: every match, fused or left to Inductor by the planner.
         rejected: near-misses, each with its reason.
+        times: where the pass's time went (:class:`fuser.report.CompileTimes`); the backend
+            adds Inductor's compile time to it.
     """
 
     matches: list[Match] = dataclasses.field(default_factory=list)
     rejected: list[Rejection] = dataclasses.field(default_factory=list)
+    times: Optional[CompileTimes] = None
 
 
 def _placeholder_inputs(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]]) -> dict:
@@ -103,22 +112,52 @@ def apply(
         graph_index: numbering for reports.
 
     Returns:
-        The :class:`PassResult`.
+        The :class:`PassResult`, with the time of each phase in ``times``.
     """
+    timer = PhaseTimer()
+    patterns = load_patterns(options) if options.enabled else []
+    t0 = time.perf_counter()
+    with render.timing(timer.phase):
+        result = _apply(gm, example_inputs, options, grad_enabled, graph_index, patterns, timer)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    ms = timer.ms
+    order = (["canonicalise", "static masks"] + [f"match[{p.name}]" for p in patterns]
+             + ["regions", "plan", "render", "import kernels", "emit", "recompile"])
+    phases = {name: ms.pop(name, 0.0) for name in order} if options.enabled else {}
+    phases.update(ms)  # none expected: every phase is named above
+    if options.enabled:
+        phases["other"] = max(0.0, wall_ms - sum(phases.values()))
+    result.times = CompileTimes(phases=phases, graph_index=graph_index)
+    return result
+
+
+def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options: Options, grad_enabled: bool,
+           graph_index: int, patterns: list[Pattern], timer: PhaseTimer) -> PassResult:
+    """:func:`apply`'s work, each phase timed by ``timer`` (wrapped callables: the pass's
+    steps are as they would be untimed)."""
     result = PassResult()
     if not options.enabled:
         return result
-    view = GraphView(gm.graph, grad_enabled=grad_enabled)
+    view = timer.wrap("canonicalise", GraphView)(gm.graph, grad_enabled=grad_enabled)
+    view._canonicalize = timer.wrap("canonicalise", view._canonicalize)  # each node's first canon()
     evaluator = StaticEvaluator(view, _placeholder_inputs(gm, example_inputs), owner=gm)
+    for name in ("slice", "evaluate", "max_numel", "constant"):
+        setattr(evaluator, name, timer.wrap("static masks", getattr(evaluator, name)))
+    check_region, place = timer.wrap("regions", _check_region), timer.wrap("regions", _place)
+    remap, stale_placement = timer.wrap("regions", _remap), timer.wrap("regions", _stale_placement)
+    choose = timer.wrap("plan", planner.choose)
     ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index)
     taken: set[fx.Node] = set()
     found: list[tuple[Pattern, Match]] = []
-    for pattern in load_patterns(options):
-        for anchor in list(pattern.anchors(view)):
+    for pattern in patterns:
+        phase = f"match[{pattern.name}]"
+        anchors = timer.wrap(phase, lambda v: list(pattern.anchors(v)))(view)
+        match = timer.wrap(phase, pattern.match)
+        for anchor in anchors:
             if anchor in taken:
                 continue
             try:
-                r = pattern.match(anchor, ctx)
+                r = match(anchor, ctx)
             except Exception as exc:  # a bug in a pattern must not break the user's model
                 log.warning("fuser: %s matcher failed at %s: %r; not fused", pattern.name, location(anchor), exc)
                 r = Rejection(pattern.name, f"internal error while matching: {exc!r}", location(anchor), anchor.name)
@@ -129,7 +168,7 @@ def apply(
                 result.rejected.append(r)
                 log.info("fuser: not fused: %s at %s: %s", r.pattern, r.location, r.reason)
                 continue
-            why = _check_region(r, view)
+            why = check_region(r, view)
             if why is None and r.region & taken:
                 why = "overlaps another match"
             if why is not None:
@@ -137,7 +176,7 @@ def apply(
                 log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
                 continue
             if why is None:
-                why = _place(r, view)
+                why = place(r, view)
             if why is not None:
                 result.rejected.append(Rejection(pattern.name, why, r.location, r.root.name, graph_index))
                 log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
@@ -159,14 +198,14 @@ def apply(
             # a match that reads an earlier match's output (one loop's o feeding the next) was
             # found on the graph before that output was replaced: read the replacement, which
             # must come before this match's insertion point
-            _remap(m, replaced)
-            why = _stale_placement(m, gm.graph, set(replaced.values()), erased)
+            remap(m, replaced)
+            why = stale_placement(m, gm.graph, set(replaced.values()), erased)
             if why:
                 result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
                 log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
                 continue
-        cands = pattern.candidates(m, ctx)
-        plan, reason = planner.choose(m, cands, options)  # a bad forced plan is the user's error
+        cands = timer.wrap("plan", pattern.candidates)(m, ctx)
+        plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
         if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
             result.matches.append(m)
@@ -174,14 +213,15 @@ def apply(
             continue
         before = set(gm.graph.nodes)
         try:
-            m.kernels = pattern.kernels(m, plan)
-            new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
-            for name, node in new.items():
-                mismatch = _mismatch(node, m.outputs[name])
-                if mismatch:
-                    raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
-            new = _protect_saved(m, new, view, gm.graph, before)
-            _replace(m, new, gm.graph)
+            m.kernels = timer.wrap("render", pattern.kernels)(m, plan)
+            with timer.phase("emit"):
+                new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
+                for name, node in new.items():
+                    mismatch = _mismatch(node, m.outputs[name])
+                    if mismatch:
+                        raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
+                new = _protect_saved(m, new, view, gm.graph, before)
+                _replace(m, new, gm.graph)
             replaced.update({m.outputs[name]: node for name, node in new.items()})
             erased |= m.region
         except Exception as exc:  # a bug in a pattern must not break the user's model
@@ -194,14 +234,15 @@ def apply(
         log.info("fuser: fused %s at %s with plan %s (%s)", m.pattern, m.location, plan.name, reason)
         for k in m.kernels:
             log.info("fuser:   kernel %s: %s", k.name, k.path)
-    guarded = _guard_softmax_axis(gm.graph, view)
+    guarded = timer.wrap("emit", _guard_softmax_axis)(gm.graph, view)
     for r in result.rejected:
         if r.node in guarded:
             r.reason += (" (rewritten as a softmax over the last dim of the transposed scores, so that "
                          "Inductor's attention rewrite, which ignores the axis, does not take it)")
     if result.matches or guarded:
-        gm.graph.lint()
-        gm.recompile()
+        with timer.phase("recompile"):
+            gm.graph.lint()
+            gm.recompile()
     return result
 
 

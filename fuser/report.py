@@ -1,6 +1,7 @@
 """Reports: ``fuser.explain`` (what fuser fused, why, with which plan, and the Triton source it
 runs), ``collecting()`` (the report of every graph compiled inside a block) and the pass's
-``record`` hook. (Module named ``report`` so that ``fuser.explain`` is only ever the function.)"""
+``record`` hook; :class:`PhaseTimer` and :class:`CompileTimes`, where fuser's own compile time
+goes per graph. (Module named ``report`` so that ``fuser.explain`` is only ever the function.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextvars
 import dataclasses
 import itertools
 import textwrap
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -23,6 +25,107 @@ CPU_ESTIMATES_NOTE = (
     "tensors on the CPU: the kernels run in Triton's interpreter; the estimates are the cost "
     "model's for a nominal GPU (an H100) and only rank the plans; nothing is timed"
 )
+
+
+#: Said with every compile-time line: what is not in it.
+TRITON_COMPILE_NOTE = "Triton compiles fuser's kernels at their first launch, not here: not timed"
+
+
+class PhaseTimer:
+    """Exclusive wall time per named phase, in ms (``time.perf_counter``).
+
+    Phases nest: the time of a phase entered inside another (a static-mask evaluation inside a
+    pattern's matching, a template rendered inside an emit) is counted in the inner phase only,
+    so the phases' times add up to at most the wall time around them. One timer per compiled
+    graph, used by one thread.
+    """
+
+    __slots__ = ("ms", "_stack")
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self._stack: list[float] = []  # per open phase: the time of the phases nested in it (s)
+
+    def start(self) -> float:
+        self._stack.append(0.0)
+        return time.perf_counter()
+
+    def stop(self, name: str, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        nested = self._stack.pop()
+        self.ms[name] = self.ms.get(name, 0.0) + (elapsed - nested) * 1e3
+        if self._stack:
+            self._stack[-1] += elapsed
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name``."""
+        t0 = self.start()
+        try:
+            yield
+        finally:
+            self.stop(name, t0)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        """``fn`` timed as phase ``name`` at every call."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = self.start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stop(name, t0)
+
+        return timed
+
+
+@dataclasses.dataclass
+class CompileTimes:
+    """Where fuser's own compile time went for one graph (wall time, ms).
+
+    Attributes:
+        phases: phase -> ms, exclusive (a phase nested in another counts only in the inner one),
+            in the order they are reported: ``canonicalise`` (the canonical graph view: building
+            it and naming each node's op), ``static masks`` (slices of shape-only values found
+            and evaluated at compile time; the symbolic proofs of index masks count in matching),
+            ``match[<pattern>]`` (finding anchors and matching, per pattern), ``regions`` (the
+            pass's checks of each match's region and where its replacement goes), ``plan`` (each
+            match's candidates with their sympy cost terms and estimates, and the choice),
+            ``render`` (kernel templates rendered and written), ``import kernels`` (rendered
+            modules imported while compiling), ``emit`` (the replacement inserted into the graph),
+            ``recompile`` (graph lint and ``recompile``), ``other`` (the rest of the pass).
+        total_ms: the sum of the phases: fuser's own time on this graph.
+        inductor_ms: Inductor's ``compile_fx`` on the rewritten graph (not fuser's; fuser's
+            phases that run inside it, e.g. kernels imported while it traces, are not in it);
+            None until it has run (or when the pass ran without the backend).
+        graph_index: the graph's number in the report (or in the process).
+
+    Triton compiles fuser's kernels at their first launch (the first call), not while the
+    backend runs: that time is in none of these.
+    """
+
+    phases: dict = dataclasses.field(default_factory=dict)
+    inductor_ms: Optional[float] = None
+    graph_index: int = 0
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.phases.values())
+
+    def pieces(self) -> list[str]:
+        """:meth:`text` in the pieces a wrapped line may break between: ``["canonicalise 1.2,",
+        ..., "total 33.0;", "Inductor's compile_fx 2345.1 (not fuser's);", <note>]``."""
+        out = [f"{name} {ms:.1f}," for name, ms in self.phases.items()] + [f"total {self.total_ms:.1f};"]
+        if self.inductor_ms is not None:
+            out.append(f"Inductor's compile_fx {self.inductor_ms:.1f} (not fuser's);")
+        return out + [TRITON_COMPILE_NOTE]
+
+    def text(self) -> str:
+        """``canonicalise 1.2, ..., total 33.0; Inductor's compile_fx 2345.1 (not fuser's); <note>``."""
+        return " ".join(self.pieces())
+
+    def __repr__(self) -> str:
+        return f"<CompileTimes graph {self.graph_index}: fuser {self.total_ms:.1f} ms>"
 
 
 @dataclasses.dataclass
@@ -45,6 +148,19 @@ def _wrap(first: str, text: str, indent: int, width: int = 110) -> list[str]:
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
 
+def _wrap_items(first: str, pieces: list[str], indent: int, width: int = 110) -> list[str]:
+    """``first`` then ``pieces`` joined by spaces, as lines of at most ``width`` characters that
+    break only between pieces (a piece longer than a line gets a line of its own)."""
+    lines, line = [], first
+    for piece in pieces:
+        if line.strip() and line != first and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = " " * indent + piece
+        else:
+            line += piece if line == first else " " + piece
+    return lines + [line]
+
+
 def _interpreted(m: Any) -> bool:
     dev = match_device(m)
     return dev is not None and dev.type == "cpu"
@@ -65,6 +181,8 @@ class Report:
             match's ``graph_index`` counts from 0 in this report.
         disabled_graphs: how many of them were compiled with ``fuser.enabled=False``.
         output: what the function returned when it ran.
+        compile_times: per graph, where fuser's own compile time went (:class:`CompileTimes`:
+            ``.phases`` in ms, ``.total_ms``, ``.inductor_ms``, ``.graph_index``).
     """
 
     matches: list = dataclasses.field(default_factory=list)
@@ -72,6 +190,7 @@ class Report:
     graphs: int = 0
     output: Any = None
     disabled_graphs: int = 0
+    compile_times: list = dataclasses.field(default_factory=list)
 
     @property
     def kernels(self) -> list[KernelInfo]:
@@ -126,6 +245,8 @@ class Report:
             lines.append(f"  not fused ({len(self.rejected)}):")
             for r in self.rejected:
                 lines += _wrap(f"    {r.pattern} at {r.location} (graph {r.graph_index}): ", r.reason, 8)
+        for t in self.compile_times:
+            lines += _wrap_items(f"  compile time, graph {t.graph_index} (ms): ", t.pieces(), 4)
         return "\n".join(lines)
 
     def graphs_desc(self) -> str:
@@ -163,6 +284,10 @@ def record(result: Any, options: Any = None) -> None:
         item.graph_index = index
     rep.matches.extend(result.matches)
     rep.rejected.extend(result.rejected)
+    times = getattr(result, "times", None)
+    if times is not None and (options is None or options.enabled):
+        times.graph_index = index
+        rep.compile_times.append(times)
 
 
 @contextlib.contextmanager

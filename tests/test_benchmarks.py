@@ -157,3 +157,50 @@ def test_kda_smoke(tmp_path):
                 assert_measured([r])
     assert all(r["status"] in ("unavailable", "skip") for impl in ("fla_recurrent", "fla_chunk")
                for r in records(data, impl))  # FLA needs a GPU; fused_recurrent_kda has no backward
+
+
+def test_overhead_smoke(tmp_path):
+    """Every op in both modes: the default rows measured (host µs per call, checked against eager,
+    fuser's op fused, its compile phases reported); the CUDA-graph rows skipped on the CPU."""
+    md, data = run_script("overhead", tmp_path)
+    assert data["complete"]
+    assert [(c["op"], c["mode"]) for c in data["configs"]] == [
+        (op, mode) for op in ("attention", "attention_kl", "kda", "empty") for mode in ("default", "reduce-overhead")]
+    assert "| op " in md and "fuser − inductor µs" in md and "fuser compile ms" in md
+    for c in data["configs"]:
+        recs = c["results"]
+        if c["mode"] == "reduce-overhead":
+            assert set(recs) == {"inductor", "fuser"}
+            assert all(r["status"] == "skip" and "CUDA graphs" in r["note"] for r in recs.values())
+            continue
+        want = {"eager", "inductor", "fuser"} | ({"sdpa"} if c["op"] == "attention" else set())
+        assert set(recs) == want, recs
+        assert_measured(list(recs.values()))
+        for r in recs.values():
+            assert r["host_us"] > 0 and r["ms"] == pytest.approx(r["host_us"] / 1e3) and r["calls"] == 3
+        f = recs["fuser"]
+        assert f["fuser_compile_ms"] > 0 and f["inductor_compile_ms"] > 0
+        if c["op"] == "empty":
+            assert f["fused"] is None and "nothing to fuse" in f["note"]
+        else:
+            assert f["fused"] is True and f["note"].startswith("fused: fuser"), f
+
+
+def test_compile_time_smoke(tmp_path):
+    """The tiny HF Llama prefill compiled with fuser in two processes, the first with empty
+    caches and the second reusing them (Inductor's rows are the same child with another backend,
+    left out here to keep the test short: a cold Inductor compile on the CPU is ~20 s)."""
+    pytest.importorskip("transformers")
+    md, data = run_script("compile_time", tmp_path, "--backends", "fuser", "--cache-root", str(tmp_path / "caches"))
+    assert data["complete"] and [(c["workload"], c["cache"]) for c in data["configs"]] == [("prefill", "cold"),
+                                                                                          ("prefill", "warm")]
+    assert "fuser first call s" in md and "fuser's compile phases" in md
+    cold, warm = (c["results"]["fuser"] for c in data["configs"])
+    for r in (cold, warm):
+        assert r["status"] == "ok" and r["first_call_s"] > 0 and r["ms"] == pytest.approx(r["first_call_s"] * 1e3), r
+        assert r["fused"] == r["matches"] == 1 and r["rel_err"] <= 1e-4, r
+        assert r["fuser_compile_s"] > 0 and set(r["phases_ms"]) >= {"canonicalise", "match[attention]", "plan"}
+    assert cold["cache_dirs"] == warm["cache_dirs"]
+    kernels = Path(cold["cache_dirs"]["FUSER_CACHE_DIR"]) / "kernels"
+    assert any(kernels.glob("attention_fwd*.py"))  # the child wrote fuser's kernels there, not elsewhere
+    assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
