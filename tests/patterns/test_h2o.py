@@ -732,7 +732,8 @@ def test_h2o_op_plan_strings():
     _, want = reference(q, k, v, scale=0.25, causal="bottom_right")
     for text in ("", h2o_ops.plan_string("one_kernel"), h2o_ops.plan_string("diag_cache", 2, "causal"),
                  h2o_ops.plan_string("diag_cache", 99, "causal")):  # K clamped to this shape's 3 diagonals
-        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text, float("-inf"), "replace")
+        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text, float("-inf"), "replace",
+                                         float("-inf"))
         torch.testing.assert_close(score.double(), want, rtol=2e-5, atol=2e-5)
     assert h2o_ops.parse_plan("plan=diag_cache;diagonals=3;cache=causal;try=one_kernel/0/balanced") == {
         "plan": "diag_cache", "diagonals": 3, "cache": "causal", "tries": [("one_kernel", 0, "balanced")]}
