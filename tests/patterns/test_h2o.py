@@ -471,16 +471,7 @@ def test_kvpress_snapkv_spellings(qkv2):
     _fused(kvpress_snapkv_from_attentions, q, k, v, window="queries[-6:], keys[:-6]", window_causal="bottom_right",
            score="mean over queries")
     _fused(kvpress_snapkv_window_attention, q, k, causal="bottom_right", window="keys[:-6]", outputs="score")
-    # kvpress builds that mask as torch.ones_like(attn_weights) * -inf: it reads the scores (for
-    # their shape only), so the region's scores would have to exist: declined, with the reason
-
-    def ones_like_mask(q, k):
-        w, n = 6, k.shape[2]
-        attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
-        attn += torch.triu(torch.ones_like(attn) * float("-inf"), diagonal=n - w + 1)
-        return torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-w].mean(dim=-2)
-
-    _declined(ones_like_mask, q, k, reason=r"also used by 'ones_like'")
+    # kvpress itself builds that mask as torch.ones_like(attn_weights) * -inf: test_kvpress_ones_like_mask
 
 
 def test_window_causal_alignments(qkv2):
@@ -1092,3 +1083,54 @@ def test_gpu_finite_padding_fill(dtype, spelling):
     assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
     for got, ref in zip(rep.output, want):
         assert (got.double() - ref).norm() / ref.norm() < 2e-2
+
+
+# -- kvpress' own mask: torch.ones_like(attn_weights) * -inf, then triu --------------------------
+
+
+def kvpress_compute_window_attention(q, k, w):
+    """kvpress' ``SnapKVPress.compute_window_attention`` as written (GQA through repeat_kv): the
+    window's mask is ``torch.ones_like(attn_weights) * -inf`` — it reads the scores, for their
+    shape, dtype and device only — made causal with ``triu`` and added in place; then the
+    score's own steps (the mean over the window, pooling, the GQA mean) outside the region."""
+    bsz, h_kv, q_len, _ = k.shape
+    key_states = _rep_kv(k, q.shape[1] // h_kv)
+    attn_weights = torch.matmul(q[:, :, -w:], key_states.transpose(2, 3)) / math.sqrt(q.shape[-1])
+    attention_mask = torch.ones_like(attn_weights) * float("-inf")
+    attention_mask = torch.triu(attention_mask, diagonal=q_len - w + 1)
+    attn_weights += attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    attn_weights = attn_weights[..., :-w]
+    scores = attn_weights.mean(dim=-2)
+    scores = F.avg_pool1d(scores, kernel_size=5, padding=2, stride=1)
+    return scores.view(bsz, h_kv, q.shape[1] // h_kv, q_len - w).mean(2)
+
+
+def test_kvpress_ones_like_mask(qkv2):
+    """The pass re-points ones_like to a proxy of the scores' shape built outside the region
+    (the scores are never computed); the mask is then a tensor the kernels load (it is not
+    proven causal: it is computed from that proxy)."""
+    q, k, _ = qkv2
+    m = _fused(kvpress_compute_window_attention, q, k[:, :2], 6, outputs="score", gqa_group=2, window="keys[:-6]")
+    assert m.summary["mask"].startswith("additive")
+
+
+def test_kvpress_ones_like_mask_dynamic_shapes():
+    """Under dynamic shapes the proxy's sizes are read off the graph's inputs at run time: new
+    lengths and windows do not recompile, and every call equals float64 eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(kvpress_compute_window_attention, backend=counter, dynamic=True)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n, w in ((19, 4), (31, 9), (26, 6)):
+            q, k = torch.randn(B2, H, n, D, generator=g), torch.randn(B2, 2, n, D, generator=g)
+            torch.testing.assert_close(c(q, k, w).double(), kvpress_compute_window_attention(*_to64((q, k)), w),
+                                       rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(kvpress_compute_window_attention, q, k, w, dynamic=True)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
