@@ -1134,3 +1134,35 @@ def test_kvpress_ones_like_mask_dynamic_shapes():
     with torch.no_grad():
         rep = fuser.explain(kvpress_compute_window_attention, q, k, w, dynamic=True)
     assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("nan")])
+def test_nan_and_plus_inf_fills_are_declined(fill, qkv2):
+    # eager's softmax gives NaN rows there; the kernels take finite fills or -inf (a fused op
+    # would have raised at run time): declined before anything is rewritten, results eager's
+    q, k, v = qkv2
+
+    def fn(q, k, v, pad):
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(~pad, fill), -1)
+        return p @ v, p.sum(-2)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fn, q, k, v, _pad(left=True))
+        want = fn(q, k, v, _pad(left=True))
+    assert not rep.fused
+    assert any(r.pattern == "h2o" and "gives NaN rows" in r.reason for r in rep.rejected), str(rep)
+    for g_, w in zip(rep.output, want):
+        torch.testing.assert_close(g_, w, equal_nan=True)
+
+
+def test_a_finite_padding_fill_beside_an_additive_mask_is_declined(qkv2):
+    # the kernels apply one boolean mask with a finite fill, and no other mask tensor beside it
+    q, k, v = qkv2
+    bias = torch.randn(B2, 1, 1, N2)
+
+    def fn(q, k, v, pad, bias):
+        p = torch.softmax((q @ k.mT * 0.25 + bias).masked_fill(~pad, -1e4), -1)
+        return p @ v, p.sum(-2)
+
+    _declined(fn, q, k, v, _pad(), bias, reason=r"finite value -10000 combined with other mask tensors")
