@@ -1166,3 +1166,25 @@ def test_a_finite_padding_fill_beside_an_additive_mask_is_declined(qkv2):
         return p @ v, p.sum(-2)
 
     _declined(fn, q, k, v, _pad(), bias, reason=r"finite value -10000 combined with other mask tensors")
+
+
+def test_autotune_with_a_finite_padding_fill():
+    # plan=autotune times the best-estimated plans with the fill (one_kernel, diag_cache and
+    # two_kernel all take it) and runs the winner
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B2, 2, 34, D, generator=g) for _ in range(3))
+    pad = _pad(n=34, left=True)
+
+    def program(q, k, v, pad):
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(~pad, -3.0), -1)
+        return p @ v, p.sum(-2)
+
+    opts = {"fuser.autotune": True}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(program, q, k, v, pad, options=opts)
+        want = program(*_to64((q, k, v)), pad)
+    (m,) = rep.fused
+    assert m.plan.name == "fuser[plan=autotune]" and len(m.plan.params["tries"]) == 3, str(rep)
+    for g_, w in zip(rep.output, want):
+        torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
