@@ -629,7 +629,7 @@ def test_diag_cache_column_pass_reads_the_cache(monkeypatch):
 
     def tampered(*a):
         kernel, module = real(*a)
-        return kernel, (Tampered(module) if a[-1] else module)
+        return kernel, (Tampered(module) if a[4] else module)  # cache_ranges: the diag_cache column pass
 
     monkeypatch.setattr(h2o, "_colsum_module", tampered)
     h2o.clear_workspaces()
