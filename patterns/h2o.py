@@ -438,11 +438,17 @@ class H2OPattern(Pattern):
         text = h2o_ops.plan_string(p["plan"], p["diagonals"], p["cache"], tuple(p.get("tries") or ()))
         e = Emitter(graph, b["rank"], b["compute_dtype"])
         with graph.inserting_before(m.insertion_point):
+            # every operand detached: the outputs need no gradient (the match declines otherwise),
+            # yet an operand may carry one where the program computed the scores with gradients
+            # and only the softmax under torch.no_grad() (a learned temperature): autograd must
+            # not try to differentiate the op, which has no backward
             dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
-            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
-            k = e.operand(b["k"], b["k_p"], b["in_dtype"])
-            v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
+            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn, detach=True)
+            k = e.operand(b["k"], b["k_p"], b["in_dtype"], detach=True)
+            v = e.operand(b["v"], None, b["in_dtype"], detach=True) if b["v"] is not None else None
             mask = e.mask(b["mask_terms"], b["mask_shape"])
+            if mask is not None:
+                mask = e.node("call_method", "detach", (mask,))
             # the score's rows: q (and the mask's rows) sliced to the query window, if any; then
             # O comes from the attention op over every row (see _window_out)
             q_rows, mask_rows = window_rows(e, b, q, mask)

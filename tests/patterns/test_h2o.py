@@ -1188,3 +1188,29 @@ def test_autotune_with_a_finite_padding_fill():
     assert m.plan.name == "fuser[plan=autotune]" and len(m.plan.params["tries"]) == 3, str(rep)
     for g_, w in zip(rep.output, want):
         torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
+
+
+def test_scores_with_gradients_and_a_softmax_under_no_grad():
+    """The scores carry a gradient (a learned temperature), only the softmax and what reads P run
+    under torch.no_grad(): the outputs need none, so it is fused — with its operands detached,
+    the op having no backward (found by the soundness fuzzer: compiling raised "no autograd
+    formula" for fuser.h2o)."""
+    temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def program(q, k, v):
+        s = torch.matmul(q, k.mT) / temperature
+        with torch.no_grad():
+            p = s.softmax(dim=-1)
+        return p @ v, p.sum(-2)
+
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    torch._dynamo.reset()
+    rep = fuser.explain(program, q, k, v)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+    torch._dynamo.reset()
+    got = torch.compile(program, backend="fuser")(q, k, v)
+    want = program(*_to64((q, k, v)))
+    for g_, w in zip(got, want):
+        assert not g_.requires_grad
+        torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
