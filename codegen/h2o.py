@@ -44,9 +44,12 @@ been streamed (``docs/math.md``, "H2O column sums"). Plans (:data:`PLANS`):
 
 Variants: causal ``"none"``, ``"top_left"``, ``"bottom_right"`` (one rendered kernel serves both
 alignments through the runtime causal offset), mask kinds ``"none"``, ``"bool_keep"``,
-``"bool_drop"``, ``"additive"`` (hidden entries ``-inf``; an additive mask gives the two-part
-statistics), row-broadcast masks, ``need_out`` False. Not supported (``ValueError``): finite
-fills (``mask_fill``, ``causal_fill``) and index predicates (``mask_pred``).
+``"bool_drop"``, ``"additive"`` (an additive mask gives the two-part statistics), row-broadcast
+masks, ``need_out`` False. Finite fills (``docs/math.md``, "Finite fills" under "H2O column
+sums"), as the attention forward takes them: a boolean mask's hidden entries score the finite
+``mask_fill`` (``masked_fill(~pad, finfo.min)``; every plan; two-part statistics), entries above
+the causal diagonal score the finite ``causal_fill`` or ``s + causal_fill`` (two_kernel only,
+with or without a data mask). Not supported (``ValueError``): index predicates (``mask_pred``).
 
 Sizes (B, H, Nq, Nk, the causal offset, the workspace's slot count) are runtime arguments; the
 sequence lengths and the offset are ``do_not_specialize``, so a new length does not recompile.
@@ -60,7 +63,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import threading
 from typing import Optional, Sequence
 
@@ -86,8 +88,8 @@ CACHE_LAYOUTS = ("balanced", "causal")
 
 #: What the plans support, for error messages.
 SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('none', 'bool_keep', 'bool_drop', "
-             "'additive') with hidden entries -inf; a finite causal_fill (replace or add) with plan two_kernel "
-             "and no data mask; no finite mask_fill, no mask_pred")
+             "'additive'); a finite mask_fill of a boolean mask with every plan; a finite causal_fill (replace or "
+             "add) with plan two_kernel; no mask_pred")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,17 +97,24 @@ SUPPORTED = ("causal in ('none', 'top_left', 'bottom_right'), mask_kind in ('non
 # --------------------------------------------------------------------------------------------
 
 
+def _mask_fill_finite(mask_kind: str, mask_fill_finite: bool) -> bool:
+    """A finite mask fill applies to the boolean mask kinds only (as in the attention kernels)."""
+    return bool(mask_fill_finite) and mask_kind in ("bool_keep", "bool_drop")
+
+
 def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret: bool,
-                  cache_ranges: int = 0, causal_fill: str = "hide") -> RenderedKernel:
+                  cache_ranges: int = 0, causal_fill: str = "hide", mask_fill_finite: bool = False) -> RenderedKernel:
     """Render the column-pass kernel module of one static variant (``causal``: a mode or a bool;
-    the statistics are two-part for ``mask_kind="additive"`` or a finite causal fill, as in the
-    forward; ``cache_ranges`` 1 or 2: diag_cache's column pass reading that many cached ranges
-    per key block, 0: two_kernel's; ``causal_fill`` ``"hide"`` (-inf above the diagonal),
-    ``"replace"`` or ``"add"``: a finite runtime fill, as in the attention forward).
+    the statistics are two-part for ``mask_kind="additive"``, a finite mask fill or a finite
+    causal fill, as in the forward; ``cache_ranges`` 1 or 2: diag_cache's column pass reading
+    that many cached ranges per key block, 0: two_kernel's; ``causal_fill`` ``"hide"`` (-inf
+    above the diagonal), ``"replace"`` or ``"add"``: a finite runtime fill, as in the attention
+    forward; ``mask_fill_finite``: a boolean mask's hidden entries score the runtime
+    ``mask_fill`` instead of -inf, ignored for other mask kinds).
 
     Raises:
         ValueError: unknown causal mode, mask kind or fill kind, ``cache_ranges`` not in 0..2,
-            a finite causal fill with a data mask or a cache.
+            a finite causal fill with a cache.
     """
     variants.check_variant(causal, mask_kind)
     if cache_ranges not in (0, 1, 2):
@@ -114,25 +123,28 @@ def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret
         raise ValueError(f"causal_fill must be 'hide', 'replace' or 'add', got {causal_fill!r}")
     causal = variants.is_causal(causal)
     fill = causal_fill if causal else "hide"
-    if fill != "hide" and (mask_kind != "none" or cache_ranges):
-        raise ValueError("the column pass takes a finite causal fill without a data mask and without a cache only")
+    if fill != "hide" and cache_ranges:
+        raise ValueError("the column pass takes a finite causal fill without a cache only")
+    mfill = _mask_fill_finite(mask_kind, mask_fill_finite)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     name = ("h2o_colsum" + ({"hide": "_causal", "replace": "_causalfill", "add": "_causaladd"}[fill] if causal else "")
-            + variants.MASK_SUFFIX[mask_kind] + ("_rowbcast" if row else "")
+            + variants.MASK_SUFFIX[mask_kind] + ("fill" if mfill else "") + ("_rowbcast" if row else "")
             + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_interp" if interpret else ""))
     return render(
         TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
-        two_part=mask_kind == "additive" or fill != "hide", cache_ranges=int(cache_ranges),
-        causal_fill=fill, interpret=bool(interpret),
+        two_part=mask_kind == "additive" or fill != "hide" or mfill, cache_ranges=int(cache_ranges),
+        causal_fill=fill, mask_fill_finite=mfill, interpret=bool(interpret),
     )
 
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool, one_kernel: bool,
-               cache_ranges: int, interpret: bool) -> RenderedKernel:
+               cache_ranges: int, interpret: bool, mask_fill_finite: bool = False) -> RenderedKernel:
     """Render the row-parallel H2O kernel module (``templates/h2o_fwd.py.jinja``): the whole
     one_kernel plan (``one_kernel``), or kernel 0 storing the statistics (and ``out`` with
     ``need_out``), writing the cached tiles' scores with ``cache_ranges`` 1 or 2 (diag_cache).
+    ``mask_fill_finite``: a boolean mask's hidden entries score the runtime ``mask_fill``
+    (two-part statistics), ignored for other mask kinds.
 
     Raises:
         ValueError: unknown causal mode or mask kind, ``cache_ranges`` not in 0..2, or
@@ -142,33 +154,36 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bo
     if cache_ranges not in (0, 1, 2) or (one_kernel and cache_ranges):
         raise ValueError(f"cache_ranges must be 0, 1 or 2 (0 with one_kernel), got {cache_ranges!r}")
     causal = variants.is_causal(causal)
+    mfill = _mask_fill_finite(mask_kind, mask_fill_finite)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     name = ("h2o_" + ("onekernel" if one_kernel else "fwd") + ("_causal" if causal else "")
-            + variants.MASK_SUFFIX[mask_kind] + ("_rowbcast" if row else "") + ("" if need_out else "_noout")
+            + variants.MASK_SUFFIX[mask_kind] + ("fill" if mfill else "") + ("_rowbcast" if row else "")
+            + ("" if need_out else "_noout")
             + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_interp" if interpret else ""))
     return render(
         FWD_TEMPLATE, name,
-        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, two_part=mask_kind == "additive",
+        causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, two_part=mask_kind == "additive" or mfill,
         need_out=bool(need_out), one_kernel=bool(one_kernel), cache_ranges=int(cache_ranges),
-        interpret=bool(interpret),
+        mask_fill_finite=mfill, interpret=bool(interpret),
     )
 
 
 @functools.lru_cache(maxsize=None)
 def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool, cache_ranges: int = 0,
-                   causal_fill: str = "hide"):
+                   causal_fill: str = "hide", mask_fill_finite: bool = False):
     """The imported column-pass module of one static variant (rendered once per process)."""
     kernel = colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret,
-                           cache_ranges=cache_ranges, causal_fill=causal_fill)
+                           cache_ranges=cache_ranges, causal_fill=causal_fill, mask_fill_finite=mask_fill_finite)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal: bool, mask_kind: str, row: bool, need_out: bool, one_kernel: bool, cache_ranges: int,
-                interpret: bool):
+                interpret: bool, mask_fill_finite: bool = False):
     """The imported row-parallel module of one static variant (rendered once per process)."""
     kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_out=need_out,
-                        one_kernel=one_kernel, cache_ranges=cache_ranges, interpret=interpret)
+                        one_kernel=one_kernel, cache_ranges=cache_ranges, interpret=interpret,
+                        mask_fill_finite=mask_fill_finite)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -179,24 +194,27 @@ def _cache_ranges(cache: str) -> int:
 
 def kernels_for(*, plan: str, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool,
                 interpret: bool, diagonals: int = 0, cache: str = "balanced", causal_fill: float = NEG_INF,
-                causal_fill_mode: str = "replace") -> list[RenderedKernel]:
+                causal_fill_mode: str = "replace", mask_fill: float = NEG_INF) -> list[RenderedKernel]:
     """The kernel modules a plan runs for one static variant (for reports), in launch order (a
-    finite ``causal_fill``: two_kernel's attention forward and column pass taking the fill)."""
+    finite ``causal_fill``: two_kernel's attention forward and column pass taking the fill; a
+    finite ``mask_fill`` of a boolean mask: every plan's kernels taking it)."""
     _check_plan(plan, cache)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     fill_k = variants.causal_fill_kind(causal, causal_fill, causal_fill_mode)
+    mfill = variants.mask_fill_kind(mask_kind, mask_fill) != "hide"
     if fill_k != "hide":
         return [attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
-                                     interpret=interpret, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode),
+                                     interpret=interpret, mask_fill=mask_fill, causal_fill=causal_fill,
+                                     causal_fill_mode=causal_fill_mode),
                 colsum_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret,
-                              causal_fill=fill_k)]
-    kw = dict(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret)
+                              causal_fill=fill_k, mask_fill_finite=mfill)]
+    kw = dict(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret, mask_fill_finite=mfill)
     if plan == "one_kernel":
         return [fwd_kernel(need_out=need_out, one_kernel=True, cache_ranges=0, **kw)]
     ranges = _cache_ranges(cache) if plan == "diag_cache" and diagonals > 0 else 0
     if ranges == 0 and need_out:
         first = attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
-                                     interpret=interpret)
+                                     interpret=interpret, mask_fill=mask_fill)
     else:
         first = fwd_kernel(need_out=need_out, one_kernel=False, cache_ranges=ranges, **kw)
     return [first, colsum_kernel(cache_ranges=ranges, **kw)]
@@ -590,24 +608,21 @@ def alloc_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _check_supported(mask_fill: float, causal, causal_fill: float, causal_fill_mode: str, mask_kind: str,
-                     mask_pred, plan: str, diagonals: int) -> str:
-    """The causal fill kind (``"hide"``, ``"replace"``, ``"add"``) after checking what the plans
-    support: a finite ``causal_fill`` with two_kernel (or diag_cache with no cached tile) and no
-    data mask; no finite ``mask_fill``, no predicate."""
-    if not (math.isinf(float(mask_fill)) and float(mask_fill) < 0):
-        raise ValueError(f"H2O column sums: a finite mask_fill ({mask_fill!r}) is not supported; supported: {SUPPORTED}")
+                     mask_pred, plan: str, diagonals: int) -> tuple[str, str]:
+    """``(mask fill kind, causal fill kind)`` (each ``"hide"``, ``"replace"`` or ``"add"``)
+    after checking what the plans support: a finite ``mask_fill`` (of a boolean mask; ignored
+    for other kinds, as in the attention kernels) with every plan; a finite ``causal_fill``
+    with two_kernel (or diag_cache with no cached tile), with or without a data mask; no
+    predicate."""
+    variants.check_fill("mask_fill", mask_fill)
     if attention.as_predicate(mask_pred) is not None:
         raise ValueError(f"H2O column sums: index predicates (mask_pred) are not supported; supported: {SUPPORTED}")
     variants.check_fill("causal_fill", causal_fill, causal_fill_mode)
     kind = variants.causal_fill_kind(causal, causal_fill, causal_fill_mode)
-    if kind != "hide":
-        if mask_kind != "none":
-            raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) with a data mask is not "
-                             f"supported; supported: {SUPPORTED}")
-        if plan == "one_kernel" or (plan == "diag_cache" and diagonals):
-            raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) runs with plan='two_kernel' "
-                             f"only (got plan={plan!r}{f', diagonals={diagonals}' if plan == 'diag_cache' else ''})")
-    return kind
+    if kind != "hide" and (plan == "one_kernel" or (plan == "diag_cache" and diagonals)):
+        raise ValueError(f"H2O column sums: a finite causal_fill ({causal_fill!r}) runs with plan='two_kernel' "
+                         f"only (got plan={plan!r}{f', diagonals={diagonals}' if plan == 'diag_cache' else ''})")
+    return variants.mask_fill_kind(mask_kind, mask_fill), kind
 
 
 def forward(
@@ -656,30 +671,37 @@ def forward(
             0's ``num_warps``/``num_stages`` (its tile is ``config``'s); one_kernel: ignored.
         causal_fill, causal_fill_mode: with causal masking, entries above the diagonal score
             ``causal_fill`` (``"replace"``) or ``s + causal_fill`` (``"add"``: transformers'
-            eager ``finfo.min`` causal mask) in natural-log units; a finite fill is supported by
-            two_kernel (and diag_cache with ``diagonals=0``) without a data mask: kernel 0 is
-            then the attention forward (also without ``need_out``), and the column pass visits
-            the query blocks above the diagonal unless the forward's run-time bound
+            eager ``finfo.min`` causal mask; an entry a data mask hid with ``-inf`` stays
+            hidden) in natural-log units, after the data mask; a finite fill is supported by
+            two_kernel (and diag_cache with ``diagonals=0``): kernel 0 is then the attention
+            forward (also without ``need_out``), and the column pass visits the query blocks
+            above the diagonal unless, without a data mask, the forward's run-time bound
             (:func:`fuser.codegen.attention.hidden_tiles_skippable`) proves they weigh 0.
-        mask_fill, mask_pred: only the defaults (``-inf``, ``None``) are supported.
+        mask_fill: the score a boolean mask's hidden entry gets, in natural-log units (``-inf``:
+            hidden); a finite value (``masked_fill(~pad, finfo.min)``) is a score like any
+            other, as in eager: a row whose keys are all hidden spreads its weight uniformly,
+            a partly hidden row gives its hidden keys ``exp(fill − max)`` (computed, never
+            assumed 0). Every plan; ignored for the other mask kinds.
+        mask_pred: only the default (``None``) is supported.
 
     Returns:
         ``(out, score)``: ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype (``None`` unless
-        ``need_out``; rows with no visible key give 0); ``score`` ``[B, Hq, Nk]`` float32,
+        ``need_out``; rows whose scores are all ``-inf`` give 0); ``score`` ``[B, Hq, Nk]`` float32,
         ``score[b, h, j] = Σ_i P[b, h, i, j]`` (rows with no visible key contribute 0, a key no
         query sees scores 0).
 
     Raises:
         ValueError: an unknown plan or layout, ``diagonals`` out of range, the causal layout
-            without causal masking, a non-square diag_cache tile, a finite mask fill, a finite
-            causal fill with a data mask or another plan, a predicate,
+            without causal masking, a non-square diag_cache tile, a NaN or ``+inf`` fill, a finite
+            causal fill with another plan, a predicate,
             an unknown causal mode or mask kind, a mask that does not match ``mask_kind``, ``v``
             missing with ``need_out``, or the shape, dtype and head-dim errors of
             :func:`fuser.codegen.attention.forward`.
     """
     variants.check_variant(causal, mask_kind)
     _check_plan(plan, cache)
-    fill_k = _check_supported(mask_fill, causal, causal_fill, causal_fill_mode, mask_kind, mask_pred, plan, diagonals)
+    mfill_k, fill_k = _check_supported(mask_fill, causal, causal_fill, causal_fill_mode, mask_kind, mask_pred, plan,
+                                       diagonals)
     if isinstance(causal, bool):
         raise ValueError("causal must be a mode string here: 'none', 'top_left' or 'bottom_right'")
     if v is None:
@@ -696,10 +718,11 @@ def forward(
         _check_plan(plan, cache, diagonals, count, causal)
         if diagonals == 0:
             plan = "two_kernel"
+    mfill = mask_fill if mfill_k != "hide" else NEG_INF
     if plan == "one_kernel":
-        return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config)
+        return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mfill)
     return _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config,
-                       diagonals if plan == "diag_cache" else 0, cache, fill_k, causal_fill)
+                       diagonals if plan == "diag_cache" else 0, cache, fill_k, causal_fill, mfill)
 
 
 def _empty_result(q, k, v, need_out: bool):
@@ -713,7 +736,12 @@ def _empty_result(q, k, v, need_out: bool):
     return out, score
 
 
-def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config):
+def _mask_fill_args(mask_fill: float) -> dict:
+    """The launchers' ``mask_fill`` argument (base 2) for a finite fill; nothing for ``-inf``."""
+    return {} if mask_fill == NEG_INF else {"mask_fill": variants.fill_base2(mask_fill)}
+
+
+def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mask_fill=NEG_INF):
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if b * hq == 0 or n_q == 0 or n_k == 0:
@@ -721,7 +749,9 @@ def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config):
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
-    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), True, 0, interpret)
+    mfill = _mask_fill_args(mask_fill)
+    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), True, 0, interpret,
+                                 bool(mfill))
     score = alloc_score(q, k)
     out = attention.alloc_out(q, v) if need_out else None
     args = [q, k] + ([v, out] if need_out else []) + [score] + ([mask4] if mask4 is not None else [])
@@ -732,7 +762,7 @@ def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config):
         with launch.launching(interpret):
             module.launch_h2o_fwd(*args, qk_scale=float(scale) * LOG2E,
                                   causal_offset=variants.causal_offset(causal, n_q, n_k),
-                                  config=cfg, input_precision=precision)
+                                  config=cfg, input_precision=precision, **mfill)
 
     key = (kernel.path, "one_kernel", q.dtype, d, v.shape[-1] if need_out else 0,
            None if mask4 is None else mask4.dtype, precision)
@@ -740,15 +770,18 @@ def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config):
     return out, score
 
 
-def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs, cache_args=None, ranges=0):
+def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs, cache_args=None, ranges=0,
+                mask_fill=NEG_INF):
     """Kernel 0 from ``templates/h2o_fwd.py.jinja``: the statistics (and out with ``need_out``),
     and with ``cache_args`` = ``(ws, row_tab, n_slots)`` the cached tiles' scores; the first of
     ``configs`` that fits. Returns ``(out or None, stats)``."""
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     interpret = launch.interpreted(q.device)
-    two_part = mask_kind == "additive"
-    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), False, ranges, interpret)
+    mfill = _mask_fill_args(mask_fill)
+    two_part = mask_kind == "additive" or bool(mfill)
+    kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), False, ranges, interpret,
+                                 bool(mfill))
     out = attention.alloc_out(q, v) if need_out else None
     stats = attention.alloc_lse(q, two_part)
     args = [q, k] + ([v, out] if need_out else []) + [stats] + ([mask4] if mask4 is not None else [])
@@ -760,7 +793,7 @@ def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs
         with launch.launching(interpret):
             module.launch_h2o_fwd(*args, qk_scale=float(scale) * LOG2E,
                                   causal_offset=variants.causal_offset(causal, n_q, n_k),
-                                  config=cfg, input_precision=precision)
+                                  config=cfg, input_precision=precision, **mfill)
 
     key = (kernel.path, "h2o_fwd", q.dtype, d, v.shape[-1] if need_out else 0,
            None if mask4 is None else mask4.dtype, precision)
@@ -769,9 +802,10 @@ def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs
 
 
 def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config, diagonals, cache,
-                fill_k="hide", causal_fill=NEG_INF):
+                fill_k="hide", causal_fill=NEG_INF, mask_fill=NEG_INF):
     """two_kernel (``diagonals == 0``) or diag_cache: kernel 0, then the column pass (``fill_k``:
-    the causal fill kind, finite only for two_kernel without a data mask)."""
+    the causal fill kind, finite only for two_kernel; ``mask_fill``: the boolean mask's fill,
+    ``-inf`` or finite, for every plan)."""
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if b * hq == 0 or n_q == 0 or n_k == 0:
@@ -779,9 +813,10 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     row = bool(row_broadcast) and mask_kind != "none"
-    two_part = mask_kind == "additive" or fill_k != "hide"
+    mfill = _mask_fill_args(mask_fill)
+    two_part = mask_kind == "additive" or fill_k != "hide" or bool(mfill)
     ranges = 0
-    fill_args = {}
+    fill_args = dict(mfill)
     if diagonals > 0:
         cfg, fwd_cfg = _diag_config(config, fwd_config, q)
         tile = cfg["BLOCK_M"]
@@ -789,30 +824,31 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
         row_tab, col_tab, n_slots = _table_tensors(q.device, n_q, n_k, tile, causal, diagonals, cache)
         ws = _workspace(q.device, b * hq * n_slots * tile * tile)
         out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, [fwd_cfg],
-                                 (ws, row_tab, n_slots), ranges)
+                                 (ws, row_tab, n_slots), ranges, mask_fill)
         configs = [cfg]
     elif fill_k != "hide":
-        # kernel 0: the attention forward with the finite causal fill (its two-part statistics);
-        # without need_out it runs with k as v (its out is dropped: the statistics-only pass
-        # takes no fill)
-        # (the skip flag is computed once, for both kernels)
-        flag = attention._skip_arg(q, k, scale, causal, mask_kind, fill_k, causal_fill)["skip_hidden"]
-        out, stats = attention.forward(q, k, v, scale=scale, causal=causal, need_lse=True, config=fwd_config,
-                                       causal_fill=causal_fill, causal_fill_mode=fill_k, skip_hidden=flag)
-        fill_args = {"causal_fill": variants.fill_base2(causal_fill), "skip_hidden": flag}
+        # kernel 0: the attention forward with the finite causal fill (and the data mask with its
+        # fill; its two-part statistics); without need_out it runs with k as v (its out is
+        # dropped: the statistics-only pass takes no causal fill). The skip flag (no data mask
+        # only) is computed once, for both kernels.
+        skip = attention._skip_arg(q, k, scale, causal, mask_kind, fill_k, causal_fill)
+        out, stats = attention.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+                                       need_lse=True, config=fwd_config, mask_fill=mask_fill, causal_fill=causal_fill,
+                                       causal_fill_mode=fill_k, skip_hidden=skip.get("skip_hidden"))
+        fill_args.update(causal_fill=variants.fill_base2(causal_fill), **skip)
         configs = _short_first(_configs(config, q), config, max(n_q, n_k))
     else:
         if need_out:
             # kernel 0: the attention forward, for its statistics and out
             out, stats = attention.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
-                                           need_lse=True, config=fwd_config)
+                                           need_lse=True, config=fwd_config, mask_fill=mask_fill)
         else:
             # kernel 0 without out: the statistics-only row pass (no V loads, no P V dots)
             out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, False,
-                                     attention._configs(fwd_config, q, v, causal, "fwd"))
+                                     attention._configs(fwd_config, q, v, causal, "fwd"), mask_fill=mask_fill)
         configs = _short_first(_configs(config, q), config, max(n_q, n_k))
     score = alloc_score(q, k)
-    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges, fill_k)
+    kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges, fill_k, bool(mfill))
     args = [q, k, stats, score]
     if mask4 is not None:
         args.append(mask4)

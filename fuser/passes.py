@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from typing import Any, Optional, Sequence
 
@@ -60,9 +61,189 @@ def _placeholder_inputs(gm: fx.GraphModule, example_inputs: Optional[Sequence[An
     return {p: x for p, x in zip(phs, example_inputs)}
 
 
-def _check_region(m: Match, view: GraphView) -> Optional[str]:
-    """None if no node of the region but its outputs is read outside it and the region writes
-    no memory that outlives it; else the reason."""
+# Readers that use only a tensor's metadata, never its values: the *_like factories (shape,
+# dtype, device; strides too under their default preserve_format), new_* (dtype, device),
+# size/dim/numel (shape). One of them may read a region node that is no output: the pass
+# re-points it to a proxy with the same metadata built outside the region (_proxy_readers),
+# so that the region's value is never needed.
+_aten = torch.ops.aten
+_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like, torch.full_like,
+         _aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default}
+_NEW_METHODS = {"new_ones", "new_zeros", "new_empty", "new_full"}
+_NEW_FNS = {_aten.new_ones.default, _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default}
+_SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
+_SHAPE_FNS = {_aten.sym_size.int, _aten.sym_numel.default, _aten.dim.default, torch.numel}
+# what each kind of reader needs of the proxy, in increasing order
+_NEEDS = ("dtype", "shape", "strides")
+
+
+def _metadata_need(u: fx.Node, n: fx.Node) -> Optional[str]:
+    """What ``u`` reads of ``n`` when it reads only ``n``'s metadata (``"dtype"``: dtype and
+    device; ``"shape"``: and the sizes; ``"strides"``: and the strides), ``n`` being its
+    first operand and no other; else None (``u`` may read ``n``'s values)."""
+    if not u.args or u.args[0] is not n or sum(a is n for a in flat_args(u)) != 1:
+        return None
+    fn, meth = u.op == "call_function", u.op == "call_method"
+    if (fn and u.target in _NEW_FNS) or (meth and u.target in _NEW_METHODS):
+        return "dtype"
+    if (fn and u.target in _SHAPE_FNS) or (meth and u.target in _SHAPE_METHODS):
+        return "shape"
+    if fn and u.target in _LIKE:
+        return "shape" if u.kwargs.get("memory_format") is torch.contiguous_format else "strides"
+    return None
+
+
+def _metadata_readers(m: Match, view: GraphView) -> tuple[dict, Optional[str]]:
+    """``({region node: (readers outside the region, what they need)}, reason)``: the nodes of
+    ``m``'s region, other than its outputs, read outside it by metadata readers only (see
+    :func:`_metadata_need`); the reason names the first node read outside for its values."""
+    outputs = set(m.outputs.values())
+    found: dict = {}
+    for n in m.region:
+        if n in outputs:
+            continue
+        outside = list(dict.fromkeys([u for u in view.readers(n) if u not in m.region]
+                                     + [u for u in n.users if u not in m.region]))
+        if not outside:
+            continue
+        needs = [_metadata_need(u, n) for u in outside]
+        if None in needs:
+            u = outside[needs.index(None)]
+            return found, (f"intermediate '{n.name}' is also used by '{u.name}' ({location(u)}); fusing would "
+                           f"need it materialised")
+        found[n] = (outside, max(needs, key=_NEEDS.index))
+    return found, None
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """``t``'s strides are the contiguous ones for its sizes, provably for every size (no guard)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not _same_size(size, 1) and not _same_size(stride, expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def _size_sources(graph: fx.Graph, before: fx.Node, avoid: set) -> dict:
+    """Size expression -> ``(node, dim)`` (``dim`` None for a SymInt node): where the graph
+    holds each symbolic size before ``before``, outside ``avoid``; placeholders first."""
+    found: dict = {}
+    nodes = []
+    for x in graph.nodes:
+        if x is before:
+            break
+        if x not in avoid:
+            nodes.append(x)
+    for x in sorted(nodes, key=lambda x: x.op != "placeholder"):
+        v = val(x)
+        if isinstance(v, torch.SymInt):
+            found.setdefault(v.node.expr, (x, None))
+        elif isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt):
+                    found.setdefault(size.node.expr, (x, d))
+    return found
+
+
+def _size_terms(size: Any, sources: dict) -> Optional[list]:
+    """``size`` as ``[(coefficient, source key or None for a constant)]``: an int, a symbolic
+    size the graph holds (``sources``), or a sum of integer multiples of such sizes; None when
+    it is neither."""
+    import sympy
+
+    if isinstance(size, int):
+        return [(size, None)]
+    expr = size.node.expr
+    if expr.is_number:
+        return [(int(expr), None)]
+    if expr in sources:
+        return [(1, expr)]
+    out = []
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        c, r = term.as_coeff_Mul()
+        if not c.is_Integer or not (r == 1 or r in sources):
+            return None
+        out.append((int(c), None if r == 1 else r))
+    return out
+
+
+def _emit_size(terms: list, sources: dict, graph: fx.Graph) -> Any:
+    """Graph nodes (or an int) computing the sum :func:`_size_terms` gave."""
+    total: Any = 0
+    for c, key in terms:
+        if key is None:
+            part: Any = c
+        else:
+            node, dim = sources[key]
+            part = node if dim is None else annotate(graph.call_method("size", (node, dim)))
+            if c != 1:
+                part = annotate(graph.call_function(operator.mul, (part, c)))
+        if isinstance(total, int) and total == 0:
+            total = part
+        else:
+            total = annotate(graph.call_function(operator.add, (total, part)))
+    return total
+
+
+def _proxy_readers(m: Match, view: GraphView, graph: fx.Graph, avoid: set, dry_run: bool = False,
+                   readers: Optional[dict] = None) -> Optional[str]:
+    """Re-point every metadata reader of a region node that is no output (``ones_like(s)``,
+    ``s.new_zeros(n)``, ``s.size(-1)``: :func:`_metadata_readers`) to a proxy built outside the
+    region with the same metadata — ``src.new_empty(sizes, dtype=, device=)`` (contiguous; its
+    sizes read off nodes outside ``avoid``, every region to be erased, that precede the
+    reader), 0 elements where the readers need dtype and device only — so that the region's
+    value is never needed. The proxy's values are never read: the readers read none. With
+    ``dry_run`` only checks; ``readers``: :func:`_metadata_readers`'s, when known. Returns None,
+    or the reason it cannot be done: a size no node outside the regions holds, or strides a
+    contiguous proxy would not have (a ``*_like`` keeps the strides of a non-contiguous node)."""
+    if readers is None:
+        readers, why = _metadata_readers(m, view)
+        if why is not None:
+            return why
+    if not readers:
+        return None
+    position = {x: i for i, x in enumerate(graph.nodes)}
+    for n, (users, need) in readers.items():
+        v = val(n)
+        users = sorted((u for u in users if u in position), key=position.__getitem__)
+        if not users:
+            continue
+        first = users[0]
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+            return f"intermediate '{n.name}' is read for its metadata by '{first.name}' but is no strided tensor"
+        if need == "strides" and not _contiguous(v):
+            return (f"intermediate '{n.name}' is read by '{first.name}' ({location(first)}), which keeps its "
+                    "strides, and is not contiguous; fusing would need it materialised")
+        sources = _size_sources(graph, first, avoid)
+        terms = [[(0, None)]] if need == "dtype" else [_size_terms(sz, sources) for sz in v.shape]
+        if None in terms:
+            return (f"intermediate '{n.name}' is read for its shape by '{first.name}' ({location(first)}), and no "
+                    f"node outside the region holds its size {v.shape[terms.index(None)]}")
+        src = next((x for x in graph.nodes if x.op == "placeholder" and isinstance(val(x), torch.Tensor)), None) \
+            or next((x for x in graph.nodes if position[x] < position[first] and x not in avoid
+                     and isinstance(val(x), torch.Tensor)), None)
+        if src is None:
+            return f"intermediate '{n.name}' is read for its metadata by '{first.name}' and no tensor precedes it"
+        if dry_run:
+            continue
+        with graph.inserting_before(first):
+            sizes = [_emit_size(t, sources, graph) for t in terms]
+            proxy = annotate(graph.call_method("new_empty", (src, sizes), {"dtype": v.dtype, "device": v.device}))
+        if need != "dtype" and not isinstance(val(proxy), torch.Tensor):
+            proxy.meta["val"] = proxy.meta["example_value"] = v
+        proxy.meta.setdefault("stack_trace", first.meta.get("stack_trace"))
+        for u in users:
+            u.replace_input_with(n, proxy)
+        log.info("fuser: %s read only the metadata of '%s' (in a %s region): re-pointed to '%s'",
+                 ", ".join(f"'{u.name}'" for u in users), n.name, m.pattern, proxy.name)
+    return None
+
+
+def _check_region(m: Match, view: GraphView, memo: Optional[dict] = None) -> Optional[str]:
+    """None if no node of the region but its outputs is read outside it — except by readers
+    of its metadata alone, which :func:`_proxy_readers` can re-point (kept in ``memo`` under
+    ``id(m)``) — and the region writes no memory that outlives it; else the reason."""
     outputs = set(m.outputs.values())
     if not outputs <= m.region:
         return "internal error while matching: the match names outputs outside its region"
@@ -80,17 +261,10 @@ def _check_region(m: Match, view: GraphView) -> Optional[str]:
                     f"'{n.name}' ({location(n)}) writes '{target.name}' in place, and that memory is "
                     "also seen outside the region; the fused op would not write it"
                 )
-        if n in outputs:
-            continue
-        outside = [u for u in view.readers(n) if u not in m.region]
-        outside += [u for u in n.users if u not in m.region]
-        if outside:
-            u = outside[0]
-            return (
-                f"intermediate '{n.name}' is also used by '{u.name}' ({location(u)}); fusing would "
-                f"need it materialised"
-            )
-    return None
+    readers, why = _metadata_readers(m, view)
+    if why is None and memo is not None:
+        memo[id(m)] = readers
+    return why or _proxy_readers(m, view, view.graph, set(m.region), dry_run=True, readers=readers)
 
 
 def apply(
@@ -149,6 +323,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index)
     taken: set[fx.Node] = set()
     found: list[tuple[Pattern, Match]] = []
+    metadata_readers: dict = {}  # id(match) -> its region's metadata readers (_check_region)
     for pattern in patterns:
         phase = f"match[{pattern.name}]"
         anchors = timer.wrap(phase, lambda v: list(pattern.anchors(v)))(view)
@@ -168,7 +343,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                 result.rejected.append(r)
                 log.info("fuser: not fused: %s at %s: %s", r.pattern, r.location, r.reason)
                 continue
-            why = check_region(r, view)
+            why = check_region(r, view, metadata_readers)
             if why is None and r.region & taken:
                 why = "overlaps another match"
             if why is not None:
@@ -193,6 +368,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
 
     replaced: dict = {}  # an output of an emitted match -> its replacement
     erased: set = set()  # the regions of emitted matches
+    regions = set().union(*(r.region for _, r in found))  # every region that may be erased
     for pattern, m in found:
         if replaced:
             # a match that reads an earlier match's output (one loop's o feeding the next) was
@@ -210,6 +386,17 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
             result.matches.append(m)
             log.info("fuser: %s at %s left as written (%s): %s", m.pattern, m.location, plan.name, reason)
+            continue
+        # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read a
+        # proxy built outside every region from now on: the same values, whether or not the
+        # emission below succeeds
+        try:
+            why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
+            why = f"internal error while re-pointing metadata readers: {exc!r}"
+        if why:
+            result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
+            log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
             continue
         before = set(gm.graph.nodes)
         try:

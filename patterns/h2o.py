@@ -24,9 +24,9 @@ reduction) and, when present, ``"out"``.
 
 Declined with a reason: P read by anything else; a sum over the keys (each row sums to 1); a
 sum over the queries of something computed from P; active dropout; gradients through the
-outputs (the op has no backward yet); finite fills and index predicates (the column-sum kernel
-hides keys with ``-inf`` or adds a mask tensor); a window of a causal mask that neither kernel
-alignment expresses; scores of rank other than 3 (``[B·H, Nq, Nk]``, FlexGen/OPT) or 4;
+outputs (the op has no backward yet); index predicates other than causal; a query window under a
+finite causal fill (its rows would need the fill realigned); a window of a causal mask that
+neither kernel alignment expresses; scores of rank other than 3 (``[B·H, Nq, Nk]``, FlexGen/OPT) or 4;
 ``P V`` with a permuted v or output.
 """
 
@@ -351,11 +351,15 @@ class H2OPattern(Pattern):
                           "to float16, bfloat16 or float32")
         if sc.pred is not None:
             raise Decline("masks from indices other than causal are not supported by the H2O kernels yet")
-        if sc.mask_fill != NEG_INF:
-            raise Decline("finite fills of a data mask are not supported by the H2O kernels yet (-inf only)")
+        # finite fills are values, computed as eager computes them (codegen/h2o.py): a boolean
+        # data mask's with every plan, a causal one (with or without a data mask) with two_kernel
         finite_causal = sc.causal != "none" and sc.causal_fill != NEG_INF
-        if finite_causal and sc.mask_kind != "none":
-            raise Decline("a finite causal fill together with a data mask is not supported by the H2O kernels yet")
+        finite_mask = sc.mask_kind in ("bool_keep", "bool_drop") and sc.mask_fill != NEG_INF
+        for what, f in (("mask", sc.mask_fill if finite_mask else NEG_INF),
+                        ("causal", sc.causal_fill if finite_causal else NEG_INF)):
+            if f != f or f == float("inf"):  # a scaled fill that overflows, as it does in eager
+                raise Decline(f"the {what} fill {f} gives NaN rows in eager's softmax; the H2O kernels take a "
+                              "finite fill or -inf")
         outputs = {"score": colsum} if pv is None else {"out": pv, "score": colsum}
         if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
             raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "
@@ -387,7 +391,9 @@ class H2OPattern(Pattern):
                         windows=tuple(path.windows), score_causal=score_causal, score_steps=tuple(path.steps),
                         # a finite causal fill (transformers' finfo.min causal mask): two_kernel only
                         causal_fill=sc.causal_fill if finite_causal else NEG_INF,
-                        causal_fill_mode=sc.causal_fill_mode if finite_causal else "replace")
+                        causal_fill_mode=sc.causal_fill_mode if finite_causal else "replace",
+                        # a finite fill of the boolean data mask (masked_fill(~pad, finfo.min)): every plan
+                        mask_fill=sc.mask_fill if finite_mask else NEG_INF)
         sq, sk = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p)
         summary = {
             "q": user_name(q), "k": user_name(k), "v": user_name(v) if v is not None else "-",
@@ -398,6 +404,8 @@ class H2OPattern(Pattern):
         }
         if finite_causal:
             summary["causal_fill"] = f"{sc.causal_fill:g} ({sc.causal_fill_mode})"
+        if finite_mask:
+            summary["mask_fill"] = f"{sc.mask_fill:g}"
         if path.describe_slices(rank):
             summary["window"] = path.describe_slices(rank)
             if path.windows and sc.causal != "none":
@@ -430,18 +438,25 @@ class H2OPattern(Pattern):
         text = h2o_ops.plan_string(p["plan"], p["diagonals"], p["cache"], tuple(p.get("tries") or ()))
         e = Emitter(graph, b["rank"], b["compute_dtype"])
         with graph.inserting_before(m.insertion_point):
+            # every operand detached: the outputs need no gradient (the match declines otherwise),
+            # yet an operand may carry one where the program computed the scores with gradients
+            # and only the softmax under torch.no_grad() (a learned temperature): autograd must
+            # not try to differentiate the op, which has no backward
             dyn = [(v, p) for v, p in b["factors"] if not isinstance(v, float)]
-            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn)
-            k = e.operand(b["k"], b["k_p"], b["in_dtype"])
-            v = e.operand(b["v"], None, b["in_dtype"]) if b["v"] is not None else None
+            q = e.operand(b["q"], b["q_p"], b["in_dtype"], factors=dyn, detach=True)
+            k = e.operand(b["k"], b["k_p"], b["in_dtype"], detach=True)
+            v = e.operand(b["v"], None, b["in_dtype"], detach=True) if b["v"] is not None else None
             mask = e.mask(b["mask_terms"], b["mask_shape"])
+            if mask is not None:
+                mask = e.node("call_method", "detach", (mask,))
             # the score's rows: q (and the mask's rows) sliced to the query window, if any; then
             # O comes from the attention op over every row (see _window_out)
             q_rows, mask_rows = window_rows(e, b, q, mask)
             both = v is not None and not b["windows"]
             op = e.node("call_function", torch.ops.fuser.h2o.default,
                         (q_rows, k, v if both else None, mask_rows, e.scale(b["factors"]), b["score_causal"],
-                         b["mask_kind"], both, text, b["causal_fill"], b["causal_fill_mode"]))
+                         b["mask_kind"], both, text, b["causal_fill"], b["causal_fill_mode"],
+                         b.get("mask_fill", NEG_INF)))
             new = {"score": score_output(e, b, e.node("call_function", operator.getitem, (op, 1)), q_rows)}
             if v is not None:
                 out = e.unrank(e.node("call_function", operator.getitem, (op, 0)) if both
@@ -477,9 +492,10 @@ def window_out(e: Emitter, b: dict, q: fx.Node, k: fx.Node, v: fx.Node, mask: An
     from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
     from .attention_plans import plan_string
 
+    # the data mask's fill is the score's (a window under a finite causal fill is declined)
     op = e.node("call_function", torch.ops.fuser.attention.default,
                 (q, k, v, mask, e.scale(b["factors"]), b["causal"], b["mask_kind"], False, plan_string({}),
-                 NEG_INF, NEG_INF, "replace", "", [], NEG_INF, "replace"))
+                 b.get("mask_fill", NEG_INF), NEG_INF, "replace", "", [], NEG_INF, "replace"))
     return e.node("call_function", operator.getitem, (op, 0))
 
 

@@ -6,7 +6,7 @@ its inputs. It has no autograd formula: the pattern declines regions whose outpu
 gradients (H2O scores keys during inference). The kernels are in ``codegen/h2o.py``.
 
 ``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill,
-causal_fill_mode) -> (out, score)``
+causal_fill_mode, mask_fill) -> (out, score)``
     q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` or None (any strides;
     GQA when ``Hkv < Hq``); ``mask`` broadcastable to ``[B, Hq, Nq, Nk]`` or None; ``causal`` in
     ``{"none", "top_left", "bottom_right"}``; ``mask_kind`` in ``{"none", "bool_keep",
@@ -15,7 +15,8 @@ causal_fill_mode) -> (out, score)``
     ``cache=balanced|causal`` and, for ``autotune``, ``try=<plan>/<K>/<cache>,...`` (the plans
     to time; "" is two_kernel); ``causal_fill`` (``-inf``, or a finite score for the entries above
     the diagonal: ``causal_fill_mode`` ``"replace"`` or ``"add"``, then two_kernel runs whatever
-    ``plan`` says, see :func:`fuser.codegen.h2o.forward`). Returns ``out = softmax(scale·q kᵀ + mask) v``
+    ``plan`` says, see :func:`fuser.codegen.h2o.forward`); ``mask_fill`` (``-inf``, or the finite
+    score of an entry a boolean mask hides: every plan). Returns ``out = softmax(scale·q kᵀ + mask) v``
     ``[B, Hq, Nq, Dv]`` in q's dtype (an empty tensor when ``need_out`` is False or v is None)
     and the column sums ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32.
 
@@ -39,6 +40,8 @@ import torch
 from ..codegen import attention as attention_kernels
 from ..codegen import h2o as kernels
 from ..codegen import launch
+
+NEG_INF = float("-inf")
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -91,17 +94,19 @@ def _fit(q, k, causal: str, plan: str, diagonals: int, cache: str) -> dict:
     return {"plan": plan, "diagonals": min(int(diagonals), count), "cache": cache}
 
 
-def _tune_key(q, k, v, mask, causal: str, mask_kind: str, need_out: bool, tries) -> str:
+def _tune_key(q, k, v, mask, causal: str, mask_kind: str, need_out: bool, tries, mask_fill: float = NEG_INF) -> str:
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dv = v.shape[-1] if v is not None else 0
+    fill = "fill" if mask_fill != NEG_INF and mask_kind in ("bool_keep", "bool_drop") else ""
     return (f"h2o.plan|{launch.gpu_name(q.device)}|{q.dtype}|B{b}|H{hq}/{hkv}|Nq{launch.next_power_of_2(nq)}|"
-            f"Nk{launch.next_power_of_2(nk)}|D{d}/{dv}|{causal}|{mask_kind}|"
+            f"Nk{launch.next_power_of_2(nk)}|D{d}/{dv}|{causal}|{mask_kind}{fill}|"
             f"{None if mask is None else mask.dtype}|out{int(need_out)}|"
             + ",".join(f"{p}/{kk}/{c}" for p, kk, c in tries))
 
 
-def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_out: bool, tries) -> dict:
+def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_out: bool, tries,
+               mask_fill: float = NEG_INF) -> dict:
     """The fastest of ``tries`` (``(plan, diagonals, cache)`` triples; two_kernel when empty) for
     this problem, timed on first use (see :func:`fuser.codegen.launch.autotune`): the keyword
     arguments of :func:`fuser.codegen.h2o.forward` for it."""
@@ -114,10 +119,11 @@ def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_ou
     else:
         def run(cfg):
             kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_out=need_out,
-                            **_fit(q, k, causal, cfg["plan"], cfg["diagonals"], cfg["cache"]))
+                            mask_fill=mask_fill, **_fit(q, k, causal, cfg["plan"], cfg["diagonals"], cfg["cache"]))
 
         timer = launch.wall_clock_ms if launch.interpreted(q.device) else None
-        best = launch.autotune(_tune_key(q, k, v, mask, causal, mask_kind, need_out, tries), cands, run, timer=timer)
+        best = launch.autotune(_tune_key(q, k, v, mask, causal, mask_kind, need_out, tries, mask_fill), cands, run,
+                               timer=timer)
     return _fit(q, k, causal, best["plan"], best["diagonals"], best["cache"])
 
 
@@ -134,6 +140,7 @@ def h2o(
     plan: str,
     causal_fill: float,
     causal_fill_mode: str,
+    mask_fill: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     want_out = need_out and v is not None
     p = parse_plan(plan)
@@ -141,17 +148,17 @@ def h2o(
         # a finite causal fill runs with two_kernel only (the planner offers nothing else)
         kw = {"plan": "two_kernel"}
     elif p["plan"] == "autotune":
-        kw = tuned_plan(q, k, v if want_out else None, mask, scale, causal, mask_kind, want_out, p["tries"])
+        kw = tuned_plan(q, k, v if want_out else None, mask, scale, causal, mask_kind, want_out, p["tries"], mask_fill)
     else:
         kw = _fit(q, k, causal, p["plan"], p["diagonals"], p["cache"])
     out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
                                  mask_kind=mask_kind, need_out=want_out, causal_fill=causal_fill,
-                                 causal_fill_mode=causal_fill_mode, **kw)
+                                 causal_fill_mode=causal_fill_mode, mask_fill=mask_fill, **kw)
     return (out if out is not None else _empty(q)), score
 
 
 @h2o.register_fake
-def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill, causal_fill_mode):
+def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill, causal_fill_mode, mask_fill):
     b, hq, n_q, _ = q.shape
     n_k = k.shape[2]
     score = q.new_empty((b, hq, n_k), dtype=torch.float32)

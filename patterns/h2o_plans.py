@@ -100,7 +100,10 @@ def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: 
     per head for diag_cache (a number at the example shapes)."""
     b = m.bindings
     pairs = cm.NQ * cm.NK
-    if b["causal"] != "none":
+    # a finite causal fill with a data mask visits every tile (no bound proves the entries above
+    # the diagonal weigh 0); without one the run-time bound usually lets the kernels skip them
+    visits_all = b.get("causal_fill", float("-inf")) != float("-inf") and b["mask_kind"] != "none"
+    if b["causal"] != "none" and not visits_all:
         offset = 0 if b["causal"] == "top_left" else cm.NK - cm.NQ
         pairs = cm.pairs_causal(cm.NQ, cm.NK, offset)
     bh = cm.B * cm.H
@@ -217,7 +220,8 @@ def kernels_for(m: Match, plan: Candidate) -> list:
         for k in kernels.kernels_for(plan=name, causal=b["causal"], mask_kind=b["mask_kind"], mask_row_broadcast=row,
                                      need_out=b["v"] is not None, interpret=b["device"].type == "cpu", diagonals=kk,
                                      cache=cache, causal_fill=b.get("causal_fill", float("-inf")),
-                                     causal_fill_mode=b.get("causal_fill_mode", "replace")):
+                                     causal_fill_mode=b.get("causal_fill_mode", "replace"),
+                                     mask_fill=b.get("mask_fill", float("-inf"))):
             if k not in out:
                 out.append(k)
     return out

@@ -98,10 +98,12 @@ def scalar(x: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> Any:
 
 def fill_value(fill: Any, ctx: MatchContext, at: Optional[fx.Node] = None) -> float:
     """The value a ``masked_fill``/``where`` gives hidden scores: a number known at compile
-    time, or Decline."""
+    time (finite or ``-inf``), or Decline."""
     f = scalar(fill, ctx, at)
     if not isinstance(f, float):
         raise Decline(f"the fill value '{getattr(fill, 'name', fill)}' is only known at run time")
+    if f != f or f == math.inf:
+        raise Decline(f"the fill value {f} gives NaN rows in eager's softmax; the kernels take a finite fill or -inf")
     return f
 
 

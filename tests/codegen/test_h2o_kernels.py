@@ -15,6 +15,7 @@ from _kernel_checks import compiled_keys, rel_err as _rel
 import torch
 
 from fuser.codegen import h2o, launch, render
+from fuser.patterns.attention_reference import reference as attention_reference
 from fuser.patterns.h2o_reference import probabilities, reference
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
@@ -257,9 +258,10 @@ def test_new_length_does_not_recompile():
 
 def test_rejects_unsupported():
     q, k, v = _qkv(33, 1, 2, 2, 8, 8, 32, 32)
-    with pytest.raises(ValueError, match="mask_fill.*supported"):
-        h2o.forward(q, k, v, scale=1.0, mask=torch.ones(8, 8, dtype=torch.bool), mask_kind="bool_keep",
-                    mask_fill=-1e4)
+    for bad in (math.nan, math.inf):  # a finite fill is supported; NaN and +inf are not fills
+        with pytest.raises(ValueError, match="mask_fill must be finite or -inf"):
+            h2o.forward(q, k, v, scale=1.0, mask=torch.ones(8, 8, dtype=torch.bool), mask_kind="bool_keep",
+                        mask_fill=bad)
     with pytest.raises(ValueError, match="causal_fill.*two_kernel"):  # supported by two_kernel only
         h2o.forward(q, k, v, scale=1.0, causal="top_left", causal_fill=F32_MIN, plan="one_kernel")
     with pytest.raises(ValueError, match="predicate"):
@@ -627,7 +629,7 @@ def test_diag_cache_column_pass_reads_the_cache(monkeypatch):
 
     def tampered(*a):
         kernel, module = real(*a)
-        return kernel, (Tampered(module) if a[-1] else module)
+        return kernel, (Tampered(module) if a[4] else module)  # cache_ranges: the diag_cache column pass
 
     monkeypatch.setattr(h2o, "_colsum_module", tampered)
     h2o.clear_workspaces()
@@ -734,9 +736,9 @@ def test_plan_errors():
         h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, config={"BLOCK_M": 16, "BLOCK_N": 32})
     with pytest.raises(ValueError, match="fwd_config"):
         h2o.forward(q, k, v, scale=1.0, plan="diag_cache", diagonals=1, fwd_config={"BLOCK_M": 32})
-    with pytest.raises(ValueError, match="finite mask_fill"):
+    with pytest.raises(ValueError, match="mask_fill must be finite or -inf"):
         h2o.forward(q, k, v, scale=1.0, plan="one_kernel", mask=torch.ones(40, 40, dtype=torch.bool),
-                    mask_kind="bool_keep", mask_fill=-1e4)
+                    mask_kind="bool_keep", mask_fill=math.inf)
     with pytest.raises(ValueError, match="needs v"):
         h2o.forward(q, k, None, scale=1.0, plan="one_kernel")
     with pytest.raises(ValueError, match="cache must be one of"):
@@ -912,14 +914,14 @@ def test_finite_causal_fill(causal, n_q, n_k, fill, mode, magnitude, need_out):
 
 def test_finite_causal_fill_rejected_where_unsupported():
     q, k, v = _qkv(1, 1, 2, 2, 8, 8, 8, 8)
+    # the row kernels (one_kernel, diag_cache's kernel 0) never visit the tiles above the diagonal
     with pytest.raises(ValueError, match="two_kernel"):
         h2o.forward(q, k, v, scale=0.3, causal="top_left", plan="one_kernel", causal_fill=-1e4)
-    with pytest.raises(ValueError, match="data mask"):
-        h2o.forward(q, k, v, scale=0.3, causal="top_left", mask=torch.ones(8, 8, dtype=torch.bool),
-                    mask_kind="bool_keep", causal_fill=-1e4)
-    with pytest.raises(ValueError, match="mask_fill"):
-        h2o.forward(q, k, v, scale=0.3, causal="top_left", mask=torch.ones(8, 8, dtype=torch.bool),
-                    mask_kind="bool_keep", mask_fill=-1e4)
+    with pytest.raises(ValueError, match="two_kernel"):
+        h2o.forward(q, k, v, scale=0.3, causal="top_left", plan="one_kernel", causal_fill=-1e4,
+                    mask=torch.ones(8, 8, dtype=torch.bool), mask_kind="bool_keep", mask_fill=-1e4)
+    with pytest.raises(ValueError, match="two_kernel"):
+        h2o.forward(q, k, v, scale=0.3, causal="top_left", plan="diag_cache", diagonals=1, causal_fill=-1e4)
     # no causal masking: the fill applies to nothing (the -inf variant runs)
     out, score = h2o.forward(q, k, v, scale=0.3, causal="none", causal_fill=-1e4)
     torch.testing.assert_close(score, h2o.forward(q, k, v, scale=0.3, causal="none")[1])
@@ -937,5 +939,233 @@ def test_gpu_finite_causal_fill(dtype, fill, mode, causal, n_q, n_k):
         out, score = h2o.forward(q, k, v, scale=scale, causal=causal, causal_fill=fill, causal_fill_mode=mode)
     ref_out, ref_score = reference(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, causal_fill=fill,
                                    causal_fill_mode=mode)
+    assert _rel(score.cpu(), ref_score) < TOL[dtype]
+    assert _rel(out.cpu(), ref_out) < TOL[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# Finite fills of a boolean data mask (masked_fill(~pad, finfo.min), where(keep, s, -3)): every
+# plan; and a finite causal fill beside a data mask (two_kernel). Hidden entries are scores like
+# any other, as in eager: a row whose keys are all hidden spreads its weight uniformly, a partly
+# hidden row gives its hidden keys exp(fill - max) (0 only where that underflows).
+# --------------------------------------------------------------------------------------------
+
+FILL_PLANS = [("two_kernel", dict(plan="two_kernel"))] + PLAN_CASES
+
+
+def _fill_reference(q, k, v, **kw):
+    """``(out or None, score, P)`` in float64 from the attention reference, which takes every fill
+    (``mask_fill``, ``causal_fill``): the probabilities through the identity as v, as
+    ``patterns/h2o_reference.py`` computes them."""
+    b, hkv, n_k = k.shape[:3]
+    eye = torch.eye(n_k, dtype=torch.float64).expand(b, hkv, n_k, n_k)
+    p, _ = attention_reference(q, k, eye, **kw)
+    out = attention_reference(q, k, v, **kw)[0] if v is not None else None
+    return out, p.sum(-2), p
+
+
+def _check_fill(q, k, v, plan_kw, *, need_out=True, tol=None, **kw):
+    """One plan's kernels (outputs and a fresh workspace poisoned) against the float64 reference
+    with fills; returns ``(out, score, reference score, reference P)``."""
+    tol = TOL[q.dtype] if tol is None else tol
+    plan_kw = dict(plan_kw)
+    if plan_kw.get("plan") == "diag_cache":
+        if plan_kw.get("cache") == "causal" and kw.get("causal", "none") == "none":
+            plan_kw["cache"] = "balanced"
+        plan_kw["diagonals"] = min(plan_kw["diagonals"], h2o.diagonal_count(q, k, kw.get("causal", "none")))
+    h2o.clear_workspaces()
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v if need_out else None, need_out=need_out, **plan_kw, **kw)
+    ref_out, ref_score, p = _fill_reference(q, k, v, **kw)
+    b, hq, n_q = q.shape[:3]
+    assert score.shape == (b, hq, k.shape[2]) and torch.isfinite(score).all()
+    err = _rel(score, ref_score)
+    assert err < tol, f"score: relative error {err:.3g} >= {tol}"
+    assert (score[ref_score == 0] == 0).all(), "keys no query sees must score 0"
+    if need_out:
+        assert not out.isnan().any()
+        e = _rel(out, ref_out)
+        assert e < tol, f"out: relative error {e:.3g} >= {tol}"
+    else:
+        assert out is None
+    return out, score, ref_score, p
+
+
+def _padding(b, n_k, seed):
+    """Key padding ``[B, 1, 1, Nk]`` (True = visible): batch 0 padded at the end and one hole,
+    batch 1 (and any further) entirely hidden."""
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., n_k - 9:] = False
+    keep[0, ..., 3] = False
+    keep[1:] = False
+    return keep
+
+
+@pytest.mark.parametrize("plan", FILL_PLANS, ids=[p[0] for p in FILL_PLANS])
+@pytest.mark.parametrize("fill", [F32_MIN, -3.0, 2.0], ids=["finfo_min", "minus3", "plus2"])
+@pytest.mark.parametrize("causal,n_q,n_k", [("none", 37, 50), ("top_left", 50, 37), ("bottom_right", 45, 19)])
+def test_mask_fill_padding(plan, fill, causal, n_q, n_k):
+    """Key padding with a finite fill, a batch whose keys are all hidden (bottom_right with Nq > Nk:
+    rows the causal mask empties too), N not a multiple of any block; with and without out."""
+    q, k, v = _qkv(80 + n_q, 2, 4, 2, n_q, n_k, 16, 8)
+    keep = _padding(2, n_k, 81)
+    kw = dict(scale=0.25, causal=causal, mask=keep, mask_kind="bool_keep", mask_fill=fill)
+    out, score, ref, p = _check_fill(q, k, v, plan[1], **kw)
+    _, without, _, _ = _check_fill(q, k, v, plan[1], need_out=False, **kw)
+    assert _rel(without, score) < 1e-6
+    if causal == "none":
+        # batch 1: every key hidden, every row uniform over the keys (eager: fill - fill = 0)
+        assert torch.allclose(score[1], torch.full_like(score[1], n_q / n_k), rtol=1e-5)
+    if fill == -3.0:
+        # the hidden keys of batch 0 carry weight: computed, not assumed 0
+        assert (p[0, :, :, n_k - 9:] > 1e-4).any() and (score[0, :, n_k - 9:] > 0).all()
+    if fill == 2.0:
+        # a fill above most scores: the 10 hidden keys of 50 take far more than their share
+        assert p[0, :, -1, n_k - 9:].sum(-1).min() > 0.3
+
+
+@pytest.mark.parametrize("plan", FILL_PLANS, ids=[p[0] for p in FILL_PLANS])
+@pytest.mark.parametrize("kind", ["bool_keep", "bool_drop"])
+@pytest.mark.parametrize("fill", [F32_MIN, -3.0], ids=["finfo_min", "minus3"])
+def test_mask_fill_full_mask_with_hidden_rows(plan, kind, fill):
+    """A full ``[B, Hq, Nq, Nk]`` mask with rows and whole heads hidden, GQA, top-left causal
+    beside it (the causal mask wins above the diagonal: -inf, tiles skipped)."""
+    b, hq, hkv, n_q, n_k = 2, 4, 2, 37, 41
+    q, k, v = _qkv(82, b, hq, hkv, n_q, n_k, 16, 16)
+    gen = torch.Generator().manual_seed(83)
+    keep = torch.rand(b, hq, n_q, n_k, generator=gen) > 0.4
+    keep[0, 1, 5] = False  # a row with every key hidden
+    keep[1, 2] = False  # a head with every key hidden
+    mask = keep if kind == "bool_keep" else ~keep
+    _check_fill(q, k, v, plan[1], scale=0.25, causal="top_left", mask=mask, mask_kind=kind, mask_fill=fill)
+
+
+@pytest.mark.parametrize("plan", FILL_PLANS, ids=[p[0] for p in FILL_PLANS])
+@pytest.mark.parametrize("fill", [F32_MIN, -3.0], ids=["finfo_min", "minus3"])
+def test_mask_fill_large_logits(plan, fill):
+    """Logits scaled by 30 (exp2 of an unshifted score overflows): the row max is kept; a row
+    whose keys are all hidden is still uniform."""
+    q, k, v = _qkv(84, 1, 2, 2, 45, 50, 32, 32)
+    scale = 30 * 32 ** -0.5
+    assert ((q @ k.mT).double() * scale * math.log2(math.e)).max() > 128
+    keep = torch.rand(1, 1, 45, 50, generator=torch.Generator().manual_seed(85)) > 0.5
+    keep[..., 7, :] = False
+    _, score, _, p = _check_fill(q, k, v, plan[1], scale=scale, causal="none", mask=keep, mask_kind="bool_keep",
+                                 mask_fill=fill)
+    assert torch.allclose(p[0, :, 7], torch.full_like(p[0, :, 7], 1 / 50))
+
+
+@pytest.mark.parametrize("plan", FILL_PLANS, ids=[p[0] for p in FILL_PLANS])
+def test_mask_fill_fp16(plan):
+    """fp16 inputs with fp16's finfo.min (a row of it is uniform) and a small fill."""
+    q, k, v = _qkv(86, 2, 4, 2, 67, 53, 32, 32, dtype=torch.float16)
+    keep = _padding(2, 53, 87)
+    for fill in (torch.finfo(torch.float16).min, -3.0):
+        _check_fill(q, k, v, plan[1], scale=32 ** -0.5, causal="bottom_right", mask=keep, mask_kind="bool_keep",
+                    mask_fill=fill)
+
+
+def test_mask_fill_kernels_are_the_variants_that_run():
+    """kernels_for names the fill variants every plan runs; the fill is a runtime value (one module
+    serves every finite fill) and applies to boolean masks only."""
+    kw = dict(causal="top_left", mask_kind="bool_drop", mask_row_broadcast=True, interpret=True, mask_fill=-1e4)
+    two = h2o.kernels_for(plan="two_kernel", need_out=True, **kw)
+    assert [kk.name for kk in two] == ["attention_fwd_causal_maskdropfill_rowbcast_interp",
+                                       "h2o_colsum_causal_maskdropfill_rowbcast_interp"]
+    assert "mask_fill" in two[1].source and "Stats_head" in two[1].source
+    noout = h2o.kernels_for(plan="two_kernel", need_out=False, **kw)
+    assert noout[0].name == "h2o_fwd_causal_maskdropfill_rowbcast_noout_interp" and "log2_l" in noout[0].source
+    assert h2o.kernels_for(plan="one_kernel", need_out=True, **kw)[0].name == \
+        "h2o_onekernel_causal_maskdropfill_rowbcast_interp"
+    diag = h2o.kernels_for(plan="diag_cache", diagonals=1, cache="causal", need_out=True, **kw)
+    assert [kk.name for kk in diag] == ["h2o_fwd_causal_maskdropfill_rowbcast_cache1_interp",
+                                        "h2o_colsum_causal_maskdropfill_rowbcast_cache1_interp"]
+    assert h2o.kernels_for(plan="diag_cache", diagonals=1, cache="causal", need_out=True,
+                           **dict(kw, mask_fill=-5.0)) == diag
+    # an additive mask ignores mask_fill (as the attention kernels do)
+    add = h2o.kernels_for(plan="two_kernel", need_out=True, **dict(kw, mask_kind="additive"))
+    assert "fill" not in add[1].name
+    # one compiled kernel serves every fill value: the fill is not a specialised argument
+    q, k, v = _qkv(88, 1, 2, 2, 20, 20, 16, 16)
+    keep = _padding(1, 20, 0)
+    before = len(render.rendered_kernels())
+    for fill in (-1e4, -2.5):
+        _check_fill(q, k, v, {}, scale=0.3, mask=keep, mask_kind="bool_keep", mask_fill=fill)
+    assert len(render.rendered_kernels()) <= before + 2  # the first call's two variants at most
+
+
+@pytest.mark.parametrize("kind,mask_fill", [("bool_keep", -math.inf), ("bool_keep", F32_MIN), ("bool_keep", -3.0),
+                                            ("additive", -math.inf)],
+                         ids=["pad_inf", "pad_finfo_min", "pad_minus3", "additive"])
+@pytest.mark.parametrize("fill,mode", [(F32_MIN, "add"), (-3.0, "replace"), (-2.0, "add")])
+@pytest.mark.parametrize("causal,n_q,n_k", [("top_left", 37, 37), ("bottom_right", 45, 19)])
+def test_finite_causal_fill_with_a_data_mask(kind, mask_fill, fill, mode, causal, n_q, n_k):
+    """A finite causal fill beside a data mask (padding, with a -inf or finite fill; an additive
+    mask with -inf and finfo.min entries): two_kernel, every query block of the column pass
+    visited (no bound with a data mask), the causal fill applied after the mask as eager does."""
+    q, k, v = _qkv(90 + n_q, 2, 4, 2, n_q, n_k, 16, 8)
+    if kind == "additive":
+        gen = torch.Generator().manual_seed(91)
+        mask = torch.randn(2, 1, n_q, n_k, generator=gen)
+        mask[mask < -1.0] = -math.inf
+        mask[mask > 1.2] = F32_MIN
+        mask[1, 0, 4] = -math.inf  # a row the mask empties: the causal fill cannot add to -inf
+    else:
+        mask = _padding(2, n_k, 92)
+    kw = dict(scale=0.25, causal=causal, mask=mask, mask_kind=kind, mask_fill=mask_fill, causal_fill=fill,
+              causal_fill_mode=mode)
+    _, score, _, _ = _check_fill(q, k, v, {}, **kw)
+    _, without, _, _ = _check_fill(q, k, v, {}, need_out=False, **kw)
+    assert _rel(without, score) < 1e-6
+    names = [kk.name for kk in h2o.kernels_for(plan="two_kernel", causal=causal, mask_kind=kind,
+                                               mask_row_broadcast=kind != "additive", need_out=True,
+                                               interpret=True, mask_fill=mask_fill, causal_fill=fill,
+                                               causal_fill_mode=mode)]
+    assert names[0].startswith("attention_fwd_causal" + ("add" if mode == "add" else "fill"))
+    assert "SkipHidden" not in h2o.kernels_for(plan="two_kernel", causal=causal, mask_kind=kind,
+                                               mask_row_broadcast=False, need_out=True, interpret=True,
+                                               causal_fill=fill, causal_fill_mode=mode)[1].source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("plan", FILL_PLANS, ids=[p[0] for p in FILL_PLANS])
+@pytest.mark.parametrize("fill", ["finfo_min", -3.0])
+def test_gpu_mask_fill(dtype, plan, fill):
+    dev = torch.device("cuda")
+    b, n_q, n_k = 2, 1000, 1100
+    q, k, v = _qkv(93, b, 8, 2, n_q, n_k, 128, 128, dtype=dtype, device=dev)
+    keep = torch.ones(b, 1, 1, n_k, dtype=torch.bool)
+    keep[0, ..., n_k - 300:] = False
+    keep[1] = False
+    value = torch.finfo(dtype).min if fill == "finfo_min" else fill
+    kw = dict(scale=128 ** -0.5, causal="bottom_right", mask=keep.to(dev), mask_kind="bool_keep", mask_fill=value)
+    plan_kw = dict(plan[1])
+    if "diagonals" in plan_kw:
+        plan_kw["diagonals"] = min(8, h2o.diagonal_count(q, k, "bottom_right"))
+    h2o.clear_workspaces()
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, **plan_kw, **kw)
+    ref_out, ref_score, _ = _fill_reference(q.cpu(), k.cpu(), v.cpu(), **dict(kw, mask=keep))
+    assert not score.isnan().any() and _rel(score.cpu(), ref_score) < TOL[dtype]
+    assert not out.isnan().any() and _rel(out.cpu(), ref_out) < TOL[dtype]
+    _, s_none = h2o.forward(q, k, None, need_out=False, **plan_kw, **kw)
+    assert _rel(s_none.cpu(), ref_score) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask_fill", [-math.inf, -3.0])
+def test_gpu_finite_causal_fill_with_padding(dtype, mask_fill):
+    dev = torch.device("cuda")
+    b, n = 2, 1000
+    q, k, v = _qkv(94, b, 8, 2, n, n, 128, 128, dtype=dtype, device=dev)
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., :200] = False  # left padding: the first rows see no key but the filled ones
+    kw = dict(scale=128 ** -0.5, causal="top_left", mask=keep, mask_kind="bool_keep", mask_fill=mask_fill,
+              causal_fill=F32_MIN, causal_fill_mode="add")
+    with launch.poison_outputs():
+        out, score = h2o.forward(q, k, v, **dict(kw, mask=keep.to(dev)))
+    ref_out, ref_score, _ = _fill_reference(q.cpu(), k.cpu(), v.cpu(), **kw)
     assert _rel(score.cpu(), ref_score) < TOL[dtype]
     assert _rel(out.cpu(), ref_out) < TOL[dtype]

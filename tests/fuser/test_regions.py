@@ -171,3 +171,125 @@ def test_a_value_looked_through_and_written_in_place_declines():
     got = run_rewritten(graphs, *[a.clone() for a in args])
     want = f(*[a.clone() for a in args])
     torch.testing.assert_close(got, want)
+
+
+# -- readers of a region node's metadata alone (kvpress' torch.ones_like(attn_weights)) -----------
+
+
+def _proxies(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "new_empty"]
+
+
+def test_metadata_readers_of_an_intermediate_are_repointed(toy):
+    # P is no output of the toy region, but ones_like / new_zeros / size read only its metadata:
+    # they read a proxy with P's shape, dtype and device, built outside the region, and P is
+    # never computed
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        ones = torch.ones_like(p, dtype=torch.float64)  # a dtype of its own
+        zeros = p.new_zeros(3)  # dtype and device only
+        return p @ v, p.sum(-2) * w, ones.sum(-1), zeros, p.size(-1) + ones
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert [m.pattern for m in res.matches] == ["toy_colsum"] and res.rejected == []
+    assert not any(n.target is torch.softmax for n in gm.graph.nodes)
+    readers = {u.target for p in _proxies(gm) for u in p.users}
+    assert {torch.ones_like, "new_zeros", "size"} <= readers, readers
+    for got, want in zip(gm(*xs), f(*xs)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+class TransposeSumToy(Pattern):
+    """``x.transpose(-2, -1).sum(-1)``: a region whose intermediate (the transpose) is a
+    non-contiguous view."""
+
+    name = "toy_tsum"
+    plan_choices = {}
+
+    def anchors(self, view):
+        return [n for n in view.nodes if n.op == "call_method" and n.target == "transpose"]
+
+    def match(self, anchor, ctx):
+        sums = [u for u in anchor.users if u.op == "call_method" and u.target == "sum"]
+        if len(sums) != 1:
+            return None
+        return Match(self.name, root=sums[0], region=frozenset({anchor, sums[0]}), bindings={"x": anchor.args[0]},
+                     summary={}, location=location(anchor), inputs=(anchor.args[0],))
+
+    def candidates(self, m, ctx):
+        return [Candidate("toy", {"impl": "fuser"}, {}, 0.0)]
+
+    def emit(self, m, plan, graph):
+        from fuser.passes import annotate
+
+        with graph.inserting_before(m.insertion_point):
+            return annotate(graph.call_method("sum", (m.bindings["x"], -2)))
+
+
+def test_a_like_reader_keeps_strides_so_a_non_contiguous_intermediate_declines(monkeypatch):
+    # ones_like keeps the strides of its (non-contiguous) operand: a contiguous proxy would give
+    # other strides (and .view(-1) would then succeed where eager raises), so it declines; asking
+    # for contiguous memory makes the strides the proxy's, and it fuses
+    monkeypatch.setattr(passes, "load_patterns", lambda options: [TransposeSumToy()])
+
+    def f(x):
+        t = x.transpose(-2, -1)
+        return t.sum(-1), torch.ones_like(t) * 2.0
+
+    def g(x):
+        t = x.transpose(-2, -1)
+        return t.sum(-1), torch.ones_like(t, memory_format=torch.contiguous_format).view(-1)
+
+    xs = [torch.randn(2, 3, 5)]
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert res.matches == []
+    assert any(r.pattern == "toy_tsum" and "keeps its strides" in r.reason for r in res.rejected), res.rejected
+    for got, want in zip(gm(*xs), f(*xs)):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+    gm, res = rewrite(fx.symbolic_trace(g), xs)
+    assert [m.pattern for m in res.matches] == ["toy_tsum"]
+    assert not any(n.op == "call_method" and n.target == "transpose" for n in gm.graph.nodes)
+    for got, want in zip(gm(*xs), g(*xs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_value_reader_beside_a_metadata_reader_still_declines(toy):
+    def f(q, k, v, w):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1)
+        return p @ v, p.sum(-2) * w, torch.zeros_like(p), torch.full_like(p, 2.0) * p  # the product reads P
+
+    xs = _inputs()
+    gm, res = rewrite(fx.symbolic_trace(f), xs)
+    assert res.matches == []
+    assert any("also used by 'mul" in r.reason for r in res.rejected), res.rejected
+    assert not _proxies(gm)  # nothing re-pointed for a declined region
+    for got, want in zip(gm(*xs), f(*xs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_metadata_readers_under_dynamic_shapes(toy):
+    # Dynamo's graph with symbolic sizes: the proxy's sizes are read off the graph's inputs (and
+    # a window's size off the slice that produced it), so a new length does not recompile and
+    # every call gets the shape of that call
+    from fuser.testing import fuse, run_rewritten
+
+    def f(q, k, v, w):
+        qw = q[:, :, 2:]  # a window: its size is Nq - 2, a sum of sizes
+        p = torch.softmax(qw @ k.transpose(-2, -1) * 0.5, -1)
+        mask = torch.ones_like(p).triu(1)
+        return p @ v, p.sum(-2) * w, mask
+
+    xs = _inputs(9)
+    graphs, res = fuse(f, *xs, dynamic=True)
+    assert [m.pattern for m in res.matches if m.fused] == ["toy_colsum"], res.rejected
+    (gm, _), = graphs
+    (proxy,) = _proxies(gm)
+    assert any(isinstance(s, fx.Node) for s in proxy.args[1])  # symbolic sizes, read at run time
+    for n in (9, 13):
+        ys = _inputs(n)
+        for got, want in zip(run_rewritten(graphs, *ys), f(*ys)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)

@@ -471,16 +471,7 @@ def test_kvpress_snapkv_spellings(qkv2):
     _fused(kvpress_snapkv_from_attentions, q, k, v, window="queries[-6:], keys[:-6]", window_causal="bottom_right",
            score="mean over queries")
     _fused(kvpress_snapkv_window_attention, q, k, causal="bottom_right", window="keys[:-6]", outputs="score")
-    # kvpress builds that mask as torch.ones_like(attn_weights) * -inf: it reads the scores (for
-    # their shape only), so the region's scores would have to exist: declined, with the reason
-
-    def ones_like_mask(q, k):
-        w, n = 6, k.shape[2]
-        attn = torch.matmul(q[:, :, -w:], k.transpose(2, 3)) / math.sqrt(D)
-        attn += torch.triu(torch.ones_like(attn) * float("-inf"), diagonal=n - w + 1)
-        return torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-w].mean(dim=-2)
-
-    _declined(ones_like_mask, q, k, reason=r"also used by 'ones_like'")
+    # kvpress itself builds that mask as torch.ones_like(attn_weights) * -inf: test_kvpress_ones_like_mask
 
 
 def test_window_causal_alignments(qkv2):
@@ -595,11 +586,13 @@ def test_near_misses_are_declined_with_reasons(qkv2):
     def keys_then_queries(q, k):
         return _p(q, k).sum(-1).sum(-1)
 
-    def finite_fill_and_padding(q, k, pad):
-        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~pad, float("-inf"))
+    def causal_before_a_finite_padding_fill(q, k, pad):
+        # the causal -inf first, then the padding's finite fill replaces it where both hide: the
+        # kernels apply the data mask first (a padded key above the diagonal would be -inf there)
         n, m = q.size(-2), k.size(-2)
         hide = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
-        return torch.softmax(s.masked_fill(hide, -1e4), dim=-1).sum(-2)
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(hide, float("-inf"))
+        return torch.softmax(s.masked_fill(~pad, -1e4), dim=-1).sum(-2)
 
     _declined(p_reused, q, k, v, reason=r"also read by 'amax")
     _declined(dropout_before_the_sum, q, k, v, reason=r"dropout on the attention weights is active .*p=0\.1",
@@ -608,7 +601,7 @@ def test_near_misses_are_declined_with_reasons(qkv2):
     _declined(not_p, q, k, torch.rand(B2, H, N2, N2), reason=r"sums 'mul\w*' over the queries.*not P itself")
     _declined(keys_then_queries, q, k, reason=r"summed over the keys")
     pad = torch.rand(B2, 1, 1, N2, generator=torch.Generator().manual_seed(2)) > 0.2
-    _declined(finite_fill_and_padding, q, k, pad, reason=r"finite causal fill together with a data mask")
+    _declined(causal_before_a_finite_padding_fill, q, k, pad, reason=r"order the fused kernels do not follow")
     # eval-mode dropout passes P on unchanged: fused
     _fused(lambda q, k, v: _with_pv(_p(q, k), v, lambda p: F.dropout(p, 0.1, training=False).sum(-2)), q, k, v)
 
@@ -732,7 +725,8 @@ def test_h2o_op_plan_strings():
     _, want = reference(q, k, v, scale=0.25, causal="bottom_right")
     for text in ("", h2o_ops.plan_string("one_kernel"), h2o_ops.plan_string("diag_cache", 2, "causal"),
                  h2o_ops.plan_string("diag_cache", 99, "causal")):  # K clamped to this shape's 3 diagonals
-        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text, float("-inf"), "replace")
+        out, score = torch.ops.fuser.h2o(q, k, v, None, 0.25, "bottom_right", "none", True, text, float("-inf"), "replace",
+                                         float("-inf"))
         torch.testing.assert_close(score.double(), want, rtol=2e-5, atol=2e-5)
     assert h2o_ops.parse_plan("plan=diag_cache;diagonals=3;cache=causal;try=one_kernel/0/balanced") == {
         "plan": "diag_cache", "diagonals": 3, "cache": "causal", "tries": [("one_kernel", 0, "balanced")]}
@@ -823,3 +817,400 @@ def test_window_under_a_finite_causal_fill_is_declined():
         return p[..., -4:, :].sum(-2)
 
     _declined(window, q, k, reason=r"query window of P under a causal mask with a finite fill")
+
+
+# -- finite fills of a boolean data mask (masked_fill(~pad, finfo.min)) and a finite causal fill
+# beside a data mask: fused, equal to float64 eager (a row whose keys are all hidden by a finite
+# fill is uniform in eager, finfo.min - finfo.min = 0; a small fill gives hidden keys weight) ----
+
+F32_MIN = torch.finfo(torch.float32).min
+
+
+def _pad(b=B2, n=N2, left=False):
+    """Key padding ``[B, 1, 1, N]`` (True = visible): batch 0 padded (at the end, or on the left),
+    batch 1 entirely padded (every row of it is hidden: uniform under a finite fill)."""
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    if left:
+        keep[0, ..., :5] = False
+    else:
+        keep[0, ..., n - 7:] = False
+    keep[1:] = False
+    return keep
+
+
+def _padded_scores(spelling, s, pad):
+    """The scores hidden by ``pad`` (True = visible) as the spelling writes it."""
+    lo = torch.finfo(s.dtype).min
+    if spelling == "masked_fill_finfo_min":
+        return s.masked_fill(~pad, lo)
+    if spelling == "where_finfo_min":
+        return torch.where(pad, s, lo)
+    if spelling == "masked_fill_small":  # hidden keys carry weight
+        return s.masked_fill(~pad, -3.0)
+    if spelling == "int_mask_eq_0":  # an integer attention_mask, hidden where it is 0 (older transformers)
+        return s.masked_fill(pad.long() == 0, lo)
+    if spelling == "additive_from_bool":  # transformers' eager style: a float mask from the bool, added
+        return s + torch.where(pad, torch.zeros((), dtype=s.dtype, device=s.device), lo)
+    raise AssertionError(spelling)
+
+
+FILL_SPELLINGS = ["masked_fill_finfo_min", "where_finfo_min", "masked_fill_small", "int_mask_eq_0",
+                  "additive_from_bool"]
+
+
+@pytest.mark.parametrize("spelling", FILL_SPELLINGS)
+@pytest.mark.parametrize("with_pv", [True, False])
+def test_finite_fill_of_a_padding_mask(spelling, with_pv, qkv2):
+    q, k, v = qkv2
+    pad = _pad()
+
+    def program(q, k, v, pad):
+        p = torch.softmax(_padded_scores(spelling, q @ k.transpose(-2, -1) * 0.25, pad), dim=-1)
+        return (p @ v, p.sum(-2)) if with_pv else p.sum(-2)
+
+    m = _fused(program, q, k, v, pad)
+    if spelling == "additive_from_bool":
+        assert m.summary["mask"].startswith("additive") and "mask_fill" not in m.summary
+    else:
+        fill = -3.0 if spelling == "masked_fill_small" else F32_MIN
+        assert m.summary["mask_fill"] == f"{fill:g}" and m.summary["mask"].startswith("bool_")
+        assert all("fill" in kern.name for kern in m.kernels[-1:]), [kern.name for kern in m.kernels]
+    with torch.no_grad():
+        score = torch.compile(program, backend="fuser")(q, k, v, pad)
+    score = score[1] if with_pv else score
+    # batch 1: every key of every row hidden by a finite fill: uniform, as in eager
+    torch.testing.assert_close(score[1], torch.full_like(score[1], 1.0), rtol=1e-5, atol=1e-5)
+    if spelling == "masked_fill_small":
+        assert (score[0, :, N2 - 7:] > 1e-3).all()  # the padded keys carry weight
+
+
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel", "diag_cache"])
+def test_finite_padding_fill_every_plan(plan):
+    """Each plan forced on a padding mask with finfo.min beside a causal -inf mask (applied after
+    it, so the causal mask wins above the diagonal) and a left-padded batch; the kernels that run
+    take the fill."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B2, H, N_PLANS, D, generator=g) for _ in range(3))
+    pad = _pad(n=N_PLANS, left=True)
+
+    def program(q, k, v, pad):
+        n = q.size(-2)
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~pad, torch.finfo(q.dtype).min)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return p @ v, p.sum(-2)
+
+    opts = {"fuser.plan": f"h2o.plan={plan}"}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(program, q, k, v, pad, options=opts)
+        (m,) = rep.fused
+        assert m.plan.params["plan"] == plan and m.summary["causal"] == "top_left"
+        assert m.kernels and all("_maskdropfill" in kk.name for kk in m.kernels), [kk.name for kk in m.kernels]
+        want = program(*_to64((q, k, v)), pad)
+    for g_, w in zip(rep.output, want):
+        torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
+    # the left-padded batch's first rows see no visible key: causal keys 0..i all filled, uniform
+    torch.testing.assert_close(want[1][1], rep.output[1][1].double(), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal_spelling", ["masked_fill_finfo_min", "hf_additive_finfo_min", "masked_fill_small"])
+@pytest.mark.parametrize("pad_fill", [float("-inf"), "finfo_min"])
+def test_finite_causal_fill_beside_padding(causal_spelling, pad_fill, qkv2):
+    """Padding (-inf or finfo.min) then a causal mask with a finite fill: fused with two_kernel,
+    both fills shown in explain()."""
+    q, k, v = qkv2
+    pad = _pad(left=True)
+    if pad_fill != "finfo_min":
+        # not a whole padded batch: its last row would be all -inf (eager NaN, fuser 0: README, Limits)
+        pad[1, ..., 3:] = True
+
+    def program(q, k, v, pad):
+        s = q @ k.transpose(-2, -1) * 0.25
+        s = s.masked_fill(~pad, float("-inf") if pad_fill != "finfo_min" else torch.finfo(s.dtype).min)
+        n, m = q.size(-2), k.size(-2)
+        allowed = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None]
+        if causal_spelling == "hf_additive_finfo_min":
+            s = s + torch.where(allowed, torch.zeros((), dtype=s.dtype, device=s.device), torch.finfo(s.dtype).min)
+        else:
+            s = s.masked_fill(~allowed, torch.finfo(s.dtype).min if causal_spelling != "masked_fill_small" else -3.0)
+        p = torch.softmax(s, dim=-1)
+        return p @ v, p.sum(-2)
+
+    m = _fused(program, q, k, v, pad, causal="top_left")
+    mode = "add" if causal_spelling == "hf_additive_finfo_min" else "replace"
+    assert m.summary["causal_fill"].endswith(f"({mode})")
+    assert ("mask_fill" in m.summary) == (pad_fill == "finfo_min")
+    assert [c.name for c in m.alternatives] == ["fuser[two_kernel]"]
+    suffix = "_causaladd" if mode == "add" else "_causalfill"
+    assert [kk.name.split(suffix)[0] for kk in m.kernels] == ["attention_fwd", "h2o_colsum"]
+
+
+def test_transformers_masks_with_padding(qkv2):
+    """transformers' own masks on a left-padded batch, built in the graph: ``sdpa_mask`` (True =
+    visible; causal and padding in one boolean mask from the data) applied with
+    ``masked_fill(~mask, finfo.min)`` — a boolean data mask with a finite fill — and
+    ``eager_mask`` (``where(mask, 0, finfo.min)``, added: an additive data mask). The padded
+    rows see no visible key: uniform in eager, and here."""
+    mu = pytest.importorskip("transformers.masking_utils", reason="needs transformers 5.x")
+    q, k, v = qkv2
+    attention_mask = torch.ones(B2, N2, dtype=torch.bool)  # as create_causal_mask hands it to the mask functions
+    attention_mask[0, :5] = False
+    attention_mask[1, :2] = False
+
+    def with_sdpa_mask(q, k, v, attention_mask):
+        mask = mu.sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+                            attention_mask=attention_mask, allow_is_causal_skip=False, device=q.device)
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~mask, torch.finfo(q.dtype).min)
+        p = torch.softmax(s, dim=-1)
+        return p @ v, p.sum(0).sum(1)
+
+    def with_eager_mask(q, k, v, attention_mask):
+        mask = mu.eager_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+                             attention_mask=attention_mask, dtype=q.dtype, device=q.device)
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.25 + mask, dim=-1)
+        return p @ v, p.sum(0).sum(1)
+
+    m = _fused(with_sdpa_mask, q, k, v, attention_mask, mask_fill=f"{F32_MIN:g}")
+    assert m.summary["mask"].startswith("bool_")
+    m = _fused(with_eager_mask, q, k, v, attention_mask)
+    assert m.summary["mask"].startswith("additive")
+
+
+def test_snapkv_window_of_a_padded_batch_with_a_finite_fill(qkv2):
+    """SnapKV's window over a mask with rows ([B, 1, Nq, Nk]: the op reads the window's rows of it)
+    and a finfo.min fill; O over every row from the attention op, which takes the fill too."""
+    q, k, v = qkv2
+    keep = torch.rand(B2, 1, N2, N2, generator=torch.Generator().manual_seed(3)) > 0.3
+    keep[1, :, -2] = False  # a window row with every key hidden: uniform
+
+    def fn(q, k, v, keep):
+        s = (q @ k.mT * 0.25).masked_fill(~keep, torch.finfo(q.dtype).min)
+        p = torch.softmax(s, -1)
+        return p @ v, p[:, :, -6:].sum(-2)
+
+    _fused(fn, q, k, v, keep, window="queries[-6:]", mask_fill=f"{F32_MIN:g}", outputs="out, score")
+
+
+def test_finite_fill_padding_masks_change_between_calls_and_lengths_do_not_recompile():
+    """Dynamic shapes: the padding is data (a new mask each call, read at run time), the fill a
+    runtime value; a new length does not recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def program(q, k, v, pad):
+        s = (q @ k.mT * 0.25).masked_fill(~pad, torch.finfo(q.dtype).min)
+        p = torch.softmax(s, -1)
+        return p @ v, p.sum(-2)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(program, backend=counter, dynamic=True)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n in (19, 31, 26):
+            x = [torch.randn(B2, H, n, D, generator=g) for _ in range(3)]
+            pad = torch.rand(B2, 1, 1, n, generator=g) > 0.4
+            pad[n % 2] = False  # a fully padded batch, a different one each call
+            for got, want in zip(c(*x, pad), program(*_to64(x), pad)):
+                torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(program, *x, pad, dynamic=True)
+    assert [m.pattern for m in rep.fused] == ["h2o"]
+
+
+def test_batch_broadcast_padding_mask_with_a_finite_fill(qkv2):
+    # one padding row [1, 1, 1, N] shared by both batches
+    q, k, v = qkv2
+    pad = _pad(b=1)
+
+    def fn(q, k, v, pad):
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(~pad, -5.0), -1)
+        return p @ v, p.sum(-2)
+
+    _fused(fn, q, k, v, pad, mask="bool_drop (1, 1, 1, 24)", mask_fill="-5")
+
+
+def test_fill_known_only_at_run_time_is_declined(qkv2):
+    # the fill a tensor input: its value is not known when the kernels are chosen
+    q, k, v = qkv2
+
+    def fn(q, k, v, pad, fill):
+        p = torch.softmax(torch.where(pad, q @ k.mT * 0.25, fill), -1)
+        return p @ v, p.sum(-2)
+
+    _declined(fn, q, k, v, _pad(), torch.tensor(-3.0), reason=r"fill value .* only known at run time")
+
+
+def test_finite_padding_fill_fp16(qkv2):
+    q, k, v = (t.half() for t in qkv2)
+    pad = _pad(left=True)
+
+    def fn(q, k, v, pad):
+        # fp16's finfo.min as the model writes it (the float64 reference fills the same value)
+        s = (q @ k.mT * 0.25).masked_fill(~pad, torch.finfo(torch.float16).min)
+        p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+        return p @ v, p.sum(-2)
+
+    m = _fused(fn, q, k, v, pad, rtol=2e-3, atol=2e-3)
+    assert m.summary["mask_fill"] == f"{torch.finfo(torch.float16).min:g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spelling", ["masked_fill_finfo_min", "masked_fill_small"])
+def test_gpu_finite_padding_fill(dtype, spelling):
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 8, 1000, 128, generator=g).to(dev, dtype) for _ in range(3))
+    pad = torch.ones(2, 1, 1, 1000, dtype=torch.bool)
+    pad[0, ..., :300] = False
+    pad[1] = False
+    pad = pad.to(dev)
+
+    def program(q, k, v, pad):
+        n = q.size(-2)
+        s = _padded_scores(spelling, q @ k.transpose(-2, -1) * 128 ** -0.5, pad)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        p = torch.softmax(s, dim=-1)  # (a float32 softmax would turn float64's finfo.min into -inf)
+        return p @ v, p.sum(-2)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(program, q, k, v, pad)
+        want = program(q.double(), k.double(), v.double(), pad)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+    for got, ref in zip(rep.output, want):
+        assert (got.double() - ref).norm() / ref.norm() < 2e-2
+
+
+# -- kvpress' own mask: torch.ones_like(attn_weights) * -inf, then triu --------------------------
+
+
+def kvpress_compute_window_attention(q, k, w):
+    """kvpress' ``SnapKVPress.compute_window_attention`` as written (GQA through repeat_kv): the
+    window's mask is ``torch.ones_like(attn_weights) * -inf`` — it reads the scores, for their
+    shape, dtype and device only — made causal with ``triu`` and added in place; then the
+    score's own steps (the mean over the window, pooling, the GQA mean) outside the region."""
+    bsz, h_kv, q_len, _ = k.shape
+    key_states = _rep_kv(k, q.shape[1] // h_kv)
+    attn_weights = torch.matmul(q[:, :, -w:], key_states.transpose(2, 3)) / math.sqrt(q.shape[-1])
+    attention_mask = torch.ones_like(attn_weights) * float("-inf")
+    attention_mask = torch.triu(attention_mask, diagonal=q_len - w + 1)
+    attn_weights += attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    attn_weights = attn_weights[..., :-w]
+    scores = attn_weights.mean(dim=-2)
+    scores = F.avg_pool1d(scores, kernel_size=5, padding=2, stride=1)
+    return scores.view(bsz, h_kv, q.shape[1] // h_kv, q_len - w).mean(2)
+
+
+def test_kvpress_ones_like_mask(qkv2):
+    """The pass re-points ones_like to a proxy of the scores' shape built outside the region
+    (the scores are never computed); the mask is then a tensor the kernels load (it is not
+    proven causal: it is computed from that proxy)."""
+    q, k, _ = qkv2
+    m = _fused(kvpress_compute_window_attention, q, k[:, :2], 6, outputs="score", gqa_group=2, window="keys[:-6]")
+    assert m.summary["mask"].startswith("additive")
+
+
+def test_kvpress_ones_like_mask_dynamic_shapes():
+    """Under dynamic shapes the proxy's sizes are read off the graph's inputs at run time: new
+    lengths and windows do not recompile, and every call equals float64 eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("fuser")
+    c = torch.compile(kvpress_compute_window_attention, backend=counter, dynamic=True)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n, w in ((19, 4), (31, 9), (26, 6)):
+            q, k = torch.randn(B2, H, n, D, generator=g), torch.randn(B2, 2, n, D, generator=g)
+            torch.testing.assert_close(c(q, k, w).double(), kvpress_compute_window_attention(*_to64((q, k)), w),
+                                       rtol=2e-5, atol=2e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(kvpress_compute_window_attention, q, k, w, dynamic=True)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("nan")])
+def test_nan_and_plus_inf_fills_are_declined(fill, qkv2):
+    # eager's softmax gives NaN rows there; the kernels take finite fills or -inf (a fused op
+    # would have raised at run time): declined before anything is rewritten, results eager's
+    q, k, v = qkv2
+
+    def fn(q, k, v, pad):
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(~pad, fill), -1)
+        return p @ v, p.sum(-2)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fn, q, k, v, _pad(left=True))
+        want = fn(q, k, v, _pad(left=True))
+    assert not rep.fused
+    assert any(r.pattern == "h2o" and "gives NaN rows" in r.reason for r in rep.rejected), str(rep)
+    for g_, w in zip(rep.output, want):
+        torch.testing.assert_close(g_, w, equal_nan=True)
+
+
+def test_a_finite_padding_fill_beside_an_additive_mask_is_declined(qkv2):
+    # the kernels apply one boolean mask with a finite fill, and no other mask tensor beside it
+    q, k, v = qkv2
+    bias = torch.randn(B2, 1, 1, N2)
+
+    def fn(q, k, v, pad, bias):
+        p = torch.softmax((q @ k.mT * 0.25 + bias).masked_fill(~pad, -1e4), -1)
+        return p @ v, p.sum(-2)
+
+    _declined(fn, q, k, v, _pad(), bias, reason=r"finite value -10000 combined with other mask tensors")
+
+
+def test_autotune_with_a_finite_padding_fill():
+    # plan=autotune times the best-estimated plans with the fill (one_kernel, diag_cache and
+    # two_kernel all take it) and runs the winner
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B2, 2, 34, D, generator=g) for _ in range(3))
+    pad = _pad(n=34, left=True)
+
+    def program(q, k, v, pad):
+        p = torch.softmax((q @ k.mT * 0.25).masked_fill(~pad, -3.0), -1)
+        return p @ v, p.sum(-2)
+
+    opts = {"fuser.autotune": True}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(program, q, k, v, pad, options=opts)
+        want = program(*_to64((q, k, v)), pad)
+    (m,) = rep.fused
+    assert m.plan.name == "fuser[plan=autotune]" and len(m.plan.params["tries"]) == 3, str(rep)
+    for g_, w in zip(rep.output, want):
+        torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
+
+
+def test_scores_with_gradients_and_a_softmax_under_no_grad():
+    """The scores carry a gradient (a learned temperature), only the softmax and what reads P run
+    under torch.no_grad(): the outputs need none, so it is fused — with its operands detached,
+    the op having no backward (found by the soundness fuzzer: compiling raised "no autograd
+    formula" for fuser.h2o)."""
+    temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def program(q, k, v):
+        s = torch.matmul(q, k.mT) / temperature
+        with torch.no_grad():
+            p = s.softmax(dim=-1)
+        return p @ v, p.sum(-2)
+
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    torch._dynamo.reset()
+    rep = fuser.explain(program, q, k, v)
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+    torch._dynamo.reset()
+    got = torch.compile(program, backend="fuser")(q, k, v)
+    want = program(*_to64((q, k, v)))
+    for g_, w in zip(got, want):
+        assert not g_.requires_grad
+        torch.testing.assert_close(g_.double(), w, rtol=2e-5, atol=2e-5)
