@@ -56,6 +56,39 @@ def _triton_language_modules() -> list:
     return mods
 
 
+def _language_objects() -> list:
+    """The objects Triton's interpreter patches: the language modules and their tensor classes."""
+    import triton.language as tl
+
+    objs = [tl, tl.core, tl.core.tensor, getattr(tl, "math", None), getattr(tl.core, "tensor_descriptor_base", None)]
+    return [o for o in dict.fromkeys(objs) if o is not None]
+
+
+@contextlib.contextmanager
+def _language_restored() -> Iterator[None]:
+    """Put every attribute of :func:`_language_objects` back as it was on entry."""
+    saved = [(obj, dict(vars(obj))) for obj in _language_objects()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            for name in [n for n in now if n not in before]:
+                try:
+                    delattr(obj, name)
+                except (AttributeError, TypeError):
+                    pass
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    try:
+                        setattr(obj, name, value)
+                    except (AttributeError, TypeError):
+                        pass
+
+
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def interpreter_mode() -> Iterator[None]:
     """Run Triton's interpreter correctly whatever the import order.
@@ -69,11 +102,18 @@ def interpreter_mode() -> Iterator[None]:
     ones (the interpreter's fast NumPy paths compare against these very objects, so they
     still apply), and ``TRITON_INTERPRET=1`` is set; both are restored on exit, so GPU
     kernels compiled in the same process are unaffected. Re-entrant and thread-safe.
+
+    The interpreter patches the language (``tl.core.tensor``'s methods, the builtins) for each
+    interpreted call, and a call of a jitted helper from inside a kernel (Triton 3.9's
+    ``InterpretedFunction.__call__``) never undoes its patch: afterwards Triton can no longer
+    compile a kernel in this process (``'value' object has no attribute 'dtype'`` — the GPU
+    path, and Inductor's analysis of the kernels it launches). So the language objects are
+    snapshotted on entry and restored on exit.
     """
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    with _interp_lock:
+    with _interp_lock, _language_restored():
         old_env = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         swapped = []

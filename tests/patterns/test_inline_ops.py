@@ -292,3 +292,14 @@ def test_stand_ins_for_autotuning_keep_sizes_strides_and_dtypes():
         real = launch._stand_in(fake)
         assert type(real) is torch.Tensor
         assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
+
+
+def test_kernels_still_compile_after_the_interpreter_ran():
+    # Triton 3.9's interpreter leaves the language patched after a jitted helper's call; fuser's
+    # interpreter_mode undoes it, or Inductor's analysis of the kernels (and any GPU compile) in
+    # the same process fails and every input is copied
+    from fuser.codegen import attention as kernels
+
+    q = torch.randn(1, 2, 20, 16)
+    kernels.forward(q, q, q, scale=0.25, causal="top_left", mask=None, mask_kind="none", need_lse=True)
+    test_attention_forward_becomes_its_kernel_launch("top_left", "none", None, ATTN_VARIANTS[1][3], True)
