@@ -346,7 +346,9 @@ def planner_choice(inp: Inputs, cfg: Config, out_dtype) -> tuple[str, str, str]:
                  scalar_gate=False, out_dim=1, out_dtype=out_dtype, want_state=True, state_dtype=torch.float32,
                  lead=(cfg.b, cfg.h), key_dim=cfg.kd, value_dim=cfg.vd, device=inp.q.device)
         match = types.SimpleNamespace(bindings=b, pattern="kda", location="benchmarks/kda.py")
-        cands = kda_plans.candidates(match, None)
+        from fuser.options import Options
+
+        cands = kda_plans.candidates(match, types.SimpleNamespace(options=Options()))  # default options
         fz = [c for c in cands if c.params.get("impl") == "fuser"]
         best = min(fz, key=lambda c: c.estimate_ms)
         overall = min(cands, key=lambda c: c.estimate_ms)
