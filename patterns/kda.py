@@ -493,7 +493,15 @@ class KDAPattern(Pattern):
             del want[out_dim]
             if not same_shape(tuple(shape(st.item)), tuple(want)):
                 raise _Decline(f"o_t {tuple(shape(st.item))} does not fill o[:, t] {tuple(want)} (broadcast write)")
-        if t0 != 0 or symint_value(shape(buf)[out_dim]) != n_steps:
+        size = shape(buf)[out_dim]
+        if t0 == 0 and not isinstance(size, int) and symint_value(size) == n_steps \
+                and not same_shape((size,), (n_steps,)):
+            # dynamic shapes: the graph serves buffers of any length `size`, the loop fills n_steps
+            raise _Decline(f"the time axis of the output buffer '{buf.name}' has the symbolic size {size}, which the "
+                           f"compiled graph does not tie to the loop's {n_steps} steps (dynamic shapes: a longer "
+                           "buffer keeps what the loop does not write); fuser replaces a buffer the loop fills "
+                           "completely (stack the outputs, or size the buffer from the tensor the loop runs over)")
+        if t0 != 0 or not same_shape((size,), (n_steps,)):
             raise _Decline(f"the loop writes {n_steps} of the {shape(buf)[out_dim]} time steps of '{buf.name}' "
                            f"(from {t0}); fuser replaces a buffer the loop fills completely")
         if dtype(buf) not in FLOATS:

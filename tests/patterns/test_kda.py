@@ -415,3 +415,44 @@ def test_a_buffer_longer_than_the_loop_is_declined():
     assert_declines(loop, *args, pattern="kda", reason="fills completely")
     got, _ = _run(loop, *args)
     _close(got, loop(*args))
+
+
+def test_a_buffer_with_a_symbolic_time_axis_is_declined():
+    # found by the KDA fuzzer: recompiled under dynamic shapes at a second length, Dynamo
+    # specialises q's time axis (range(T)) but gives v its own symbol, so o = zeros_like(v) may be
+    # longer than the loop in calls the graph serves; the pattern took the example's length for
+    # it, and the pass's last shape check caught the rewrite ("internal error", a FuserWarning)
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    args = _inputs("bthk")
+    torch._dynamo.mark_dynamic(args[2], 1)  # what the recompile does to v's time axis
+    graphs, result = fuse(loop, *args)
+    assert not [m for m in result.matches if m.pattern == "kda" and m.fused]
+    reasons = [r.reason for r in result.rejected if r.pattern == "kda"]
+    assert reasons and all("internal error" not in r for r in reasons), reasons
+    assert any("symbolic" in r for r in reasons), reasons
+    _close(run_rewritten(graphs, *args), loop(*args))
+    # and the stack spelling, whose output is exactly the loop's steps, is still fused
+    def stacked(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        outs = []
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+        return torch.stack(outs, 1)
+
+    args = _inputs("bthk")
+    torch._dynamo.mark_dynamic(args[2], 1)
+    graphs, result = fuse(stacked, *args)
+    assert [m for m in result.matches if m.pattern == "kda" and m.fused], result.rejected
+    _close(run_rewritten(graphs, *args), stacked(*args))
