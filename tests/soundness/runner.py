@@ -13,7 +13,9 @@ between calls in every run, as it would for a user):
 - **exceptions**: eager raising (forward or backward) discards the program; fuser raising
   where eager does not is a failure unless ``backend="inductor"`` raises too;
 - **recompiles**: graphs compiled over the whole call sequence, against ``aot_eager`` and, when
-  fuser compiled more, against ``inductor`` (fuser must not compile more often than Inductor).
+  fuser compiled more, against ``inductor`` (fuser must not compile more often than Inductor);
+- **internal errors**: a pattern that raised while matching or rewriting (fuser warns and leaves
+  the region to Inductor, so the values are right, but the pattern has a bug).
 
 Oracle details:
 
@@ -74,7 +76,7 @@ from .grammar import Program
 
 #: failure classes (a failing program gets the first one found)
 FAILURE_KINDS = ("crash", "shape", "dtype", "forward_nan", "forward", "grad_presence", "grad_nan", "grad",
-                 "mutation", "recompile")
+                 "mutation", "recompile", "internal")
 #: allowed or documented differences (counted, not failures)
 ALLOWED_KINDS = ("nan_row_zero", "finite_fill_row_zero", "kl_nan_limit", "mask_buffer_mutated", "grad_oracle_nan",
                  "no_float64_oracle", "nomax_underflow")
@@ -381,7 +383,7 @@ def run(program: Program, *, backend: str = "fuser", check_recompiles: bool = Tr
     t0 = time.time()
     out = _check(program, backend, check_recompiles, confirm_backend)
     if (out.status == "fail" and confirm_failures and confirm_backend and confirm_backend != backend
-            and out.kind != "recompile"):
+            and out.kind not in ("recompile", "internal")):
         ref = _check(program, confirm_backend, False, None)
         if ref.status in ("fail", "both_fail"):
             out.status = "both_fail"
@@ -495,6 +497,11 @@ def _run(ns: Any, program: Program, out: Outcome, backend: str, check_recompiles
                 break
     out.fused = len(rep.fused)
     out.declined = [r.reason for r in rep.rejected] + [m.reason for m in rep.matches if not m.fused]
+    internal = [r for r in out.declined if r.startswith("internal error")]
+    if internal and not out.failures:
+        # a pattern that raised while matching or rewriting (the pass left the region to Inductor
+        # and warned): the result is right, but the pattern has a bug
+        out.failures.append(Failure("internal", -1, internal[0][:300]))
     out.compiles[backend] = len(graphs)
     torch._dynamo.reset()
     if check_recompiles and not out.failures and len(ns.CALLS) > 1:
