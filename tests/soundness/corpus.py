@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .grammar import Spec
+from .kda_grammar import KDASpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,4 +106,9 @@ CASES = [
          "by -100: the limit must keep the fill",
          Spec(pattern="attention_kl", batch=2, calls=((16, 40),), shift=-20000.0, mask="padding", fill="-100",
               kl_spelling="kl_probs_log")),
+    # -- KDA loops (python -m tests.soundness.fuzz --pattern kda)
+    Case("kda_buffer_symbolic_time_axis", "KDA loop recompiled under dynamic=True at a second length: Dynamo gives "
+         "v its own time symbol, o = zeros(v.shape) may outlast the loop; the pattern took the example's length "
+         "and the pass's shape check failed the rewrite (internal error)",
+         KDASpec(steps=(8, 2), dynamic=True, assembly="zeros")),
 ]
