@@ -33,7 +33,10 @@ in place), or not fully written; float64 (the kernels compute in float32); a dec
 ``exp`` of a selected gate; a β or gate computed inside the loop (apply it to the whole tensor
 before the loop); the update reading the state before its decay. Intermediate products the
 program computes in bfloat16/float16 are computed in float32 by the kernels, and the state is
-carried in float32 whatever its dtype in the program (the final state is cast back).
+carried in float32 whatever its dtype in the program (the final state is cast back). A state the
+program keeps in float16/bfloat16 (rounded every step in eager) is fused only with the plans that
+carry it and every product in float32 (recurrent, parallel: their result is closer to the exact one
+than eager's); the chunked plan, whose dots take bfloat16 operands, is not offered for it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ from . import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
 from . import kda_plans
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
+#: why a state the program keeps in float16/bfloat16 has fewer plans (the summary's ``state``)
+HALF_STATE_NOTE = ("the chunk plan is not offered: its bfloat16 dots would round the state more than the program "
+                   "does")
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
@@ -452,7 +459,8 @@ class KDAPattern(Pattern):
             "q": user_name(bases["q"]), "k": user_name(bases["k"]), "v": user_name(bases["v"]),
             "g": user_name(bases["g"]), "beta": user_name(bases["beta"]),
             "steps": n_steps, "state": f"{tuple(shape(last))} {str(dtype(last)).replace('torch.', '')}"
-                                       + (" (carried in float32)" if dtype(last) != torch.float32 else ""),
+                                       + (f" (carried in float32; {HALF_STATE_NOTE})" if dtype(last) in HALF
+                                          else " (carried in float32)" if dtype(last) != torch.float32 else ""),
             "gate": "scalar per head" if first.scalar_gate else "per key channel",
             "scale": f"{first.scale:g}", "initial_state": user_name(h0) if h0 is not None else "zeros",
             "outputs": ", ".join(outputs), "dtype": "/".join(in_dtypes),
@@ -517,7 +525,15 @@ class KDAPattern(Pattern):
 
     # -- planning --------------------------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
-        return kda_plans.candidates(m, ctx)
+        cands = kda_plans.candidates(m, ctx)
+        if m.bindings["state_dtype"] in HALF:
+            # the program rounds its state to float16/bfloat16 every step; fuser's result must be at
+            # least as close to the exact one: the recurrent and parallel kernels carry the state and
+            # every product in float32 (closer, measured in tests/patterns/test_kda.py), the chunked
+            # kernels round the state and the intra-chunk products to bfloat16 for their dots (for
+            # float16 inputs ~30x eager's error at T = 64)
+            cands = [c for c in cands if c.params.get("plan") != "chunk"]
+        return cands
 
     def kernels(self, m: Match, plan: Candidate) -> list:
         return kda_plans.kernels_for(m, plan)
