@@ -70,6 +70,9 @@ MUTATIONS = ("none", "scale_at_t", "skip_decay_at_t", "state_read", "input_write
 #: the state's dtype in the program: float32 (``fp32``), or the inputs' own dtype (``input``:
 #: a half-precision state rounded every step when the inputs are float16)
 STATE_DTYPES = ("fp32", "input")
+#: the KDA plan the fuser run forces (``FUSER_PLAN`` in the program; ``auto``: the planner's
+#: choice, which at these lengths is mostly ``recurrent``)
+PLANS = ("auto", "recurrent", "chunk", "parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,7 @@ class KDASpec:
     mutation: str = "none"
     mutation_step: int = 1
     target: str = "v"
+    plan: str = "auto"
 
     # what the runner and the fuzzer's log ask of every spec
     is_kl = False
@@ -195,6 +199,7 @@ def sample(rng: random.Random, seed: int = 0) -> KDASpec:
         mutation=mutation,
         mutation_step=rng.randrange(0, 12),
         target=rng.choice(INPUT_NAMES),
+        plan=rng.choice(PLANS[1:]) if rng.random() < 0.5 else "auto",
     )
     return normalize(spec)
 
@@ -253,6 +258,8 @@ def _normalize_once(spec: KDASpec) -> KDASpec:
         r["mutation_step"] = max(0, min(r["mutation_step"], min(r["steps"]) - 1))
         if mut in ("scale_at_t", "skip_decay_at_t", "damping", "grad_switch") and min(r["steps"]) > 1:
             r["mutation_step"] = max(1, r["mutation_step"])  # a step after the first differs
+    if r["plan"] == "chunk" and r["state_dtype"] == "input":
+        r["plan"] = d.plan  # not offered for a half-precision state (patterns/kda.py)
     names = [n for n in INPUT_NAMES if n != "h0" or r["h0"] == "input"]
     r["grad_inputs"] = () if r["grad"] == "none" else tuple(n for n in names if n in r["grad_inputs"])
     if r["grad"] != "none" and not r["grad_inputs"]:
@@ -267,7 +274,7 @@ def candidates(spec: KDASpec):
     if len(spec.steps) > 1:
         for i in range(len(spec.steps)):
             yield dataclasses.replace(spec, steps=spec.steps[:i] + spec.steps[i + 1:])
-    first = ("mutation", "grad", "layout", "upcast", "assembly", "h0", "state_out", "l2norm", "sigmoid_beta",
+    first = ("mutation", "grad", "plan", "layout", "upcast", "assembly", "h0", "state_out", "l2norm", "sigmoid_beta",
              "gate", "scale", "group", "gate_values", "beta_values", "k_values", "dtype", "dynamic")
     names = [f.name for f in dataclasses.fields(KDASpec)]
     for name in list(first) + [n for n in names if n not in first and n not in ("pattern", "seed", "steps")]:
@@ -515,6 +522,8 @@ def render(spec: KDASpec, oracle: bool = False, _normalize: bool = True):
         f"GRAD = {spec.grad!r}  # none | train (GRAD_INPUTS require grad) | no_grad (they do, calls under torch.no_grad())",
         f"GRAD_INPUTS = {tuple(spec.grad_inputs)!r}",
     ]
+    if spec.plan != "auto":
+        src.append(f'FUSER_PLAN = "kda.plan={spec.plan}"  # forced while fuser compiles (the runner sets it)')
     return Program(spec=spec, source="\n".join(src) + "\n", entry="program", input_names=tuple(names),
                    float_inputs=tuple(names), hides_rows=False, documented_fill=False, mask_buffer=False)
 

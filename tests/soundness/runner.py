@@ -329,6 +329,24 @@ def _grad_ctx(ns: Any):
     return torch.no_grad() if ns.GRAD == "no_grad" else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _plan_env(ns: Any):
+    """``FUSER_PLAN`` set to the program's ``FUSER_PLAN`` (a forced plan), if it has one."""
+    plan = getattr(ns, "FUSER_PLAN", None)
+    if plan is None:
+        yield
+        return
+    old = os.environ.get("FUSER_PLAN")
+    os.environ["FUSER_PLAN"] = plan
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FUSER_PLAN", None)
+        else:
+            os.environ["FUSER_PLAN"] = old
+
+
 def _count_graphs(ns: Any, program: Program, backend: str) -> tuple[int, Optional[str]]:
     """Graphs ``backend`` compiles over the call sequence (and the error it raised, if any)."""
     torch._dynamo.reset()
@@ -340,7 +358,7 @@ def _count_graphs(ns: Any, program: Program, backend: str) -> tuple[int, Optiona
             if i:
                 _between(ns, inst)
             x = _inputs(ns, i, ns.DTYPE, ns.GRAD != "none")
-            with _grad_ctx(ns):
+            with _grad_ctx(ns), _plan_env(ns):
                 out = compiled(**x)
             del out
     except Exception as exc:  # noqa: BLE001
@@ -480,7 +498,7 @@ def _run(ns: Any, program: Program, out: Outcome, backend: str, check_recompiles
                 except Exception:  # noqa: BLE001
                     pass
             try:
-                with _grad_ctx(ns):
+                with _grad_ctx(ns), _plan_env(ns):
                     c = compiled(**x_fus)
             except Exception as exc:  # noqa: BLE001
                 _eager_backward_ok(a, x_own, own)  # eager would fail later, in its backward?
