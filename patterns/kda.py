@@ -381,15 +381,27 @@ class KDAPattern(Pattern):
     def _chain(self, head: fx.Node, steps: list, roles: tuple, ctx: MatchContext) -> Match:
         view = ctx.view
         first = steps[0]
-        t0 = first.leaves["q"][2]
+        def absolute(name: str, index: int) -> int:
+            # x[:, t - T] is x[:, t]: a negative index counts from the end of that input's time axis
+            if index >= 0:
+                return index
+            base, dim, _, _ = first.leaves[name]
+            size = shape(base)[dim]
+            if not isinstance(size, int):
+                raise _Decline(f"the loop reads {name} at the negative time index {index} of a time axis of "
+                               f"symbolic size {size} (dynamic shapes); index it from the start")
+            return index + size
+
+        t0 = absolute("q", first.leaves["q"][2])
         for j, st in enumerate(steps):
             for name in INPUTS:
                 base, dim, index, _ = st.leaves[name]
                 b0, d0, i0, _ = first.leaves[name]
                 if base is not b0 or dim != d0:
                     raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} from '{base.name}' dim {dim}, step 0 from '{b0.name}' dim {d0}")
-                if index != i0 + j or index != t0 + j:
-                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; expected {t0 + j}")
+                if absolute(name, index) != t0 + j:
+                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; "
+                                   f"expected {t0 + j} (the time steps must follow each other)")
             if st.scale != first.scale:
                 raise _Decline(f"step {j} of the loop differs from step 0: its read-out scale is {st.scale:g}, step 0's {first.scale:g}")
             if st.scalar_gate != first.scalar_gate:
@@ -426,7 +438,7 @@ class KDAPattern(Pattern):
                                f"{want} (broadcast inputs are not supported)")
         # the outputs: a buffer written at every time index, or a stack
         sinks = [st.sink for st in steps]
-        out_node, region_extra, out_dim = self._assembly(steps, sinks, view)
+        out_node, region_extra, out_dim = self._assembly(steps, sinks, view, t0)
         # the initial state
         ch = view.canon(head)
         h0 = None if (ch is not None and ch.op == "alloc" and ch.attrs.get("fill") == 0.0) else head
@@ -469,11 +481,11 @@ class KDAPattern(Pattern):
         return Match(self.name, out_node, frozenset(region), bindings, summary, location(first.decay),
                      ctx.graph_index, inputs=inputs, outputs=outputs)
 
-    def _assembly(self, steps: list, sinks: list, view: GraphView) -> tuple:
-        """``(output node, extra region nodes, time dim of the output)``."""
+    def _assembly(self, steps: list, sinks: list, view: GraphView, t0: int) -> tuple:
+        """``(output node, extra region nodes, time dim of the output)``; ``t0``: the first time
+        step the loop reads (from the start of the inputs' time axes)."""
         c0 = view.canon(sinks[0])
         n_steps = len(steps)
-        t0 = steps[0].leaves["q"][2]
         if c0.op == "stack":
             if any(s is not sinks[0] for s in sinks) or list(c0.args) != [st.item for st in steps]:
                 raise _Decline(f"the stack '{sinks[0].name}' does not hold exactly the loop's o_t in order")
@@ -495,6 +507,11 @@ class KDAPattern(Pattern):
             idx = next(e for e in c.attrs["index"] if isinstance(e, int) and not isinstance(e, bool))
             if out_dim is None:
                 out_dim = d
+            if idx < 0 and d == out_dim:
+                if not isinstance(shape(buf)[d], int):
+                    raise _Decline(f"'{sk.name}' ({location(sk)}) writes o at the negative index {idx} of a time axis "
+                                   f"of symbolic size {shape(buf)[d]} (dynamic shapes)")
+                idx += shape(buf)[d]
             if d != out_dim or idx != t0 + j:
                 raise _Decline(f"step {j} writes o at index {idx} of dim {d}; expected {t0 + j} of dim {out_dim}")
             want = list(shape(buf))

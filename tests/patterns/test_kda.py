@@ -535,3 +535,55 @@ def test_the_chunk_plan_with_half_inputs_is_as_close_as_eager():
     wo, ws = half_state_loop(*(x.double() for x in args))  # the same recurrence in float64
     assert _rel(o, wo) <= 2 * _rel(eo, wo) + 1e-6, (_rel(o, wo), _rel(eo, wo))
     assert _rel(s, ws) <= 2 * _rel(es, ws) + 1e-6, (_rel(s, ws), _rel(es, ws))
+
+
+def _negative_index_loop(lo, hi, shift):
+    """A loop over range(lo, hi) reading time index t + shift (negative indices count from the end)."""
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        outs = []
+        for t in range(lo, hi):
+            i = t + shift
+            s = s * g[:, i][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, i][..., None] * k[:, i],
+                                 v[:, i] - torch.einsum("bhk,bhkv->bhv", k[:, i], s))
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], s))
+        return torch.stack(outs, 1), s
+    return loop
+
+
+@pytest.mark.parametrize("lo,hi,shift", [(0, T, -T), (2, T, -T), (-T, 0, 0)])
+def test_negative_time_indices_are_fused(lo, hi, shift):
+    # x[:, t - T]: the same time steps as x[:, t]
+    loop = _negative_index_loop(lo, hi, shift)
+    ms = assert_fuses(loop, *_inputs("bthk"), pattern="kda", steps=hi - lo)
+    assert ms[0].bindings["t0"] == lo + shift + T
+    got, _ = _run(loop, *_inputs("bthk"))
+    for a, b in zip(got, loop(*_inputs("bthk"))):
+        _close(a, b)
+
+
+def test_time_indices_wrapping_around_zero_are_declined():
+    # found by hand after the fuzzer: range(-2, 3) reads steps T-2, T-1, 0, 1, 2 — consecutive
+    # integers, but not consecutive time steps; fused as one run from -2 it raised at run time
+    loop = _negative_index_loop(-2, 3, 0)
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="time index")
+    got, _ = _run(loop, *_inputs("bthk"))
+    for a, b in zip(got, loop(*_inputs("bthk"))):
+        _close(a, b)
+
+
+def test_negative_time_indices_into_a_buffer_are_fused():
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v)
+        n = q.shape[1]
+        for t in range(n):
+            i = t - n
+            s = s * g[:, i][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, i][..., None] * k[:, i],
+                                 v[:, i] - torch.einsum("bhk,bhkv->bhv", k[:, i], s))
+            o[:, i] = torch.einsum("bhk,bhkv->bhv", q[:, i], s)
+        return o
+
+    _check(loop, *_inputs("bthk"), steps=T, assembly="index writes into a buffer")
