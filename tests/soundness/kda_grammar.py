@@ -25,7 +25,9 @@ or after it), the state updated in place, the output buffer read mid-loop, a gra
 inside the loop, the loop run backwards, another time index for v, β or the gate computed
 inside the loop, transposed outer products / read-outs / v̂ / gates (K == V, so that the shapes
 still agree), the read-out of the state before its update, v̂ from the state before its decay,
-a damping of the state at one step, the output written after the loop, o_t read twice. The
+a damping of the state at one step, the output written after the loop, o_t read twice, negative
+time indices (``x[:, t - T]``: the same steps) and indices that wrap around zero
+(``range(-m, T - m)``: the last m steps first). The
 **values** can be adversarial too: gates of exactly 0, very negative (−1e4) or −inf, β of 0,
 1 or a mix, unnormalised keys.
 
@@ -66,7 +68,7 @@ MUTATIONS = ("none", "scale_at_t", "skip_decay_at_t", "state_read", "input_write
              "input_write_after", "state_inplace", "buffer_read", "grad_switch", "reversed", "shifted_v",
              "beta_inside", "gate_inside", "transpose_update", "readout_wrong_axis", "vhat_wrong_axis", "gate_on_v",
              "readout_before_update", "undecayed_vhat", "damping", "out_write_after", "write_after",
-             "readout_reused")
+             "readout_reused", "negative_index", "wrap_index")
 #: the state's dtype in the program: float32 (``fp32``), or the inputs' own dtype (``input``:
 #: a half-precision state rounded every step when the inputs are float16)
 STATE_DTYPES = ("fp32", "input")
@@ -384,19 +386,21 @@ def render(spec: KDASpec, oracle: bool = False, _normalize: bool = True):
         L.append("extras = []")
 
     # -- the loop
-    loop = "reversed(range(T))" if mut == "reversed" else "range(T)"
+    loop = {"reversed": "reversed(range(T))", "wrap_index": f"range(-{max(1, m)}, T - {max(1, m)})"}.get(mut, "range(T)")
     L.append(f"for t in {loop}:")
     body: list = []
+    # the time index: t, or t - T (the same steps, counted from the end)
+    tt = "t - T" if mut == "negative_index" else "t"
     cast = up if spec.upcast == "step" else ""
     rk = 4
     rg = 3 if spec.gate == "scalar" else 4
-    body.append(f"q_t = {_sel(spec, 'q', 't', rk)}{cast}")
-    body.append(f"k_t = {_sel(spec, 'k', 't', rk)}{cast}")
-    vt = "T - 1 - t" if mut == "shifted_v" else "t"
+    body.append(f"q_t = {_sel(spec, 'q', tt, rk)}{cast}")
+    body.append(f"k_t = {_sel(spec, 'k', tt, rk)}{cast}")
+    vt = "T - 1 - t" if mut == "shifted_v" else tt
     body.append(f"v_t = {_sel(spec, 'v', vt, rk)}{cast}")
-    bsel = f"{_sel(spec, 'beta', 't', 3)}{cast}"
+    bsel = f"{_sel(spec, 'beta', tt, 3)}{cast}"
     body.append(f"b_t = {bsel}.sigmoid()" if mut == "beta_inside" else f"b_t = {bsel}")
-    gsel = f"{_sel(spec, 'g', 't', rg)}{cast}"
+    gsel = f"{_sel(spec, 'g', tt, rg)}{cast}"
     if mut == "gate_inside":
         body.append(f"g_t = -F.softplus({gsel})")
     elif spec.decay != "inline":
@@ -412,9 +416,9 @@ def render(spec: KDASpec, oracle: bool = False, _normalize: bool = True):
     else:  # inline: the selection and the unit dims in one index
         tail = ", None, None" if scalar else ", :, None"
         if td == 1:
-            dec = f"g[:, t, :{tail}]{cast}.exp()"
+            dec = f"g[:, {tt}, :{tail}]{cast}.exp()"
         else:
-            dec = f"g[:, :, t{tail}]{cast}.exp()"
+            dec = f"g[:, :, {tt}{tail}]{cast}.exp()"
     inplace = mut == "state_inplace"
 
     def vhat_line(state: str) -> str:
@@ -471,9 +475,9 @@ def render(spec: KDASpec, oracle: bool = False, _normalize: bool = True):
         body.append(f"o_t = {readout_expr()}")
     if buf:
         if spec.setitem == "ellipsis" and td == 2:
-            body.append("o[..., t, :] = o_t")
+            body.append(f"o[..., {tt}, :] = o_t")
         else:
-            body.append("o[:, t] = o_t" if td == 1 else "o[:, :, t] = o_t")
+            body.append(f"o[:, {tt}] = o_t" if td == 1 else f"o[:, :, {tt}] = o_t")
     else:
         body.append("outs.append(o_t)")
     if mut == "readout_reused":
@@ -483,7 +487,7 @@ def render(spec: KDASpec, oracle: bool = False, _normalize: bool = True):
         body.append(f"if t == {m}:")
         body.append("    extras.append(o.sum(-1))  # o half filled")
     if mut == "input_write_inside":
-        body.append("if t + 1 < T:")
+        body.append("if 0 <= t and t + 1 < T:")
         body.append(f"    {_sel(spec, 'v', 't + 1', 4)}.mul_(2.0)  # later steps read the doubled values")
     if mut == "grad_switch":
         body = [f"with torch.set_grad_enabled(t >= {m}):"] + ["    " + b for b in body]
