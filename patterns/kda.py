@@ -17,8 +17,8 @@ every dim named from the state's:
     o_t   = c · Σ_k q_t[k] · S'[k, v]  (``c`` a Python number: the scale, 1 when q is scaled before)
 
 ``q_t, k_t, v_t, g_t, β_t`` are integer selections of the time axis (``x[:, t]``,
-``x[:, :, t]``, ``x.select(d, t)``; through float32 casts) of tensors made before the loop: the
-op reads those tensors whole. **The chain**: starting where a state enters the first step
+``x[:, :, t]``, ``x.select(d, t)``; through float32 casts; a negative index counts from the end)
+of tensors made before the loop: the op reads those tensors whole. **The chain**: starting where a state enters the first step
 (zeros: no initial state; anything else: ``h0``), the next step is searched among the readers of
 ``S'`` — iteratively, so T = 1024 matches. Each step must have the same inputs, dims, scale and
 gate kind as the first, with the time index one more than the last. **Outputs**: the ``o_t``
@@ -28,8 +28,9 @@ d)``); the region's outputs are ``"o"`` (the buffer or the stack) and, when the 
 ``"state"`` (the last ``S'``).
 
 Declined with a reason: an intermediate state read outside the chain (e.g. all states kept);
-a step that differs from the first; a buffer the program did not create (an argument written
-in place), or not fully written; float64 (the kernels compute in float32); a decay that is not
+a step that differs from the first (time indices that wrap around zero, ``range(-2, T - 2)``,
+too); a buffer the program did not create (an argument written in place), or not fully written
+(also one whose time axis is a symbol the graph does not tie to the loop's length); float64 (the kernels compute in float32); a decay that is not
 ``exp`` of a selected gate; a β or gate computed inside the loop (apply it to the whole tensor
 before the loop); the update reading the state before its decay. Intermediate products the
 program computes in bfloat16/float16 are computed in float32 by the kernels, and the state is
