@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from fuser.codegen import predicate
@@ -33,6 +34,55 @@ from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, kv
 SOFTMAX = softmax_rule()
 # Between P and the P V matmul: casts, contiguous, dropout (checked: eval or p = 0).
 P_THROUGH = frozenset({"cast", "identity", "dropout"})
+
+
+def gradient_reaches(x: fx.Node, root: fx.Node, view: GraphView) -> bool:
+    """Whether eager autograd takes a gradient from ``root`` back to ``x``: a chain of nodes from
+    ``x`` to ``root`` each of which ran with gradients on, is not a ``detach`` and requires grad.
+    (A view made under ``torch.no_grad()`` of a tensor that requires grad requires grad itself but
+    passes no gradient: the grad mode each node ran under decides.) Nodes without a value count as
+    passing one when gradients were on."""
+    end = view.order[root]
+    seen, stack = {x}, [x]
+    while stack:
+        for u in stack.pop().users:
+            if u in seen or view.order.get(u, end + 1) > end:
+                continue
+            seen.add(u)
+            if not view.grad_enabled.get(u, True) or view.op(u) == "detach":
+                continue
+            v = val(u)
+            if isinstance(v, (tuple, list)):
+                needs = any(isinstance(t, torch.Tensor) and t.requires_grad for t in v)
+            else:
+                needs = v.requires_grad if isinstance(v, torch.Tensor) else True
+            if not needs:
+                continue
+            if u is root:
+                return True
+            stack.append(u)
+    return False
+
+
+def _check_gradient_cuts(sc, k: fx.Node, v: fx.Node, pv: fx.Node, detached: bool, view: GraphView,
+                         ctx: MatchContext) -> None:
+    """Decline when the fused op would give an input a gradient that eager does not: a
+    ``torch.no_grad()`` block or ``.detach()`` between that input and the output cuts its gradient
+    in the program (``q * c`` under no_grad folded into the scale, ``k.transpose`` or a GQA repeat
+    under no_grad), while the op reads the input itself (``k`` and ``v``: as the op reads them,
+    before a GQA repeat). A cut of every path from q and k (P or the scores without gradients) is
+    exact: q and k are detached at emit (``detached``)."""
+    if not (ctx.grad_enabled and view.grad_enabled.get(pv, True)):
+        return  # the op runs without recording gradients, as the program's output does
+    gets = [("v", v)] if detached else [("q", sc.q), ("k", k), ("v", v)] + [
+        ("the run-time scale factor", f) for f, _ in sc.dynamic_factors if isinstance(f, fx.Node)]
+    for name, x in gets:
+        vx = val(x)
+        if isinstance(x, fx.Node) and isinstance(vx, torch.Tensor) and vx.requires_grad \
+                and not gradient_reaches(x, pv, view):
+            raise Decline(f"{name} ('{x.name}') gets no gradient in the program (a torch.no_grad() block or "
+                          f".detach() between it and the attention output, {location(pv)}), but the fused op "
+                          "reads it and would give it one")
 
 
 class AttentionPattern(Pattern):
@@ -153,6 +203,7 @@ class AttentionPattern(Pattern):
             raise Decline(f"value head dim {dv} is outside 1..256")
         if group == 1 and not _same_dims(tuple(permuted(shape(sc.k), sc.k_p)[:-2]), tuple(sv[:-2])):
             raise Decline("k and v batch dims differ (broadcasting batched matmul)")
+        _check_gradient_cuts(sc, k, v, pv, detached, view, ctx)
         need_lse = bool(ctx.grad_enabled and val(pv).requires_grad
                         and (val(v).requires_grad or (not detached and sc.requires_grad())))
         bindings = dict(

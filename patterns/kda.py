@@ -17,8 +17,8 @@ every dim named from the state's:
     o_t   = c · Σ_k q_t[k] · S'[k, v]  (``c`` a Python number: the scale, 1 when q is scaled before)
 
 ``q_t, k_t, v_t, g_t, β_t`` are integer selections of the time axis (``x[:, t]``,
-``x[:, :, t]``, ``x.select(d, t)``; through float32 casts) of tensors made before the loop: the
-op reads those tensors whole. **The chain**: starting where a state enters the first step
+``x[:, :, t]``, ``x.select(d, t)``; through float32 casts; a negative index counts from the end)
+of tensors made before the loop: the op reads those tensors whole. **The chain**: starting where a state enters the first step
 (zeros: no initial state; anything else: ``h0``), the next step is searched among the readers of
 ``S'`` — iteratively, so T = 1024 matches. Each step must have the same inputs, dims, scale and
 gate kind as the first, with the time index one more than the last. **Outputs**: the ``o_t``
@@ -28,12 +28,16 @@ d)``); the region's outputs are ``"o"`` (the buffer or the stack) and, when the 
 ``"state"`` (the last ``S'``).
 
 Declined with a reason: an intermediate state read outside the chain (e.g. all states kept);
-a step that differs from the first; a buffer the program did not create (an argument written
-in place), or not fully written; float64 (the kernels compute in float32); a decay that is not
+a step that differs from the first (time indices that wrap around zero, ``range(-2, T - 2)``,
+too); a buffer the program did not create (an argument written in place), or not fully written
+(also one whose time axis is a symbol the graph does not tie to the loop's length); float64 (the kernels compute in float32); a decay that is not
 ``exp`` of a selected gate; a β or gate computed inside the loop (apply it to the whole tensor
 before the loop); the update reading the state before its decay. Intermediate products the
 program computes in bfloat16/float16 are computed in float32 by the kernels, and the state is
-carried in float32 whatever its dtype in the program (the final state is cast back).
+carried in float32 whatever its dtype in the program (the final state is cast back). A state the
+program keeps in float16/bfloat16 (rounded every step in eager) is fused only with the plans that
+carry it and every product in float32 (recurrent, parallel: their result is closer to the exact one
+than eager's); the chunked plan, whose dots take bfloat16 operands, is not offered for it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ from . import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
 from . import kda_plans
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
+#: why a state the program keeps in float16/bfloat16 has fewer plans (the summary's ``state``)
+HALF_STATE_NOTE = ("the chunk plan is not offered: its bfloat16 dots would round the state more than the program "
+                   "does")
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
@@ -374,15 +382,27 @@ class KDAPattern(Pattern):
     def _chain(self, head: fx.Node, steps: list, roles: tuple, ctx: MatchContext) -> Match:
         view = ctx.view
         first = steps[0]
-        t0 = first.leaves["q"][2]
+        def absolute(name: str, index: int) -> int:
+            # x[:, t - T] is x[:, t]: a negative index counts from the end of that input's time axis
+            if index >= 0:
+                return index
+            base, dim, _, _ = first.leaves[name]
+            size = shape(base)[dim]
+            if not isinstance(size, int):
+                raise _Decline(f"the loop reads {name} at the negative time index {index} of a time axis of "
+                               f"symbolic size {size} (dynamic shapes); index it from the start")
+            return index + size
+
+        t0 = absolute("q", first.leaves["q"][2])
         for j, st in enumerate(steps):
             for name in INPUTS:
                 base, dim, index, _ = st.leaves[name]
                 b0, d0, i0, _ = first.leaves[name]
                 if base is not b0 or dim != d0:
                     raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} from '{base.name}' dim {dim}, step 0 from '{b0.name}' dim {d0}")
-                if index != i0 + j or index != t0 + j:
-                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; expected {t0 + j}")
+                if absolute(name, index) != t0 + j:
+                    raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; "
+                                   f"expected {t0 + j} (the time steps must follow each other)")
             if st.scale != first.scale:
                 raise _Decline(f"step {j} of the loop differs from step 0: its read-out scale is {st.scale:g}, step 0's {first.scale:g}")
             if st.scalar_gate != first.scalar_gate:
@@ -419,7 +439,7 @@ class KDAPattern(Pattern):
                                f"{want} (broadcast inputs are not supported)")
         # the outputs: a buffer written at every time index, or a stack
         sinks = [st.sink for st in steps]
-        out_node, region_extra, out_dim = self._assembly(steps, sinks, view)
+        out_node, region_extra, out_dim = self._assembly(steps, sinks, view, t0)
         # the initial state
         ch = view.canon(head)
         h0 = None if (ch is not None and ch.op == "alloc" and ch.attrs.get("fill") == 0.0) else head
@@ -452,7 +472,8 @@ class KDAPattern(Pattern):
             "q": user_name(bases["q"]), "k": user_name(bases["k"]), "v": user_name(bases["v"]),
             "g": user_name(bases["g"]), "beta": user_name(bases["beta"]),
             "steps": n_steps, "state": f"{tuple(shape(last))} {str(dtype(last)).replace('torch.', '')}"
-                                       + (" (carried in float32)" if dtype(last) != torch.float32 else ""),
+                                       + (f" (carried in float32; {HALF_STATE_NOTE})" if dtype(last) in HALF
+                                          else " (carried in float32)" if dtype(last) != torch.float32 else ""),
             "gate": "scalar per head" if first.scalar_gate else "per key channel",
             "scale": f"{first.scale:g}", "initial_state": user_name(h0) if h0 is not None else "zeros",
             "outputs": ", ".join(outputs), "dtype": "/".join(in_dtypes),
@@ -461,11 +482,11 @@ class KDAPattern(Pattern):
         return Match(self.name, out_node, frozenset(region), bindings, summary, location(first.decay),
                      ctx.graph_index, inputs=inputs, outputs=outputs)
 
-    def _assembly(self, steps: list, sinks: list, view: GraphView) -> tuple:
-        """``(output node, extra region nodes, time dim of the output)``."""
+    def _assembly(self, steps: list, sinks: list, view: GraphView, t0: int) -> tuple:
+        """``(output node, extra region nodes, time dim of the output)``; ``t0``: the first time
+        step the loop reads (from the start of the inputs' time axes)."""
         c0 = view.canon(sinks[0])
         n_steps = len(steps)
-        t0 = steps[0].leaves["q"][2]
         if c0.op == "stack":
             if any(s is not sinks[0] for s in sinks) or list(c0.args) != [st.item for st in steps]:
                 raise _Decline(f"the stack '{sinks[0].name}' does not hold exactly the loop's o_t in order")
@@ -487,13 +508,26 @@ class KDAPattern(Pattern):
             idx = next(e for e in c.attrs["index"] if isinstance(e, int) and not isinstance(e, bool))
             if out_dim is None:
                 out_dim = d
+            if idx < 0 and d == out_dim:
+                if not isinstance(shape(buf)[d], int):
+                    raise _Decline(f"'{sk.name}' ({location(sk)}) writes o at the negative index {idx} of a time axis "
+                                   f"of symbolic size {shape(buf)[d]} (dynamic shapes)")
+                idx += shape(buf)[d]
             if d != out_dim or idx != t0 + j:
                 raise _Decline(f"step {j} writes o at index {idx} of dim {d}; expected {t0 + j} of dim {out_dim}")
             want = list(shape(buf))
             del want[out_dim]
             if not same_shape(tuple(shape(st.item)), tuple(want)):
                 raise _Decline(f"o_t {tuple(shape(st.item))} does not fill o[:, t] {tuple(want)} (broadcast write)")
-        if t0 != 0 or symint_value(shape(buf)[out_dim]) != n_steps:
+        size = shape(buf)[out_dim]
+        if t0 == 0 and not isinstance(size, int) and symint_value(size) == n_steps \
+                and not same_shape((size,), (n_steps,)):
+            # dynamic shapes: the graph serves buffers of any length `size`, the loop fills n_steps
+            raise _Decline(f"the time axis of the output buffer '{buf.name}' has the symbolic size {size}, which the "
+                           f"compiled graph does not tie to the loop's {n_steps} steps (dynamic shapes: a longer "
+                           "buffer keeps what the loop does not write); fuser replaces a buffer the loop fills "
+                           "completely (stack the outputs, or size the buffer from the tensor the loop runs over)")
+        if t0 != 0 or not same_shape((size,), (n_steps,)):
             raise _Decline(f"the loop writes {n_steps} of the {shape(buf)[out_dim]} time steps of '{buf.name}' "
                            f"(from {t0}); fuser replaces a buffer the loop fills completely")
         if dtype(buf) not in FLOATS:
@@ -509,7 +543,15 @@ class KDAPattern(Pattern):
 
     # -- planning --------------------------------------------------------------------------------
     def candidates(self, m: Match, ctx: MatchContext) -> list[Candidate]:
-        return kda_plans.candidates(m, ctx)
+        cands = kda_plans.candidates(m, ctx)
+        if m.bindings["state_dtype"] in HALF:
+            # the program rounds its state to float16/bfloat16 every step; fuser's result must be at
+            # least as close to the exact one: the recurrent and parallel kernels carry the state and
+            # every product in float32 (closer, measured in tests/patterns/test_kda.py), the chunked
+            # kernels round the state and the intra-chunk products to bfloat16 for their dots (for
+            # float16 inputs ~30x eager's error at T = 64)
+            cands = [c for c in cands if c.params.get("plan") != "chunk"]
+        return cands
 
     def kernels(self, m: Match, plan: Candidate) -> list:
         return kda_plans.kernels_for(m, plan)

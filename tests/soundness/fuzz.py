@@ -27,13 +27,19 @@ from . import runner
 from .grammar import Spec, render, sample
 
 
-def program_spec(seed: int, index: int) -> Spec:
-    """Program ``index`` of the run seeded with ``seed``."""
-    return spec_from_seed(seed * 1_000_003 + index)
+def program_spec(seed: int, index: int, pattern: Optional[str] = None) -> Spec:
+    """Program ``index`` of the run seeded with ``seed`` (``pattern="kda"``: of the KDA
+    generator, :mod:`.kda_grammar`; otherwise an attention or attention-KL program)."""
+    return spec_from_seed(seed * 1_000_003 + index, pattern)
 
 
-def spec_from_seed(program_seed: int) -> Spec:
-    """The program with this program seed (the number printed and written with each program)."""
+def spec_from_seed(program_seed: int, pattern: Optional[str] = None) -> Spec:
+    """The program with this program seed (the number printed and written with each program);
+    KDA programs come from their own generator (``pattern="kda"``)."""
+    if pattern == "kda":
+        from .kda_grammar import sample as sample_kda
+
+        return sample_kda(random.Random(program_seed), seed=program_seed)
     return sample(random.Random(program_seed), seed=program_seed)
 
 
@@ -167,8 +173,9 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--minimise-runs", type=int, default=40, help="runs allowed per shrink (default 40)")
     ap.add_argument("--program", type=int, nargs="+", default=None, metavar="PROGRAM_SEED",
                     help="run (and shrink) these programs, by the program seed printed for each")
-    ap.add_argument("--pattern", choices=["attention", "attention_kl", "h2o"], default=None,
-                    help="only this pattern (h2o: attention programs that also read column sums of P)")
+    ap.add_argument("--pattern", choices=["attention", "attention_kl", "h2o", "kda"], default=None,
+                    help="only this pattern (h2o: attention programs that also read column sums of P; kda: "
+                         "KDA loops from their own generator, also for --program)")
     ap.add_argument("--fast", action="store_true",
                     help="run fuser's rewritten graphs through aot_eager instead of Inductor (~3x faster; "
                          "misses bugs in the interplay with Inductor)")
@@ -181,12 +188,12 @@ def main(argv: Optional[list] = None) -> int:
 
     def specs():
         if args.program:
-            yield from (spec_from_seed(s) for s in args.program)
+            yield from (spec_from_seed(s, args.pattern) for s in args.program)
             return
         i = args.start
         made = 0
         while made < args.count:
-            s = program_spec(args.seed, i)
+            s = program_spec(args.seed, i, "kda" if args.pattern == "kda" else None)
             i += 1
             if args.pattern == "h2o" and s.score == "none":
                 continue

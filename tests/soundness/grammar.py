@@ -337,6 +337,10 @@ def normalize(spec: Spec) -> Spec:
     """Make a spec consistent: drop choices that do not apply (and reset them to their
     defaults, so that equal programs have equal specs), and adjust the ones that conflict.
     Idempotent (applied to a fixed point)."""
+    if spec.pattern == "kda":
+        from .kda_grammar import normalize as normalize_kda
+
+        return normalize_kda(spec)
     for _ in range(4):
         new = _normalize_once(spec)
         if new == spec:
@@ -537,6 +541,10 @@ class Program:
         ``0 * log(0) = NaN`` where a probability underflows. With ``with_max``, a hand-written
         softmax without the max (``exp(s) / exp(s).sum()``) subtracts it: the same function,
         without eager's ``0 / 0`` where every ``exp`` of a row underflows."""
+        if self.spec.pattern == "kda":  # float64 where the program pins float32; nothing else varies
+            from .kda_grammar import render as render_kda
+
+            return render_kda(self.spec, oracle=True, _normalize=False)
         spec = dataclasses.replace(self.spec, softmax=GENERIC_SOFTMAX.get(self.spec.softmax, self.spec.softmax))
         if fill is not None and spec.mask != "none":
             spec = dataclasses.replace(spec, fill=fill)
@@ -1020,7 +1028,11 @@ def repeat_kv(x, n):
 
 
 def render(spec: Spec, _normalize: bool = True) -> Program:
-    """The :class:`Program` of ``spec`` (normalised first)."""
+    """The :class:`Program` of ``spec`` (normalised first); a KDA spec's by :mod:`.kda_grammar`."""
+    if spec.pattern == "kda":
+        from .kda_grammar import render as render_kda
+
+        return render_kda(spec, _normalize=_normalize)
     if _normalize:
         spec = normalize(spec)
     names = _input_names(spec)

@@ -36,6 +36,11 @@ def signature(outcome: runner.Outcome) -> str:
 
 def candidates(spec: Spec) -> Iterator[Spec]:
     """Simpler variants of ``spec`` (normalised), most promising first."""
+    if spec.pattern == "kda":
+        from .kda_grammar import candidates as kda_candidates
+
+        yield from kda_candidates(spec)
+        return
     d = Spec(pattern=spec.pattern, seed=spec.seed)
     if len(spec.calls) > 1:
         for i in range(len(spec.calls)):
@@ -95,7 +100,7 @@ def minimise(outcome: runner.Outcome, *, max_runs: int = 60, max_seconds: float 
 
 def _diff(a: Spec, b: Spec) -> str:
     out = []
-    for f in dataclasses.fields(Spec):
+    for f in dataclasses.fields(type(b)):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x != y:
             out.append(f"{f.name}: {x!r} -> {y!r}")
