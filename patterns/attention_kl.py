@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from fuser.graph import GraphView, dtype, location, shape, val
@@ -30,6 +31,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl and its backward)
+from .attention import gradient_reaches
 from .masks import NEG_INF, Decline, describe_mask, static_class
 from .scores import Scores, _same_dims, analyze_scores, describe_scale, scores_rule, softmax_rule
 
@@ -169,6 +171,9 @@ class AttentionKLPattern(Pattern):
         live = ctx.grad_enabled and bool(val(root).requires_grad)
         g1 = live and not _detached(b, "1", s1) and s1.requires_grad()
         g2 = live and not _detached(b, "2", s2) and s2.requires_grad()
+        for side, s, g in (("teacher", s1, g1), ("student", s2, g2)):
+            if g:
+                _check_gradient_cuts(side, s, root, view)
         region = frozenset(b.region) | frozenset(passed) | {root}
         bindings = dict(
             s1=s1, s2=s2, rank=rank, reduction=kind, keepdim=keepdim, out_dtype=dtype(root),
@@ -268,6 +273,23 @@ def _zero_hidden(zeroing: list, s1: Scores, s2: Scores, ctx: MatchContext) -> bo
     if any(t["kind"] == "additive" for t in s1.mask_terms) or set(targets) - {"nothing"} != hiding:
         raise Decline("with a finite fill, the KL terms must be zeroed exactly where the scores' masks hide keys")
     return True
+
+
+def _check_gradient_cuts(side: str, s: Scores, root: fx.Node, view: GraphView) -> None:
+    """Decline when the op would give one of a side's inputs a gradient that eager does not: the
+    side's gradient flows, but a ``torch.no_grad()`` block or ``.detach()`` cuts one input's path
+    (``q * c`` under no_grad folded into the scale, ``k.mT`` under no_grad), while the op reads the
+    input itself. (A side cut as a whole — its softmax without gradients — is :func:`_detached`.)"""
+    k = s.k_ungrouped if s.k_ungrouped is not None else s.k  # as the op reads it: before a GQA repeat
+    gets = [("q", s.q), ("k", k)] + [("the run-time scale factor", f) for f, _ in s.dynamic_factors
+                                       if isinstance(f, fx.Node)]
+    for name, x in gets:
+        vx = val(x)
+        if isinstance(x, fx.Node) and isinstance(vx, torch.Tensor) and vx.requires_grad \
+                and not gradient_reaches(x, root, view):
+            raise Decline(f"the {side}'s {name} ('{x.name}') gets no gradient in the program (a torch.no_grad() "
+                          f"block or .detach() between it and the KL, {location(root)}), but the fused op reads "
+                          "it and would give it one")
 
 
 def _detached(b, tag: str, s: Scores) -> bool:
