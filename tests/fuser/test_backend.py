@@ -111,7 +111,14 @@ def test_cache_key_pass_hashes_sources_and_composes():
     assert backend.source_hash() in uuid and "user-pass-v1" in uuid
     p(torch.fx.Graph())
     assert len(calls) == 1
-    assert backend._cache_key_pass(None).uuid() == f"fuser:{backend.source_hash()}"
+    assert backend._cache_key_pass(None).uuid() == f"fuser:{backend.source_hash()}|inline:1"
+
+
+def test_cache_key_tells_inlined_from_opaque_ops(monkeypatch):
+    # compiled code with fused ops inlined into Inductor must not be served to FUSER_OPAQUE_OPS=1
+    inlined = backend._cache_key_pass(None).uuid()
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", False)
+    assert backend._cache_key_pass(None).uuid() != inlined
 
 
 def test_autotune_times_once_and_caches_on_disk(tmp_path, monkeypatch):
