@@ -458,7 +458,7 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
     Dynamo and AOTAutograd's joint graph see one opaque op. When AOTAutograd functionalises the
     graph, a GPU call of ``op`` is replaced by a trace of ``impl`` (the op's Python body) on
     fake tensors: its tensor ops, and each kernel launch recorded through
-    ``torch.library.wrap_triton`` (every template launches that way, :func:`launching`). Inductor
+    ``torch.library.wrap_triton`` (every template launches through :func:`jit_call`). Inductor
     then compiles those kernels with its own (in its parallel compile workers, at compile time)
     and launches them from its generated wrapper (``TORCH_LOGS=output_code`` shows them): the
     per-call cost of the op's dispatch, our Python and Triton's launcher disappears. This is
