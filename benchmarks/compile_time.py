@@ -48,7 +48,7 @@ first call in ms.
 Flags: ``--workloads {train,prefill}``, ``--backends``, ``--caches {cold,warm}`` (warm needs
 cold first: the warm row reuses the cold row's directories), ``--layers``, ``--hidden``,
 ``--intermediate``, ``--heads``, ``--kv-heads``, ``--vocab``, ``--batch``, ``--seq``, ``--dtype``,
-``--cache-root``, ``--child-timeout`` (s, default 420), ``--budget-s`` (default 450), ``--out``,
+``--cache-root``, ``--child-timeout`` (s, default 240), ``--budget-s`` (default 300), ``--out``,
 ``--out-dir`` (or env ``FUSER_BENCH_OUT_DIR``), ``--fuser-option key=value``, ``--device``,
 ``--seed``, ``--smoke`` (1 layer, hidden 64, 4 heads, 2 KV heads, vocab 128, B=2, N=64, fp32, the
 prefill workload unless ``--workloads`` says otherwise; fuser's kernels in Triton's interpreter;
@@ -61,7 +61,9 @@ Time on an H100 (estimate from the issue's numbers, not yet run: a first call of
 training step ~27 s with Inductor, ~35 s with fuser, cold): per process ~15 s of imports and
 setup, the cold first call ~30 s, the warm one less, the eager check a few s: ``--workloads
 train`` (4 processes) ~3-4 min, ``--workloads prefill`` ~2-3 min. Run them as two commands; the
-budget guard (450 s) starts no new process after that, and ``--child-timeout`` bounds each.
+budget guard (300 s) starts no new process after that and ``--child-timeout`` (240 s) bounds each,
+so a command ends within ~9 min at worst (with ``timeout`` around it, the table written after
+each row stays).
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="N (default 4096; 64 with --smoke)")
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--cache-root", default=None, help="where the cache directories go (default: a new temp dir)")
-    p.add_argument("--child-timeout", type=float, default=420.0, help="seconds per measuring process")
+    p.add_argument("--child-timeout", type=float, default=240.0, help="seconds per measuring process (default 240)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)
-    common.add_driver_args(p, budget_s=450.0, out_name="compile_time")
+    common.add_driver_args(p, budget_s=300.0, out_name="compile_time")
     a = p.parse_args(argv)
     small = a.smoke
     common.finish_driver_args(a, out_name="compile_time")
