@@ -414,16 +414,6 @@ class H2OPattern(Pattern):
             summary["assumes_constant"] = sorted(set(sc.buffers))
         region = frozenset(b.region) | frozenset(passed) | frozenset(path.nodes) | set(outputs.values())
         inputs = tuple(sc.inputs) + ((v,) if v is not None else ())
-        if ctx.grad_enabled and any(view.grad_enabled.get(n, True) for n in outputs.values()):
-            needy = [x for x in inputs if isinstance(x, fx.Node) and isinstance(val(x), torch.Tensor)
-                     and val(x).requires_grad]
-            if needy:
-                # the outputs need none (a torch.no_grad() block or .detach() inside the region), but
-                # the op would read these with gradients on and record a backward it does not have
-                raise Decline(f"the H2O region's inputs need gradients ('{needy[0].name}') while gradients are "
-                              "on, though its outputs do not (a torch.no_grad() block or .detach() inside the "
-                              "region); the fused H2O op has no backward (run the whole scoring under "
-                              "torch.no_grad())")
         root = pv if pv is not None else colsum
         return Match(self.name, root, region, bindings, summary, location(anchor), ctx.graph_index,
                      inputs=inputs, outputs=outputs)
