@@ -74,14 +74,28 @@ def _check_gradient_cuts(sc, k: fx.Node, v: fx.Node, pv: fx.Node, detached: bool
     exact: q and k are detached at emit (``detached``)."""
     if not (ctx.grad_enabled and view.grad_enabled.get(pv, True)):
         return  # the op runs without recording gradients, as the program's output does
-    gets = [("v", v)] if detached else [("q", sc.q), ("k", k), ("v", v)] + [
-        ("the run-time scale factor", f) for f, _ in sc.dynamic_factors if isinstance(f, fx.Node)]
-    for name, x in gets:
+    gets = [("v", v)] if detached else score_inputs(sc, k) + [("v", v)]
+    decline_cut_inputs(gets, pv, view, "the attention output")
+
+
+def score_inputs(sc, k: fx.Node) -> list:
+    """``[(name, node)]`` of what the fused op reads for scores ``sc``: q, ``k`` (as the op reads
+    it: before a GQA repeat) and the run-time scale factors."""
+    return [("q", sc.q), ("k", k)] + [("the run-time scale factor", f) for f, _ in sc.dynamic_factors
+                                      if isinstance(f, fx.Node)]
+
+
+def decline_cut_inputs(named: list, out: fx.Node, view: GraphView, what: str, owner: str = "") -> None:
+    """Raise :class:`Decline` for the first ``(name, node)`` of ``named`` that requires grad but
+    whose gradient eager never takes from ``out`` (:func:`gradient_reaches`): the fused op reads
+    that input and would give it one. ``what`` names ``out`` in the reason, ``owner`` prefixes the
+    input's name (``"the student's "``)."""
+    for name, x in named:
         vx = val(x)
         if isinstance(x, fx.Node) and isinstance(vx, torch.Tensor) and vx.requires_grad \
-                and not gradient_reaches(x, pv, view):
-            raise Decline(f"{name} ('{x.name}') gets no gradient in the program (a torch.no_grad() block or "
-                          f".detach() between it and the attention output, {location(pv)}), but the fused op "
+                and not gradient_reaches(x, out, view):
+            raise Decline(f"{owner}{name} ('{x.name}') gets no gradient in the program (a torch.no_grad() block or "
+                          f".detach() between it and {what}, {location(out)}), but the fused op "
                           "reads it and would give it one")
 
 

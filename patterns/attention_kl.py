@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.fx as fx
 
 from fuser.graph import GraphView, dtype, location, shape, val
@@ -31,7 +30,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import NotStatic
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl and its backward)
-from .attention import gradient_reaches
+from .attention import decline_cut_inputs, score_inputs
 from .masks import NEG_INF, Decline, describe_mask, static_class
 from .scores import Scores, _same_dims, analyze_scores, describe_scale, scores_rule, softmax_rule
 
@@ -281,15 +280,7 @@ def _check_gradient_cuts(side: str, s: Scores, root: fx.Node, view: GraphView) -
     (``q * c`` under no_grad folded into the scale, ``k.mT`` under no_grad), while the op reads the
     input itself. (A side cut as a whole — its softmax without gradients — is :func:`_detached`.)"""
     k = s.k_ungrouped if s.k_ungrouped is not None else s.k  # as the op reads it: before a GQA repeat
-    gets = [("q", s.q), ("k", k)] + [("the run-time scale factor", f) for f, _ in s.dynamic_factors
-                                       if isinstance(f, fx.Node)]
-    for name, x in gets:
-        vx = val(x)
-        if isinstance(x, fx.Node) and isinstance(vx, torch.Tensor) and vx.requires_grad \
-                and not gradient_reaches(x, root, view):
-            raise Decline(f"the {side}'s {name} ('{x.name}') gets no gradient in the program (a torch.no_grad() "
-                          f"block or .detach() between it and the KL, {location(root)}), but the fused op reads "
-                          "it and would give it one")
+    decline_cut_inputs(score_inputs(s, k), root, view, "the KL", owner=f"the {side}'s ")
 
 
 def _detached(b, tag: str, s: Scores) -> bool:
