@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from .launch import tracing
+
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 MASK_KINDS = ("none", "bool_keep", "bool_drop", "additive")
 BWD_MODES = ("two_kernel", "atomic_dq")
@@ -116,8 +118,6 @@ def expand_mask(mask, mask_kind: str, shape) -> tuple:
     the kernels are launched from here, as bool when Inductor launches them: its lowering cannot
     reinterpret a bool tensor, and Triton loads a bool pointer as bytes either way) and whether
     it is the same for every query row (then kernels load one vector per key tile)."""
-    from .launch import tracing
-
     if mask is None:
         return None, False
     if mask.dim() > 4:
