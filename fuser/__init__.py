@@ -57,8 +57,9 @@ from .backend import fuser_backend, register as _register  # noqa: E402
 from .report import Report, explain  # noqa: E402
 from .options import FuserOptionError, FuserWarning  # noqa: E402
 from .testing import rewrite  # noqa: E402
+from .exporting import export  # noqa: E402
 
-__all__ = ["explain", "rewrite", "fuser_backend", "Report", "FuserOptionError", "FuserWarning"]
+__all__ = ["explain", "rewrite", "export", "fuser_backend", "Report", "FuserOptionError", "FuserWarning"]
 __version__ = "0.1.0"
 
 _logging.getLogger("fuser").addHandler(_logging.NullHandler())

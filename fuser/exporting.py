@@ -1,0 +1,113 @@
+"""``fuser.export`` (this module is ``fuser.exporting``): ``torch.export`` with fuser's rewrites in the exported program.
+
+``torch.export`` does not go through a ``torch.compile`` backend, so ``backend="fuser"`` never
+sees an exported model. :func:`export` exports the model, applies fuser's pass to the exported
+graph (the same matching, planning and emission as the backend, on ATen ops), and exports the
+rewritten module again, so the :class:`torch.export.ExportedProgram` holds fuser's ops
+(``torch.ops.fuser.attention`` ...) where the patterns were found. From there:
+
+- ``ep.module()(...)`` runs it in Python (any device; CPU tensors in Triton's interpreter);
+  ``torch.export.save``/``load`` round-trip it (fuser must be importable where it is loaded:
+  the ops are registered by ``import fuser``).
+- ``torch._inductor.aoti_compile_and_package(ep)`` builds an AOTInductor package. On CUDA with
+  static sizes, AOTInductor traces fuser's ops into their Triton kernels
+  (:func:`fuser.codegen.launch.inline_into_inductor`): the package holds the compiled kernels
+  and runs without Python. With symbolic sizes (``dynamic_shapes``) or on CPU the ops stay
+  opaque and the package would have to call back into Python; torch's package loader cannot
+  read such a call's ``-inf`` float arguments (its JSON reader refuses ``"-Infinity"``,
+  torch 2.13), so :func:`export` refuses ``for_aoti=True`` in those cases instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import passes
+from .options import FuserOptionError, resolve
+from .report import next_graph_index, record
+
+__all__ = ["export"]
+
+
+def export(
+    mod: torch.nn.Module,
+    args: tuple,
+    kwargs: Optional[dict] = None,
+    *,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+    options: Optional[dict] = None,
+    training: bool = False,
+    for_aoti: bool = False,
+) -> "torch.export.ExportedProgram":
+    """Export ``mod`` with ``torch.export.export`` and put fuser's fused ops into the program.
+
+    Args:
+        mod: the model (``torch.nn.Module``).
+        args, kwargs, dynamic_shapes, strict: as for ``torch.export.export``.
+        options: fuser's options (the ``fuser.*`` keys of ``torch.compile(options=...)``).
+        training: whether the exported program is for training (fused ops save what their
+            backward needs) or inference (the default: nothing is saved for backward).
+        for_aoti: the program is meant for ``torch._inductor.aoti_compile_and_package``: raise
+            if a fused op would stay opaque in the package (CPU tensors, or symbolic sizes from
+            ``dynamic_shapes``), which the package could not run.
+
+    Returns:
+        The ``torch.export.ExportedProgram`` of the rewritten model (the first export itself
+        when nothing was fused). What was fused and why: ``with fuser.report.collecting() as
+        rep: ep = fuser.export(...)``, then ``print(rep)`` (a :class:`fuser.Report`).
+
+    Raises:
+        fuser.FuserOptionError: an unknown or bad ``fuser.*`` option; ``for_aoti=True`` with a
+            fused op that would stay opaque (the message says why and what to change).
+        Anything ``torch.export.export`` raises for ``mod``.
+    """
+    kwargs = dict(kwargs or {})
+    opts, rest = resolve(options)
+    if rest:
+        raise FuserOptionError(
+            f"fuser.export takes only fuser.* options; got {sorted(rest)} (Inductor options go to "
+            f"torch._inductor.aoti_compile_and_package's inductor_configs)")
+    first = torch.export.export(mod, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    gm = first.module()
+    example_inputs = pytree.tree_leaves((tuple(args), kwargs))
+    result = passes.apply(gm, example_inputs, opts, grad_enabled=training, graph_index=next_graph_index())
+    record(result, opts)
+    fused = [m for m in result.matches if m.fused]
+    if not fused:
+        return first
+    if for_aoti:
+        _check_inlinable(gm)
+    return torch.export.export(gm, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def _check_inlinable(gm: torch.fx.GraphModule) -> None:
+    """Raise when a fused op in ``gm`` would stay opaque under AOTInductor."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    from .codegen import launch
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "fuser":
+            continue
+        vals = [a.meta.get("val") for a in n.all_input_nodes]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if any(t.device.type not in launch.INLINE_DEVICE_TYPES for t in tensors):
+            raise FuserOptionError(
+                f"fuser.export(for_aoti=True): {n.target} runs on {tensors[0].device.type} tensors; only "
+                f"ops on {'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an "
+                f"AOTInductor package (on the CPU they need Python and Triton's interpreter). Export on "
+                f"CUDA tensors, or keep the program in Python (for_aoti=False, ep.module()).")
+        if any(free_symbols(t) for t in tensors):
+            raise FuserOptionError(
+                f"fuser.export(for_aoti=True): {n.target} has symbolic sizes (dynamic_shapes); fuser's ops "
+                f"become kernels in an AOTInductor package only with static sizes (their kernels and "
+                f"launch configs are chosen from the sizes). Export without dynamic_shapes, one package "
+                f"per shape, or keep the program in Python (for_aoti=False, ep.module()).")
+        if not launch.INLINE_INTO_INDUCTOR:
+            raise FuserOptionError(
+                "fuser.export(for_aoti=True): FUSER_OPAQUE_OPS=1 keeps fuser's ops opaque, which an "
+                "AOTInductor package cannot run; unset it.")
