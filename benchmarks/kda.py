@@ -50,9 +50,10 @@ Implementations (``--impls``; default all), in run order per configuration:
   fuser's kernels plus its host path (layout copies, reshapes) at every shape, also where the
   loop cannot be captured. fwdbwd: the op's autograd (whatever backward ``kda_ops`` runs: the
   float64 reference until ``codegen/kda_bwd.py`` is wired in).
-- ``fuser[recurrent]``, ``fuser[chunk]`` (``--impls fuser_recurrent fuser_chunk``): the kernel
-  modules called directly, ``codegen/kda_recurrent.forward`` / ``codegen/kda_chunk.forward
-  (chunk=64)``, on inputs flattened to ``[B·H, T, *]`` before the timed region; fwdbwd adds
+- ``fuser[recurrent]``, ``fuser[chunk]``, ``fuser[parallel]`` (``--impls fuser_recurrent
+  fuser_chunk fuser_parallel``): the kernel modules called directly, ``codegen/kda_recurrent.forward``
+  / ``codegen/kda_chunk.forward (chunk=64)`` / ``codegen/kda_parallel.forward`` (T <= 64 only; the
+  planner offers it on the GPU only when forced, its per-head solve being unmeasured), on inputs flattened to ``[B·H, T, *]`` before the timed region; fwdbwd adds
   ``codegen/kda_bwd.backward(..., chunk=64)`` (the same chunked backward after either
   forward). A module that is not there yet is recorded ``unavailable``.
 - ``fla_recurrent``: ``fla.ops.kda.fused_recurrent_kda`` (FLA 0.6.0), forward only (it has no
@@ -124,13 +125,13 @@ import common  # noqa: E402
 #: compile, last so a long compile cannot starve the others).
 IMPLS = {
     "fuser": "fuser", "fuser_op": "fuser_op", "fuser_recurrent": "fuser[recurrent]", "fuser_chunk": "fuser[chunk]",
-    "fla_recurrent": "fla_recurrent", "fla_chunk": "fla_chunk", "eager": "eager", "inductor": "inductor",
+    "fuser_parallel": "fuser[parallel]", "fla_recurrent": "fla_recurrent", "fla_chunk": "fla_chunk", "eager": "eager", "inductor": "inductor",
 }
 CUDAGRAPH_IMPLS = ("fuser[cg]", "inductor[cg]")
-FUSER_ROWS = ("fuser", "fuser_op", "fuser[recurrent]", "fuser[chunk]", "fuser[cg]")
+FUSER_ROWS = ("fuser", "fuser_op", "fuser[recurrent]", "fuser[chunk]", "fuser[parallel]", "fuser[cg]")
 FLA_ROWS = ("fla_recurrent", "fla_chunk")
 COLUMN_ORDER = ("eager", "inductor", "inductor[cg]", "fuser", "fuser[cg]", "fuser_op", "fuser[recurrent]",
-                "fuser[chunk]", "fla_recurrent", "fla_chunk")
+                "fuser[chunk]", "fuser[parallel]", "fla_recurrent", "fla_chunk")
 WRONG_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-3}
 BLOG_KV = ((256, 8192), (512, 16384), (8192, 1024), (16384, 1024))
 LONG_T = (64, 512)
@@ -425,7 +426,7 @@ class KDABenchmark(common.Benchmark):
             return self.compiled(name, run)
         if name == "fuser_op":
             return self.op_region(run)
-        if name in ("fuser[recurrent]", "fuser[chunk]"):
+        if name in ("fuser[recurrent]", "fuser[chunk]", "fuser[parallel]"):
             return self.kernel_region(name, run)
         if name in FLA_ROWS:
             return self.fla_region(name, run)
@@ -500,10 +501,12 @@ class KDABenchmark(common.Benchmark):
 
     def kernel_region(self, name: str, run: common.ConfigRun):
         cfg = run.cfg
-        plan = "chunk" if name == "fuser[chunk]" else "recurrent"
+        plan = name[len("fuser["):-1]
         mod, why = optional_module(f"fuser.codegen.kda_{plan}", "forward")
         if mod is None:
             return UNAVAILABLE + why
+        if plan == "parallel" and cfg.t > mod.MAX_T:
+            return f"the parallel form covers T <= {mod.MAX_T} (one chunk)"
         bwd = None
         if cfg.mode == "fwdbwd":
             bwd, why = optional_module("fuser.codegen.kda_bwd", "backward")
@@ -717,7 +720,7 @@ class KDABenchmark(common.Benchmark):
             "g = -softplus(randn), beta = sigmoid(randn), scale = K^-0.5, no initial state, final state returned. "
             f"do_bench warmup={a.warmup} ms rep={a.rep} ms (median). Times in ms. "
             "fuser = torch.compile(loop, backend='fuser'); fuser_op = torch.ops.fuser.kda called directly (the "
-            "cost model's plan); fuser[recurrent] / fuser[chunk] = the kernel modules on [B·H, T, *] inputs "
+            "cost model's plan); fuser[recurrent] / fuser[chunk] / fuser[parallel] = the kernel modules on [B·H, T, *] inputs "
             "(fwdbwd: + codegen/kda_bwd.backward); [cg] = mode='reduce-overhead' (CUDA graphs). "
             f"Floor = least bytes / {a.peak_tbps:g} TB/s (inputs read once, o and the final state written; "
             "fwdbwd adds the inputs and do read again and the five gradients written). x floor = time / floor; "
