@@ -45,6 +45,13 @@ def h2o_scores(q, k, v):
     return p @ v, p.sum(-2)
 
 
+@pytest.fixture(autouse=True)
+def _fuser_kernels(monkeypatch):
+    # the planner may leave small shapes to SDPA/Inductor; these tests are about fuser's ops
+    # (torch.compile refuses options= beside mode=, so the environment forces the plans)
+    monkeypatch.setenv("FUSER_PLAN", "attention.impl=fuser,kda.impl=fuser,h2o.impl=fuser")
+
+
 def _graphed(fn):
     torch._dynamo.reset()
     return torch.compile(fn, backend="fuser", mode="reduce-overhead")
