@@ -164,3 +164,33 @@ def _backward(ctx, g_rows, g_lse1, g_lse2, g_delta):
 
 
 attention_kl.register_autograd(_backward, setup_context=_setup_context)
+
+
+# DTensor sharding rules (fuser/distributed.py): batch and heads are independent problems.
+from fuser import distributed  # noqa: E402
+
+
+def _stats_dims(x) -> "str | None":
+    # [B, H, Nq], or one side's two-part statistics [planes, B, H, Nq]; an empty placeholder
+    return None if x is None or len(x.shape) == 1 else ("bhi" if len(x.shape) == 3 else "xbhi")
+
+
+def _sharding_fwd(q1, k1, q2, k2, mask, causal, mask_kind, need_stats, mask_fill1, mask_fill2, causal_fill1,
+                  causal_fill2, causal_fill_mode, zero_hidden, **_):
+    ins = {"q1": "bhid", "k1": "bhjd", "q2": "bhie", "k2": "bhje", "mask": distributed.broadcast_dims(mask, "bhij")}
+    if not need_stats:
+        return distributed.Layout(ins, ("bhi", None, None, None), "bh")
+    p1, p2 = _stat_planes(causal, mask_kind, mask_fill1, mask_fill2, causal_fill1, causal_fill2, causal_fill_mode,
+                          zero_hidden)
+    return distributed.Layout(ins, ("bhi", "xbhi" if p1 > 0 else "bhi", "xbhi" if p2 > 0 else "bhi", "bhi"), "bh")
+
+
+def _sharding_bwd(g, q1, k1, q2, k2, lse1, lse2, delta, mask, needs, **_):
+    ins = {"g": "bhi", "q1": "bhid", "k1": "bhjd", "q2": "bhie", "k2": "bhje", "lse1": _stats_dims(lse1),
+           "lse2": _stats_dims(lse2), "delta": _stats_dims(delta), "mask": distributed.broadcast_dims(mask, "bhij")}
+    outs = tuple(d if n else None for d, n in zip(("bhid", "bhjd", "bhie", "bhje"), needs))
+    return distributed.Layout(ins, outs, "bh")
+
+
+distributed.register_op_sharding(attention_kl, _sharding_fwd)
+distributed.register_op_sharding(attention_kl_backward, _sharding_bwd)

@@ -274,3 +274,30 @@ def _backward(ctx, dout, dlse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# DTensor sharding rules (fuser/distributed.py): batch and heads are independent problems.
+from fuser import distributed  # noqa: E402
+
+
+def _stats_dims(lse) -> str:
+    return "bhi" if len(lse.shape) == 3 else "bhxi"  # [B, H, Nq] or two-part [B, H, 2, Nq]
+
+
+def _sharding_fwd(q, k, v, mask, need_lse, causal, mask_kind, mask_fill, causal_fill, causal_fill_mode, pred,
+                  pred_fill, pred_fill_mode, **_):
+    two = kernels.two_part_stats(causal=causal, mask_kind=mask_kind, mask_fill=mask_fill, causal_fill=causal_fill,
+                                 causal_fill_mode=causal_fill_mode, mask_pred=pred or None, pred_fill=pred_fill,
+                                 pred_fill_mode=pred_fill_mode)
+    ins = {"q": "bhid", "k": "bhjd", "v": "bhje", "mask": distributed.broadcast_dims(mask, "bhij")}
+    return distributed.Layout(ins, ("bhie", ("bhxi" if two else "bhi") if need_lse else None), "bh")
+
+
+def _sharding_bwd(dout, q, k, v, out, lse, mask, needs, **_):
+    ins = {"dout": "bhie", "q": "bhid", "k": "bhjd", "v": "bhje", "out": "bhie", "lse": _stats_dims(lse),
+           "mask": distributed.broadcast_dims(mask, "bhij")}
+    return distributed.Layout(ins, tuple(d if n else None for d, n in zip(("bhid", "bhjd", "bhje"), needs)), "bh")
+
+
+distributed.register_op_sharding(attention, _sharding_fwd)
+distributed.register_op_sharding(attention_backward, _sharding_bwd)

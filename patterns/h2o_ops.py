@@ -165,3 +165,11 @@ def _h2o_fake(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fi
     if not (need_out and v is not None):
         return _empty(q), score
     return attention_kernels.alloc_out(q, v), score  # the attention forward's output layout
+
+
+# DTensor sharding rule (fuser/distributed.py): batch and heads are independent problems.
+from fuser import distributed  # noqa: E402
+
+distributed.register_op_sharding(h2o, lambda q, k, v, mask, need_out, **_: distributed.Layout(
+    {"q": "bhid", "k": "bhjd", "v": "bhje", "mask": distributed.broadcast_dims(mask, "bhij")},
+    ("bhie" if need_out and v is not None else None, "bhj"), "bh"))

@@ -269,3 +269,38 @@ def _kda_backward_fake(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps,
 
 
 kda.register_autograd(_backward, setup_context=_setup)
+
+
+# DTensor sharding rules (fuser/distributed.py): every lead (batch, head) dim is independent problems.
+from fuser import distributed  # noqa: E402
+
+
+def _with_time(dims: str, at: int) -> str:
+    return dims[:at] + "t" + dims[at:]
+
+
+def _sharding_dims(q, k, v, g, beta, h0, time_dims, scalar_gate) -> tuple[dict, str]:
+    tq, tk, tv, tg, tb = time_dims
+    lead = "ABCDEFGH"[:len(q.shape) - 2]
+    beta_dims = lead + "x" * (len(beta.shape) - 1 - len(lead))  # [*L] or [*L, 1], plus time
+    ins = {"q": _with_time(lead + "k", tq), "k": _with_time(lead + "k", tk), "v": _with_time(lead + "v", tv),
+           "g": _with_time(lead if scalar_gate else lead + "k", tg),
+           "beta": _with_time(beta_dims, tb if tb < len(beta.shape) else len(beta.shape) - 1),
+           "h0": None if h0 is None else lead + "kv"}
+    return ins, lead
+
+
+def _sharding_fwd(q, k, v, g, beta, h0, time_dims, scalar_gate, out_dim, want_state, **_):
+    ins, lead = _sharding_dims(q, k, v, g, beta, h0, time_dims, scalar_gate)
+    return distributed.Layout(ins, (_with_time(lead + "v", out_dim), lead + "kv" if want_state else None), lead)
+
+
+def _sharding_bwd(q, k, v, g, beta, h0, d_o, d_state, time_dims, scalar_gate, out_dim, **_):
+    ins, lead = _sharding_dims(q, k, v, g, beta, h0, time_dims, scalar_gate)
+    ins.update(d_o=_with_time(lead + "v", out_dim), d_state=None if d_state is None else lead + "kv")
+    outs = (ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], ins["h0"])
+    return distributed.Layout(ins, outs, lead)
+
+
+distributed.register_op_sharding(kda, _sharding_fwd)
+distributed.register_op_sharding(kda_backward, _sharding_bwd)

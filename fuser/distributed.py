@@ -1,0 +1,355 @@
+"""fuser's ops on DTensors: sharding rules, and which sharded regions must not be fused.
+
+Tensor parallelism with ``use_local_output=False`` (and anything else that keeps activations as
+:class:`torch.distributed.tensor.DTensor`) hands DTensors to fuser's custom ops. DTensor runs an
+op on the local shards only when a *sharding strategy* is registered for it; without one it
+raises ``Operator fuser.attention.default does not have a sharding strategy registered``.
+
+Each fused op declares its **layout**: a letter per dim of every tensor argument and output, in
+the einsum style (attention's ``q`` is ``"bhid"``, its output ``"bhie"``), and which letters are
+**parallel** — dims along which the op is a loop of independent problems (batch and heads for
+the attention family, every lead dim for KDA). :func:`register_op_sharding` turns that into
+DTensor strategies with :func:`torch.distributed.tensor.experimental.register_sharding`
+(public since torch 2.5; the same call in 2.11 and 2.13):
+
+- everything replicated (the op runs whole on every rank);
+- for each parallel letter, every tensor that has it sharded along it (``Shard(dim)``), the
+  tensors that broadcast it (size 1: a ``[B, 1, 1, N]`` padding mask under head sharding)
+  replicated, every non-empty output sharded along the same letter. A letter whose sizes differ
+  between tensors (query heads ``Hq`` and key heads ``Hkv`` under GQA) is offered only when every
+  such size divides by the mesh size: then the local query heads ``[r·Hq/t, (r+1)·Hq/t)`` read
+  exactly the local key heads ``[r·Hkv/t, (r+1)·Hkv/t)``.
+
+DTensor then runs the op's own implementation on the local shards (local shapes: the kernels
+choose their tiles from what they are given) and redistributes any other input placement to the
+cheapest of these first (e.g. a sequence-sharded input is all-gathered: correct, but see below).
+
+Context parallelism shards the *sequence* dim, and ring attention (torch's
+``context_parallel``) hooks PyTorch's own SDPA to attend across the shards without gathering
+them. A fused op there would either fail or all-gather q, k and v and lose the memory saving.
+:func:`sharding_decline` says, for a match on DTensor inputs, whether the matched region can be
+computed on each rank's shards without communication — it runs the region's own ops on the
+graph's fake DTensors under :class:`torch.distributed.tensor.debug.CommDebugMode` — and gives the
+reason to decline it when it cannot (any input sharded along a dim the region reduces over: the
+sequence dim of context parallelism, a feature dim, a ``Partial`` input).
+
+Sources: DTensor's ``register_sharding`` documentation and ``expand_to_full_mesh_op_strategy``
+(torch/distributed/tensor/_ops/utils.py); ring attention in
+torch/distributed/tensor/experimental/_context_parallel/_attention.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("fuser")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The dims of one call of a fused op.
+
+    Attributes:
+        inputs: argument name -> one letter per dim of that tensor argument (``None`` for an
+            argument that is not a tensor, or is None); arguments left out count as None.
+        outputs: one string of letters per output, ``None`` for an output that is an empty
+            placeholder tensor (``lse`` of an inference forward, a gradient nobody needs).
+        parallel: the letters along which the op is independent problems (may be sharded).
+    """
+
+    inputs: dict
+    outputs: tuple
+    parallel: str
+
+
+#: op -> its layout function (see :func:`register_op_sharding`).
+LAYOUTS: dict = {}
+
+
+def available() -> bool:
+    """Whether this torch has DTensor (``torch.distributed`` built in)."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
+    except ImportError:  # pragma: no cover - a torch without DTensor
+        return False
+    return True
+
+
+def _overload(op: Any) -> Any:
+    """The ``OpOverload`` of a ``torch.library.custom_op`` object, an ``OpOverloadPacket`` or an
+    overload."""
+    if hasattr(op, "_opoverload"):  # torch.library.custom_op's CustomOpDef
+        return op._opoverload
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op.default
+    return op
+
+
+def register_op_sharding(op: Any, layout: Callable[..., Layout]) -> None:
+    """Register DTensor sharding strategies for the fused op ``op`` from its layout.
+
+    Args:
+        op: the op (a ``torch.library.custom_op``, e.g. ``fuser::attention``, or its overload).
+        layout: called with the op's arguments by name — tensors as DTensor's specs, which have
+            ``.shape`` (global) and ``.ndim``; other arguments as given — returns the call's
+            :class:`Layout`.
+
+    The strategies are listed in this module's docstring. Every non-tensor argument is part of
+    DTensor's propagation cache key (``register_sharding`` alone keys on them only from the
+    first ``int`` argument on, and e.g. ``need_lse`` changes which outputs are empty). Does
+    nothing on a torch without DTensor.
+    """
+    if not available():
+        return
+    from torch.distributed.tensor.experimental import register_sharding
+
+    overload = _overload(op)
+    LAYOUTS[overload] = layout
+    schema = overload._schema
+    names = [a.name for a in schema.arguments]
+
+    def rule(*args: Any, **kwargs: Any) -> list:
+        named = dict(zip(names, args))
+        named.update(kwargs)
+        for a in schema.arguments:  # defaults of arguments left out
+            if a.name not in named and a.has_default_value():
+                named[a.name] = a.default_value
+        return strategies(overload, layout(**named), [named.get(n) for n in names], len(schema.returns))
+
+    register_sharding(overload)(rule)
+    _key_on_every_argument(overload, schema)
+
+
+def _key_on_every_argument(overload: Any, schema: Any) -> None:
+    """Make every non-tensor argument part of DTensor's sharding-propagation cache key (the
+    ``static_argnum`` of its ``RuntimeSchemaInfo``: the index from which arguments are hashed)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    first = next((i for i, a in enumerate(schema.arguments) if not _is_tensor_type(a.type)), len(schema.arguments))
+    prop = DTensor._op_dispatcher.sharding_propagator
+    info = prop.op_to_schema_info.get(overload)
+    kwargs = [a.name for a in schema.arguments if a.kwarg_only and not _is_tensor_type(a.type)]
+    prop.op_to_schema_info[overload] = RuntimeSchemaInfo(
+        static_argnum=first, static_kwargkey=kwargs or (info.static_kwargkey if info else None), needs_pytree=True)
+
+
+def _is_tensor_type(t: Any) -> bool:
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
+def strategies(op: Any, lay: Layout, args: Sequence[Any], n_outputs: int) -> list:
+    """``register_sharding``'s list of ``(output placements, input placements)`` for one call:
+    all replicated, then one strategy per parallel letter that can be sharded (see the module
+    docstring). ``args`` in schema order, tensors as specs (objects with ``.shape`` and
+    ``.mesh``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    names = [a.name for a in op._schema.arguments]
+    specs = [(n, a) for n, a in zip(names, args) if _is_spec(a)]
+    out = [([Replicate()] * n_outputs, [Replicate() if _is_spec(a) else None for a in args])]
+    if not specs:
+        return out
+    mesh_size = specs[0][1].mesh.size()
+    for letter in lay.parallel:
+        inputs: list = []
+        sizes = []
+        for n, a in zip(names, args):
+            if not _is_spec(a):
+                inputs.append(None)
+                continue
+            letters = lay.inputs.get(n)
+            if letters is not None and len(letters) != len(a.shape):
+                raise RuntimeError(f"fuser: the layout of {op} gives {n} the dims {letters!r}, "
+                                   f"but it has {len(a.shape)}")
+            if letters and letter in letters and a.shape[letters.index(letter)] != 1:
+                d = letters.index(letter)
+                inputs.append(Shard(d))
+                sizes.append(a.shape[d])
+            else:
+                inputs.append(Replicate())
+        if not sizes:
+            continue  # nothing is sharded along it
+        if len(set(sizes)) > 1 and any(s % mesh_size for s in sizes):
+            continue  # e.g. GQA heads that do not split evenly: local q and kv heads would not pair
+        outputs = []
+        for letters in lay.outputs:
+            if letters is None:
+                outputs.append(Replicate())  # an empty placeholder
+            elif letter in letters:
+                outputs.append(Shard(letters.index(letter)))
+            else:
+                break  # an output that mixes every problem: this letter cannot be sharded
+        if len(outputs) != n_outputs:
+            continue
+        out.append((outputs, inputs))
+    return out
+
+
+def broadcast_dims(x: Any, full: str) -> Optional[str]:
+    """The letters of a tensor ``x`` broadcast against ``full`` (right-aligned, as broadcasting
+    aligns dims; a mask ``[N, N]`` against ``"bhij"`` is ``"ij"``); None when ``x`` is None."""
+    if x is None:
+        return None
+    rank = len(x.shape)
+    return full[len(full) - rank:] if rank <= len(full) else None
+
+
+def _is_spec(x: Any) -> bool:
+    return hasattr(x, "placements") and hasattr(x, "mesh") and hasattr(x, "shape")
+
+
+# --------------------------------------------------------------------------------------------
+# Which regions on DTensors may be fused at all
+# --------------------------------------------------------------------------------------------
+
+def _dtensor_type():
+    if not available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
+    """Why ``match`` (a :class:`fuser.pattern.Match`) must not be fused because of how its
+    DTensor inputs are sharded, or None (no DTensor input, or every rank can compute the region
+    from its own shards).
+
+    The test is the program's own: the region's nodes are run, in graph order, on the fake
+    values the graph carries for its inputs (fresh clones: the graph's metadata is never
+    written), under :class:`torch.distributed.tensor.debug.CommDebugMode`. If DTensor needs
+    any collective for them — a sequence-sharded q or k (context parallelism), a sharded feature
+    dim, a ``Partial`` input — the region is not local to the shards: fusing it would gather
+    the inputs (or fail), so it is declined with the inputs' placements in the reason. A region
+    that cannot be run that way is declined too (nothing proves it local).
+
+    Args:
+        match: the match (its ``region`` and ``pattern`` are read).
+        view: unused; accepted so that the pass can call it beside its other region checks.
+
+    Returns:
+        None or the reason, for ``explain()``.
+    """
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return None
+    region = match.region
+    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)} if region else {}
+    nodes = sorted(region, key=order.__getitem__)
+    outside: dict = {}
+    for n in nodes:
+        for a in _node_args(n):
+            if a not in region:
+                outside.setdefault(a, None)
+    values = {a: _value(a) for a in outside}
+    sharded = {a: v for a, v in values.items() if isinstance(v, DTensor)}
+    if not sharded and not any(isinstance(_value(n), DTensor) for n in nodes):
+        return None
+    described = ", ".join(f"'{a.name}' {_placements(v)}" for a, v in sharded.items()) or "DTensor values"
+    try:
+        comms = _collectives(nodes, values, region)
+    except Exception as exc:  # noqa: BLE001 - nothing proves the region local: decline
+        log.debug("fuser: could not run the %s region on its DTensor values: %r", match.pattern, exc)
+        return (f"its inputs are DTensors ({described}) and running the region on them to check that each "
+                f"rank can compute it from its own shards failed ({type(exc).__name__}); not fused")
+    if comms:
+        what = ", ".join(f"{k} x{v}" for k, v in sorted(comms.items()))
+        return (f"its inputs are DTensors sharded so that computing the region needs communication ({described}; "
+                f"DTensor would run {what}): a dim the region reduces over is sharded — the sequence dim under "
+                "context parallelism, whose ring attention must stay PyTorch's own — and the fused op would "
+                "gather the shards; left as written")
+    return None
+
+
+def _node_args(n: fx.Node) -> list:
+    out: list = []
+    fx.node.map_arg((n.args, n.kwargs), out.append)
+    return out
+
+
+def _value(n: Any) -> Any:
+    if not isinstance(n, fx.Node):
+        return n
+    for key in ("example_value", "val"):
+        v = n.meta.get(key)
+        if v is not None:
+            return v
+    return None
+
+
+def _placements(v: Any) -> str:
+    return "(" + ", ".join(str(p) for p in v.placements) + ")"
+
+
+def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
+    """Run ``nodes`` on ``values`` (their inputs from outside, tensors cloned first) under
+    DTensor's communication counter; returns ``{collective: count}``."""
+    from torch._guards import detect_fake_mode
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    env: dict = {}
+    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+    fake_mode = detect_fake_mode(tuple(tensors)) if tensors else None
+
+    def load(a: Any) -> Any:
+        return env[a] if a in env else values.get(a, _value(a))
+
+    ctx = fake_mode if fake_mode is not None else _null()
+    with ctx, torch.no_grad():
+        for a, v in list(values.items()):
+            if isinstance(v, torch.Tensor):
+                values[a] = v.clone()  # in-place ops of the region must not touch the graph's metadata
+        with CommDebugMode() as comm:
+            for n in nodes:
+                if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+                    env[n] = None
+                    continue
+                args = fx.node.map_arg(n.args, load)
+                kwargs = fx.node.map_arg(n.kwargs, load)
+                if n.op == "call_function":
+                    env[n] = n.target(*args, **kwargs)
+                elif n.op == "call_method":
+                    env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    raise NotImplementedError(f"node {n.name} ({n.op})")
+    counts = comm.get_comm_counts()
+    return {str(k): int(v) for k, v in counts.items() if v}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Elementwise core ops
+# --------------------------------------------------------------------------------------------
+
+def _register_core() -> None:
+    """Rules for fuser's own elementwise op, ``fuser::saved_copy`` (its output is laid out as
+    its input: every dim is parallel)."""
+    from . import copies  # noqa: F401  (registers the op)
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def layout(x: Any) -> Layout:
+        dims = letters[:len(x.shape)]
+        return Layout(inputs={"x": dims}, outputs=(dims,), parallel=dims)
+
+    register_op_sharding(torch.ops.fuser.saved_copy.default, layout)
+
+
+_register_core()
