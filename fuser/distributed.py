@@ -294,12 +294,13 @@ def _placements(v: Any) -> str:
 def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
     """Run ``nodes`` on ``values`` (their inputs from outside, tensors cloned first) under
     DTensor's communication counter; returns ``{collective: count}``."""
-    from torch._guards import detect_fake_mode
     from torch.distributed.tensor.debug import CommDebugMode
 
     env: dict = {}
-    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
-    fake_mode = detect_fake_mode(tuple(tensors)) if tensors else None
+    # the values' own fake mode (a DTensor's local tensor carries it), not the tracing
+    # context's: inside the backend, after the pass re-propagated values, the two differ
+    fake_mode = next((m for m in (getattr(getattr(v, "_local_tensor", v), "fake_mode", None)
+                                  for v in values.values() if isinstance(v, torch.Tensor)) if m is not None), None)
 
     def load(a: Any) -> Any:
         return env[a] if a in env else values.get(a, _value(a))

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from . import planner, registry
+from . import distributed, planner, registry
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
 from .codegen import render
 from .graph import GraphView, annotate, flat_args, location, val, written_args
@@ -343,7 +343,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                 result.rejected.append(r)
                 log.info("fuser: not fused: %s at %s: %s", r.pattern, r.location, r.reason)
                 continue
-            why = check_region(r, view, metadata_readers)
+            why = check_region(r, view, metadata_readers) or distributed.sharding_decline(r, view)
             if why is None and r.region & taken:
                 why = "overlaps another match"
             if why is not None:

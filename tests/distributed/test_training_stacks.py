@@ -79,7 +79,7 @@ def test_context_parallel_declined():
         assert r["direct_reasons"] and all("needs communication" in (x or "") for x in r["direct_reasons"])
         if _pass_calls_sharding_decline():  # the pass's hook (fuser/passes.py; for the lead to add)
             assert r["fused"] == []
-            assert any("needs communication" in reason for _, reason in r["rejected"])
+            assert any("needs communication" in reason for _, reason in r["rejected"]), r["rejected"]
 
 
 @pytest.mark.slow
