@@ -70,8 +70,8 @@ Numerics of the decays (why nothing overflows):
   state decay ``e^{G_C}`` from the stored ``G_C``.
 
 Workspaces (allocated per call, contiguous; ``T_pad = ⌈T / C⌉ · C``, rows past ``T`` are
-written as zeros; "dots' dtype" ``DT`` = float32 if any of q, k, v is float32, else bfloat16 —
-also for float16 inputs, so that the state cast for the tensor-core dots has float32's range):
+written as zeros; "dots' dtype" ``DT`` = float32 whatever the inputs' dtypes, bfloat16 only when
+asked, ``dots="bfloat16"``: :func:`workspace_dtype`):
 
 =========  ======================  =====  =========================================================
 name       shape                   dtype  content
@@ -90,10 +90,14 @@ name       shape                   dtype  content
 
 Precision: decays, ``A``, the solve and the state are float32; the dots of kernel 1's ``A``,
 ``U``, ``W`` and of kernel 2 take ``DT`` operands (``T``, the decayed ``q``/``k`` factors, and in
-kernel 2 the state and ``Δ``, rounded to ``DT`` as dot operands only) and accumulate in float32.
-Measured on the H100 with bf16 inputs (T up to 2000, K up to 256): relative error of o 0.3-0.4%
-against the float64 recurrence, of which bf16 output rounding alone is ~0.17%. float32 inputs use IEEE float32 dots unless torch's
-matmul precision allows TF32 (``launch.dot_precision``).
+kernel 2 the state and ``Δ``) and accumulate in float32. With the default float32 ``DT`` the
+16-bit inputs are upcast exactly, as the user's loop upcasts them, and the result is as close to
+the float64 recurrence as the eager float32 loop's (:func:`workspace_dtype` has the
+measurements); the dots run as :func:`input_precision` says: TF32 where torch's float32 matmul
+precision allows it, else ``tf32x3`` on a GPU (:data:`GPU_FP32_PRECISION`), IEEE float32 in the
+interpreter. With ``dots="bfloat16"`` (FLA's class): measured on the H100 with bf16 inputs (T up
+to 2000, K up to 256), relative error of o 0.3-0.4% against the float64 recurrence, of which
+bf16 output rounding alone is ~0.17%, and of the final state ~2e-3.
 
 Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
 ``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
@@ -113,6 +117,7 @@ from .render import RenderedKernel, render
 
 __all__ = [
     "forward", "prep_kernel", "scan_kernel", "kernels_for", "candidate_configs", "workspace_dtype",
+    "input_precision", "dot_rate", "DOTS", "GPU_FP32_PRECISION",
     "workspace_bytes", "hbm_bytes", "flops", "exps", "CHUNKS", "MAX_K",
 ]
 
@@ -236,13 +241,75 @@ def _fit(cfg: dict, k_dim: int, v_dim: int) -> dict:
     return out
 
 
-def workspace_dtype(q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> torch.dtype:
-    """The dots' operand dtype ``DT`` of the workspaces: float32 if any of q, k, v is float32,
-    else bfloat16 (float16 inputs too: the state is rounded to ``DT`` as a dot operand, and
-    bfloat16 keeps float32's range)."""
-    if torch.float32 in (q_dtype, k_dtype, v_dtype):
-        return torch.float32
-    return torch.bfloat16
+#: The ``dots`` the chunked forward takes: the dtype of its workspaces, which is the dtype of
+#: every tensor-core dot operand (:func:`workspace_dtype`).
+DOTS = ("float32", "bfloat16")
+
+#: ``input_precision`` of the float32 dots on a GPU where torch's float32 matmul precision is
+#: ``"highest"`` (no TF32): three TF32 products per dot (Triton splits each operand into a TF32
+#: high part and a TF32 remainder and drops the remainder × remainder product), about 22 bits of
+#: the 24 of float32, on the tensor cores. Predicted, not measured on a GPU (the interpreter
+#: computes every dot in IEEE float32): a float64 model of the kernels' dataflow with Triton's
+#: split (B=1, H=4, K=V=64, T 64-300, float16 and bfloat16 inputs, strong and mild gates) puts the
+#: final state at 0.6-1.5x the error of the eager float32 loop and ``o`` at eager's (plain TF32:
+#: the state at 2.5-3.4e-4, 1000x eager's). ``tests/codegen/test_kda_chunk.py``'s GPU test
+#: ``test_half_inputs_as_close_as_eager_on_gpu`` checks it on the device. IEEE float32 dots
+#: would run on the FMA units (about 15x below the bf16 tensor-core rate on the H100).
+GPU_FP32_PRECISION = "tf32x3"
+
+
+def _check_dots(dots) -> str:
+    if dots not in DOTS:
+        raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
+    return dots
+
+
+def workspace_dtype(dots: str = "float32") -> torch.dtype:
+    """The workspaces' dtype ``DT``, which every tensor-core dot takes its operands in:
+    ``dots="float32"`` (the default, whatever the inputs' dtypes) or ``"bfloat16"``.
+
+    Why float32 also for float16/bfloat16 inputs: the kernels carry the state in float32, as
+    the loops they replace do (a float32 state with the inputs upcast every step), and every
+    product on the state's path (``A_kk``, ``T``, ``U``, ``W``, ``Kd``, ``Δ``) rounded to 16 bits
+    costs the state ~1e-3 relative (the eager float32 loop: ~6e-8). Measured on the H100 with
+    bfloat16 workspaces (B=1, H=4, K=V=64, T=64, FLA's naive loop; o / final state against
+    float64, eager's in brackets): float16 inputs 4.4e-3 (2.1e-4) / 3.6e-3 (5.7e-8), bfloat16
+    inputs 3.9e-3 (1.6e-3) / 2.0e-3 (6e-8). With float32 workspaces the interpreter gives
+    eager's own errors (float16, T = 64, 100, 200: o 2.1e-4 as eager's, state 5-8e-8 against
+    eager's 5.4e-8). Float16 workspaces are not offered: the diagonal tiles' decay factor is
+    clamped at e^30, beyond float16's range (NaN), and the state would overflow at 65504.
+    ``"bfloat16"`` is FLA's ``chunk_kda`` precision class (its state, ``W``, ``U`` and ``Δ``
+    operands are 16-bit too): for speed comparisons, never chosen by the planner.
+
+    Raises:
+        ValueError: ``dots`` not in :data:`DOTS`.
+    """
+    return torch.float32 if _check_dots(dots) == "float32" else torch.bfloat16
+
+
+def input_precision(dots: str = "float32", *, interpret: bool = False) -> str:
+    """``tl.dot``'s ``input_precision`` for the workspaces of ``dots``: ``"tf32"`` where torch's
+    float32 matmul precision allows TF32 (``launch.dot_precision``), else ``"ieee"`` in Triton's
+    interpreter (``interpret``) and :data:`GPU_FP32_PRECISION` on a GPU; ``"ieee"`` (moot) for
+    bfloat16 operands.
+
+    Raises:
+        ValueError: ``dots`` not in :data:`DOTS`.
+    """
+    if _check_dots(dots) == "bfloat16":
+        return "ieee"
+    if launch.dot_precision(torch.float32) == "tf32":
+        return "tf32"
+    return "ieee" if interpret else GPU_FP32_PRECISION
+
+
+def dot_rate(precision: str, dots: str = "float32") -> tuple[str, int]:
+    """``(key of the cost model's tflops, products per dot)`` of dots with this
+    ``input_precision`` on ``dots`` operands: ``tf32x3`` runs three TF32 products, ``ieee`` float32
+    runs on the FMA units (``"fp32"``)."""
+    if _check_dots(dots) == "bfloat16":
+        return "bf16", 1
+    return {"tf32": ("tf32", 1), "tf32x3": ("tf32", 3)}.get(precision, ("fp32", 1))
 
 
 def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device) -> list[dict]:
@@ -305,16 +372,17 @@ def _k_blocks(k_dim: int, cfg: dict) -> int:
     return launch.cdiv(k_dim, cfg["BLOCK_K"])
 
 
-def kernels_for(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, chunk: int = 64, scalar_gate: bool = False,
-                config: Optional[dict] = None) -> list[RenderedKernel]:
+def kernels_for(*, k_dim: int, v_dim: int, device, chunk: int = 64, scalar_gate: bool = False,
+                config: Optional[dict] = None, dots: str = "float32") -> list[RenderedKernel]:
     """The kernel modules :func:`forward` runs for these sizes (for reports), in launch order:
     kernel 1 (prep) and kernel 2 (scan, whose unrolling depends on ``⌈K / BLOCK_K⌉`` of the
-    config: ``config`` or the default of :func:`candidate_configs`).
+    config: ``config`` or the default of :func:`candidate_configs` for the workspaces of
+    ``dots``, whatever the inputs' dtypes).
 
     Raises:
-        ValueError: a bad chunk, K, V or config.
+        ValueError: a bad chunk, K, V, dots or config.
     """
-    cfg = _configs(config, k_dim, v_dim, dtype, device)[0]
+    cfg = _configs(config, k_dim, v_dim, workspace_dtype(dots), device)[0]
     interpret = launch.interpreted(device)
     return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret),
             scan_kernel(chunk=chunk, k_blocks=_k_blocks(k_dim, cfg), interpret=interpret)]
@@ -333,9 +401,10 @@ def _chunks(t, chunk):
     return sympy.ceiling(sympy.sympify(t) / chunk)
 
 
-def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 2, save_for_backward: bool = False):
+def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 4, save_for_backward: bool = False):
     """Extra HBM :func:`forward` allocates beyond ``o`` and the final state, in bytes: the
-    workspaces of the module docstring (``ws_bytes`` the size of the dots' dtype, 2 or 4;
+    workspaces of the module docstring (``ws_bytes`` the size of the dots' dtype: 4, or 2 with
+    ``dots="bfloat16"``;
     ``states`` only with ``save_for_backward``)."""
     nc = _chunks(t, chunk)
     tp = nc * chunk
@@ -346,7 +415,7 @@ def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 2, s
 
 
 def hbm_bytes(*, n, nq, t, k_dim, v_dim, chunk: int = 64, in_bytes: int = 2, g_bytes=None, out_bytes=None,
-              ws_bytes: int = 2, scalar_gate: bool = False, initial_state: bool = False, final_state: bool = False,
+              ws_bytes: int = 4, scalar_gate: bool = False, initial_state: bool = False, final_state: bool = False,
               save_for_backward: bool = False):
     """Bytes through HBM of one :func:`forward` (a model: every operand read once per kernel
     that reads it, L2 reuse ignored).
@@ -459,6 +528,7 @@ def forward(
     config: Optional[dict] = None,
     chunk: int = 64,
     save_for_backward: bool = False,
+    dots: str = "float32",
 ):
     """KDA forward in chunks of ``chunk`` tokens (the WY form; module docstring).
 
@@ -477,6 +547,11 @@ def forward(
             default); None: the table's candidates, the first that fits the device.
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         save_for_backward: also return what a backward can reuse (below).
+        dots: the workspaces' dtype, which the tensor-core dots take their operands in
+            (:data:`DOTS`): ``"float32"`` (default; the accuracy of a float32 loop also for
+            16-bit inputs, :func:`workspace_dtype`) or ``"bfloat16"`` (FLA's precision class:
+            ~2e-3 relative error on the final state; for speed comparisons). The dots'
+            ``input_precision``: :func:`input_precision`.
 
     Returns:
         ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state
@@ -492,13 +567,13 @@ def forward(
     Raises:
         ValueError: wrong ranks or shapes (messages name the expected shape), an unsupported
             dtype, inputs on several devices, K outside 1..256, a chunk not in
-            :data:`CHUNKS`, a bad config.
+            :data:`CHUNKS`, ``dots`` not in :data:`DOTS`, a bad config.
     """
     chunk = _check_chunk(chunk)
+    dt = workspace_dtype(dots)
     n, nq, t, k_dim, v_dim = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
     device = v.device
     out_dtype = v.dtype if out_dtype is None else out_dtype
-    dt = workspace_dtype(q.dtype, k.dtype, v.dtype)
     configs = _configs(config, k_dim, v_dim, dt, device)
     nc = launch.cdiv(t, chunk)
     tp = nc * chunk
@@ -519,7 +594,7 @@ def forward(
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return _result(o, final, save_for_backward, states, ws, chunk)
     interpret = launch.interpreted(device)
-    precision = launch.dot_precision(dt)
+    precision = input_precision(dots, interpret=interpret)
     _, prep = _prep_module(chunk, bool(scalar_gate), interpret)
     group = n // nq
 

@@ -13,7 +13,8 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     the chunked WY form on tensor cores: an intra-chunk kernel parallel over chunks (decays,
     ``A_kk``, ``A_qk``, the triangular solve, ``U``, ``W`` into float32 workspaces), then a pass
     sequential over the chunks carrying the state in registers (K ≤ 256). The dependency chain
-    is ``T / C`` long.
+    is ``T / C`` long. Its dots take float32 operands also for 16-bit inputs (as accurate as the
+    float32 loop; ``tf32x3`` on the GPU: three TF32 products a dot, counted so).
 ``fuser[parallel]``
     the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
     matrices split over K across programs, a per-head solve, and the final state written tile by
@@ -61,7 +62,8 @@ RECURRENT_EFFICIENCY = 0.5
 CHUNK_EFFICIENCY = 0.3
 #: Measured over modelled time of the chunked forward on the H100 (B=1, T=4096, H=16, bf16:
 #: K=V=64 0.316 ms against 0.195 ms modelled, K=V=128 0.343 against 0.243): kernel 1 spills
-#: registers. Applied to the chunk plan's estimate.
+#: registers. Applied to the chunk plan's estimate. Measured with bfloat16 workspaces and dots,
+#: before they became float32 (tf32x3 dots): NOT MEASURED since.
 CHUNK_CALIBRATION = 1.5
 #: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
 #: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
@@ -140,23 +142,28 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
         return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": PARALLEL_SOLVE_US}
     from fuser.codegen import kda_chunk
 
-    ws = torch.finfo(kda_chunk.workspace_dtype(_dtype(b["q"]), _dtype(b["k"]), _dtype(b["v"]))).bits // 8
+    # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype);
+    # the dots as they run on a GPU (tf32x3: three TF32 products per dot; kda_chunk.input_precision)
+    ws = torch.finfo(kda_chunk.workspace_dtype()).bits // 8
+    operand_kind, passes = kda_chunk.dot_rate(kda_chunk.input_precision(interpret=False))
     nbytes = kda_chunk.hbm_bytes(n=N, nq=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk, in_bytes=eq, g_bytes=eg,
                                  out_bytes=eo, ws_bytes=ws, scalar_gate=b["scalar_gate"],
                                  initial_state=b["h0"] is not None, final_state=b["want_state"])
-    return {"bytes": nbytes, "flops": kda_chunk.flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk), "kind": "mma",
+    return {"bytes": nbytes, "flops": passes * kda_chunk.flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk),
+            "kind": "mma", "operand_kind": operand_kind,
             "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION}
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
     """Milliseconds: the larger of traffic and arithmetic, plus the dependency chain, plus
-    launches."""
+    launches. Matrix-unit FLOPs run at the rate of ``terms["operand_kind"]`` where the plan
+    names one (the chunk plan's float32 dots), else of the inputs' ``in_kind``."""
     nbytes = cm.evaluate(terms["bytes"], subs)
     flops = cm.evaluate(terms["flops"], subs)
     if terms["kind"] == "fp32":
         t_math = flops / (model.tflops["fp32"] * 1e12 * RECURRENT_EFFICIENCY)
     else:
-        t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
+        t_math = flops / (model.tflops[terms.get("operand_kind", in_kind)] * 1e12 * CHUNK_EFFICIENCY)
     bandwidth = model.bandwidth_gbs * 1e9
     if "state_bytes" in terms and cm.evaluate(terms["state_bytes"], subs) > STREAMED_FAST_BYTES:
         bandwidth *= STREAMED_SLOW_EFFICIENCY
@@ -218,7 +225,7 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     if plan.params["plan"] == "chunk":
         from fuser.codegen import kda_chunk
 
-        return list(kda_chunk.kernels_for(k_dim=kw["k_dim"], v_dim=kw["v_dim"], dtype=kw["dtype"], device=kw["device"],
+        return list(kda_chunk.kernels_for(k_dim=kw["k_dim"], v_dim=kw["v_dim"], device=kw["device"],
                                           chunk=plan.params["chunk"], scalar_gate=kw["scalar_gate"]))
     from fuser.codegen import kda_recurrent
 

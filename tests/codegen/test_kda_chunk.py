@@ -5,9 +5,10 @@ On CPU the kernels run in Triton's interpreter at tiny, ragged sizes (T not a mu
 chunk, K and V not powers of two); tests marked ``gpu`` run the compiled kernels at training
 sizes. Outputs are allocated poisoned (NaN), so an element a kernel fails to write shows up.
 
-Note: the 3.9 interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
-float16 inputs (whose dots run on bfloat16 operands, see ``workspace_dtype``) carry about twice
-the GPU's error here.
+The workspaces (the dots' operands) are float32 whatever the inputs' dtypes (``workspace_dtype``);
+``dots="bfloat16"`` is tested on its own. Note: the 3.9 interpreter rounds float32 -> bfloat16
+toward zero (the GPU rounds to nearest), so bfloat16 outputs and bfloat16 workspaces carry about
+twice the GPU's error here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from fuser.codegen import kda_chunk, launch
 from fuser.patterns import kda_reference
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 CPU = torch.device("cpu")
 
 
@@ -66,11 +67,11 @@ def _reference(q, k, v, g, beta, scale, s0, scalar_gate, chunked=False):
 
 
 def _check(q, k, v, g, beta, s0=None, *, scalar_gate=False, chunk=64, tol=None, config=None, out_dtype=None,
-           final=True, chunked_ref=False):
+           final=True, chunked_ref=False, dots="float32"):
     scale = q.shape[-1] ** -0.5
     with launch.poison_outputs():
         o, s = kda_chunk.forward(q, k, v, g, beta, scale=scale, initial_state=s0, output_final_state=final,
-                                 scalar_gate=scalar_gate, chunk=chunk, config=config, out_dtype=out_dtype)
+                                 scalar_gate=scalar_gate, chunk=chunk, config=config, out_dtype=out_dtype, dots=dots)
     ro, rs = _reference(q, k, v, g, beta, scale, s0, scalar_gate, chunked=chunked_ref)
     tol = TOL[q.dtype] if tol is None else tol
     assert o.shape == v.shape and o.dtype == (out_dtype or v.dtype) and o.is_contiguous()
@@ -136,7 +137,7 @@ def test_no_states_and_config_blocks():
     # no initial state, no final state; a config whose K and V blocks split K=24 / V=40 in two and three
     q, k, v, g, beta, _ = _inputs(6, 1, 1, 37, 24, 40, init=False)
     cfg = {"BLOCK_K": 16, "BLOCK_V": 16, "BLOCK_K1": 16, "BLOCK_V1": 16}
-    assert kda_chunk.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, chunk=32,
+    assert kda_chunk.kernels_for(k_dim=24, v_dim=40, device=CPU, chunk=32,
                                  config=cfg)[1].params == (("chunk", 32), ("interpret", True), ("k_blocks", 2))
     _check(q, k, v, g, beta, None, chunk=32, config=cfg, final=False)
 
@@ -248,19 +249,112 @@ def test_configs_kernels_and_costs():
                     assert bucket * c["BLOCK_V"] <= 2048 * c["num_warps"]
     cands = kda_chunk.candidate_configs(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU)
     assert cands and all(c["BLOCK_K"] <= 32 and c["BLOCK_V"] <= 64 for c in cands)
-    ks = kda_chunk.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU, chunk=64, scalar_gate=True)
+    ks = kda_chunk.kernels_for(k_dim=24, v_dim=40, device=CPU, chunk=64, scalar_gate=True)
     assert [x.template for x in ks] == [kda_chunk.PREP_TEMPLATE, kda_chunk.SCAN_TEMPLATE]
     assert "@triton.jit" in ks[0].source and ks[0].name.endswith("_interp")
-    assert kda_chunk.workspace_dtype(torch.float16, torch.float16, torch.float16) == torch.bfloat16
-    assert kda_chunk.workspace_dtype(torch.bfloat16, torch.bfloat16, torch.float32) == torch.float32
+    assert kda_chunk.workspace_dtype() == torch.float32 and kda_chunk.workspace_dtype("bfloat16") == torch.bfloat16
     kw = dict(n=4, t=100, k_dim=64, v_dim=32, chunk=32)
-    assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 2 + 4 * 4 * 64 * 4
+    assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 4 + 4 * 4 * 64 * 4
+    assert kda_chunk.workspace_bytes(**kw, ws_bytes=2) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 2 + 4 * 4 * 64 * 4
     assert kda_chunk.workspace_bytes(**kw, save_for_backward=True) > kda_chunk.workspace_bytes(**kw)
     assert kda_chunk.hbm_bytes(nq=2, **kw) > 0 and kda_chunk.flops(**kw) > 0 and kda_chunk.exps(n=4, t=100, k_dim=64) > 0
     t = sympy.Symbol("T", positive=True, integer=True)
     expr = kda_chunk.flops(n=4, t=t, k_dim=64, v_dim=32, chunk=32)
     assert int(expr.subs(t, 100)) == kda_chunk.flops(**kw)
     assert int(kda_chunk.hbm_bytes(nq=2, n=4, t=t, k_dim=64, v_dim=32, chunk=32).subs(t, 100)) == kda_chunk.hbm_bytes(nq=2, **kw)
+
+
+# -- 16-bit inputs: as close to the exact result as the eager float32 loop ------------------------
+
+def _mild_or_softplus(gen, shape, gate):
+    # softplus: -softplus(randn), ~-0.8 a token: the state before a chunk is mostly forgotten by its
+    # end; mild: logsigmoid(randn + 4), ~-0.03 a token: the state crosses many chunks
+    x = torch.randn(*shape, generator=gen)
+    return F.logsigmoid(x + 4.0) if gate == "mild" else -F.softplus(x)
+
+
+def _eager_loop(q, k, v, g, beta, scale, dt):
+    """FLA's naive loop on [N, T, *]: the state in ``dt``, each step's slices upcast to ``dt``."""
+    n, t, kd = q.shape
+    s = torch.zeros(n, kd, v.shape[-1], dtype=dt, device=q.device)
+    o = torch.empty(n, t, v.shape[-1], dtype=dt, device=q.device)
+    for i in range(t):
+        q_t, k_t, v_t = q[:, i].to(dt), k[:, i].to(dt), v[:, i].to(dt)
+        s = s * g[:, i].to(dt).exp()[..., None]
+        v_hat = (k_t[..., None] * s).sum(-2)
+        s = s + (beta[:, i].to(dt)[:, None] * k_t)[..., None] * (v_t - v_hat)[:, None, :]
+        o[:, i] = (q_t[..., None] * s).sum(-2) * scale
+    return o, s
+
+
+def _half_inputs_against_eager(dtype, t, gate, device, seed=0, n=4, kd=64, vd=64):
+    """(fused o error, eager o error, fused state error, eager state error) against float64, the
+    inputs in ``dtype`` (exact in it), the eager loop in float32 with its o rounded to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, t, kd, generator=gen)
+    k = F.normalize(torch.randn(n, t, kd, generator=gen), dim=-1)
+    v = torch.randn(n, t, vd, generator=gen)
+    g = _mild_or_softplus(gen, (n, t, kd), gate)
+    beta = torch.rand(n, t, generator=gen)
+    q, k, v, g, beta = (x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta))
+    scale = kd ** -0.5
+    o, s = kda_chunk.forward(q, k, v, g, beta, scale=scale, output_final_state=True)
+    eo, es = _eager_loop(q, k, v, g, beta, scale, torch.float32)
+    wo, ws = _eager_loop(q, k, v, g, beta, scale, torch.float64)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    return rel_err(o, wo), rel_err(eo.to(dtype), wo), rel_err(s, ws), rel_err(es, ws)
+
+
+@pytest.mark.parametrize("t", [64, 100, 200])
+@pytest.mark.parametrize("gate", ["softplus", "mild"])
+def test_float16_inputs_as_close_as_eager(t, gate):
+    # issue 10: with bfloat16 dot operands the chunk plan was 20x eager's error on o and 1e5x on the
+    # state (H100); its workspaces are float32 now. Criterion: within 2x of eager's own error (o: both
+    # are mostly the float16 rounding of o; the state: float32 roundoff, ~5e-8)
+    fo, eo, fs, es = _half_inputs_against_eager(torch.float16, t, gate, CPU)
+    assert fo <= 2 * eo, (fo, eo)
+    assert fs <= 2 * es, (fs, es)
+
+
+@pytest.mark.parametrize("gate", ["softplus", "mild"])
+def test_bfloat16_inputs_state_as_close_as_eager(gate):
+    # the state is float32 and never rounded to 16 bits: eager's accuracy also here (o: the GPU test
+    # below; the interpreter rounds o to bfloat16 toward zero, twice the GPU's error)
+    _, _, fs, es = _half_inputs_against_eager(torch.bfloat16, 100, gate, CPU)
+    assert fs <= 2 * es, (fs, es)
+
+
+def test_bfloat16_dots_on_request():
+    # dots="bfloat16": FLA's precision class (its chunk_kda rounds the state and W, U, Δ to 16 bits),
+    # for speed comparisons; the planner never picks it
+    q, k, v, g, beta, s0 = _inputs(13, 1, 1, 37, 24, 40, dtype=torch.float16)
+    with launch.poison_outputs():
+        o, s, saved = kda_chunk.forward(q, k, v, g, beta, scale=24 ** -0.5, initial_state=s0, output_final_state=True,
+                                        save_for_backward=True, dots="bfloat16")
+    assert saved["w"].dtype == saved["t_mat"].dtype == torch.bfloat16
+    ro, rs = _reference(q, k, v, g, beta, 24 ** -0.5, s0, False)
+    e_bf16 = rel_err(o, ro), rel_err(s, rs)
+    o32, s32 = kda_chunk.forward(q, k, v, g, beta, scale=24 ** -0.5, initial_state=s0, output_final_state=True)
+    e_fp32 = rel_err(o32, ro), rel_err(s32, rs)
+    assert e_bf16[0] < 3e-2 and e_bf16[1] < 3e-2  # the interpreter's toward-zero bfloat16 rounding
+    assert e_fp32[0] < e_bf16[0] / 5 and e_fp32[1] < e_bf16[1] / 100, (e_fp32, e_bf16)
+    with pytest.raises(ValueError, match="dots must be one of"):
+        kda_chunk.forward(q, k, v, g, beta, scale=1.0, dots="float16")
+
+
+def test_input_precision_follows_torch_and_device():
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert kda_chunk.input_precision(interpret=True) == "ieee"
+        assert kda_chunk.input_precision(interpret=False) == kda_chunk.GPU_FP32_PRECISION == "tf32x3"
+        assert kda_chunk.input_precision("bfloat16", interpret=False) == "ieee"
+        torch.set_float32_matmul_precision("high")  # TF32 allowed: as torch's own float32 matmuls
+        assert kda_chunk.input_precision(interpret=False) == kda_chunk.input_precision(interpret=True) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert kda_chunk.dot_rate("tf32x3") == ("tf32", 3) and kda_chunk.dot_rate("ieee") == ("fp32", 1)
+    assert kda_chunk.dot_rate("ieee", "bfloat16") == ("bf16", 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,12 +384,26 @@ def test_gpu_matches_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("t", [64, 100, 200])
+@pytest.mark.parametrize("gate", ["softplus", "mild"])
+def test_half_inputs_as_close_as_eager_on_gpu(dtype, t, gate):
+    # the compiled kernels' float32 dots (tf32x3 under torch's default "highest" precision; predicted
+    # by a model of the kernels: state 0.6-1.5x eager's error, o eager's) against the eager float32 loop
+    # on the same GPU (its einsums in IEEE float32)
+    assert kda_chunk.input_precision(interpret=False) == "tf32x3"
+    fo, eo, fs, es = _half_inputs_against_eager(dtype, t, gate, torch.device("cuda"))
+    assert fo <= 2 * eo, (fo, eo)
+    assert fs <= 3 * es, (fs, es)
+
+
+@pytest.mark.gpu
 def test_gpu_new_length_does_not_recompile():
     dev = torch.device("cuda")
     for t in (300, 333):
         q, k, v, g, beta, s0 = _inputs(12, 1, 1, t, 64, 64, dtype=torch.bfloat16, device=dev)
         kda_chunk.forward(q, k, v, g, beta, scale=0.125, initial_state=s0, output_final_state=True)
-        cfg = kda_chunk.candidate_configs(k_dim=64, v_dim=64, dtype=torch.bfloat16, device=dev)[0]
+        cfg = kda_chunk.candidate_configs(k_dim=64, v_dim=64, dtype=kda_chunk.workspace_dtype(), device=dev)[0]
         _, prep = kda_chunk._prep_module(64, False, False)
         _, scan = kda_chunk._scan_module(64, kda_chunk._k_blocks(64, cfg), False)
         keys = (compiled_keys(prep.kda_chunk_prep_kernel), compiled_keys(scan.kda_chunk_scan_kernel))

@@ -115,9 +115,8 @@ CASES = [
          "and the pass's shape check failed the rewrite (internal error)",
          KDASpec(steps=(8, 2), dynamic=True, assembly="zeros")),
     Case("kda_chunk_half_inputs", "KDA, float16 inputs upcast to a float32 state, the chunk plan forced: its dots "
-         "take bfloat16 operands, 1.8e-2 max relative error where eager's float32 loop has 2e-4 (T=8)",
+         "took bfloat16 operands, 1.8e-2 max relative error where eager's float32 loop has 2e-4 (T=8); fixed: "
+         "float32 workspaces (codegen/kda_chunk.workspace_dtype)",
          KDASpec(dtype="float16", plan="chunk", steps=(8,), upcast="step", batch=2, heads=2, key_dim=12,
-                 value_dim=10),
-         xfail="codegen/kda_chunk.py: bfloat16 dot operands for float16/bfloat16 inputs (reported; not fixed in "
-               "the KDA pattern's files)"),
+                 value_dim=10)),
 ]

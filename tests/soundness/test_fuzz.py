@@ -67,10 +67,7 @@ def test_kda_fuzz_budget():
     where the pattern can prove the loop, declined otherwise. fuser's rewritten graphs run
     through aot_eager here (``fuser_fast``: the KDA op and the pass as in the backend, the rest
     not compiled to C++); ``python -m tests.soundness.fuzz --pattern kda`` runs them with Inductor."""
-    # the chunk plan on float16 inputs is a known, reported failure class (corpus case
-    # kda_chunk_half_inputs, a strict xfail): those programs are skipped here until it is fixed
-    specs = [s for s in (fuzz.program_spec(KDA_CI_SEED, i, "kda") for i in range(4 * KDA_CI_COUNT))
-             if not (s.plan == "chunk" and s.dtype == "float16")][:KDA_CI_COUNT]
+    specs = [fuzz.program_spec(KDA_CI_SEED, i, "kda") for i in range(KDA_CI_COUNT)]
     stats, failures = fuzz.fuzz(specs, minimise=False, log=lambda s: None, backend="fuser_fast",
                                 confirm_backend="aot_eager")
     print(stats.table())
