@@ -52,8 +52,7 @@ Implementations (``--impls``; default all), in run order per configuration:
   float64 reference until ``codegen/kda_bwd.py`` is wired in).
 - ``fuser[recurrent]``, ``fuser[chunk]``, ``fuser[parallel]`` (``--impls fuser_recurrent
   fuser_chunk fuser_parallel``): the kernel modules called directly, ``codegen/kda_recurrent.forward``
-  / ``codegen/kda_chunk.forward (chunk=64)`` / ``codegen/kda_parallel.forward`` (T <= 64 only; the
-  planner offers it on the GPU only when forced, its per-head solve being unmeasured), on inputs flattened to ``[B·H, T, *]`` before the timed region; fwdbwd adds
+  / ``codegen/kda_chunk.forward (chunk=64)`` / ``codegen/kda_parallel.forward`` (T <= 64 only), on inputs flattened to ``[B·H, T, *]`` before the timed region; fwdbwd adds
   ``codegen/kda_bwd.backward(..., chunk=64)`` (the same chunked backward after either
   forward). A module that is not there yet is recorded ``unavailable``.
 - ``fla_recurrent``: ``fla.ops.kda.fused_recurrent_kda`` (FLA 0.6.0), forward only (it has no

@@ -19,8 +19,9 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
     matrices split over K across programs, a per-head solve, and the final state written tile by
     tile — without an initial state the state is never read, so the floor is writing it. Any K.
-    **Not measured on a GPU yet**: on CUDA it is offered only when forced
-    (``fuser.plan={"kda.plan": "parallel"}``); in the interpreter always.
+    Its per-head solve is a chain of T dependent rows (:data:`PARALLEL_SOLVE_ROW_US` each, measured);
+    it wins where the recurrent kernel must stream a large state (the blog's K = 8192, 16384 with
+    V = 1024, T = 8: 0.22 / 0.26 ms against 0.55 / 1.93 ms on the H100).
 ``inductor``
     the unrolled loop as written: Inductor round-trips the state through HBM every token.
 
@@ -51,8 +52,12 @@ STEP_US = 0.5
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
-#: The parallel form's per-head triangular solve (T dependent rows), in microseconds: NOT MEASURED.
-PARALLEL_SOLVE_US = 3.0
+#: The parallel form's per-head solve: microseconds per row of its chain of T dependent rows,
+#: MEASURED on the H100 (benchmarks/results/kda_parallel.md: ``codegen/kda_parallel.forward``
+#: called directly, B=1, H=2, K=256, V=8192, bf16: T=8 0.161 ms, T=64 0.524 ms, i.e. ~6.5 µs a
+#: row; at T=8 the rest, ~0.1 ms, is the direct call's four Python launches, which Inductor's
+#: wrapper makes cheaper when the op is inlined).
+PARALLEL_SOLVE_ROW_US = 6.5
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
@@ -139,7 +144,8 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
                                         scalar_gate=b["scalar_gate"], out_bytes=eo)
         # the Gram matrices (T² K twice), the h0 projections (2 T K V), the state tiles (T K V)
         flops = 4 * N * T * T * KD + (4 * N * T * KD * VD if b["h0"] is not None else 0) + 2 * N * T * KD * VD
-        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": PARALLEL_SOLVE_US}
+        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4,
+                "chain_us": PARALLEL_SOLVE_ROW_US * T}
     from fuser.codegen import kda_chunk
 
     # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype);
@@ -194,9 +200,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         "token by token, each program keeping a [K, BLOCK_V] block of the state for the whole sequence")
     from fuser.codegen import kda_parallel
 
-    on_gpu = dev is not None and torch.device(dev).type != "cpu"
-    forced = ("kda.plan", "parallel") in tuple(ctx.options.plan)
-    if subs[T] <= kda_parallel.MAX_T and (not on_gpu or forced):
+    if subs[T] <= kda_parallel.MAX_T:
         add("fuser[parallel]", "parallel", cost_terms(m, "parallel"),
             "single-chunk parallel form: T x T Gram matrices split over K, a per-head solve, the final state "
             "written tile by tile")
