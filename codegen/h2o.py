@@ -40,7 +40,9 @@ been streamed (``docs/math.md``, "H2O column sums"). Plans (:data:`PLANS`):
     columns. Per query block and per key block the cached tiles form at most two contiguous
     ranges, so both kernels split their loops into reuse and recompute ranges (no branch in
     any loop). ``diagonals=0`` is two_kernel. The workspace (:func:`workspace_bytes`) is
-    allocated once per size and device and reused across calls.
+    allocated once per size and device and reused across calls, the layout tables copied to
+    the device once per layout; in a call traced for Inductor (the op's GPU path) both are
+    made per call inside the compiled graph (the tables by tensor ops, :func:`_device_tables`).
 
 Variants: causal ``"none"``, ``"top_left"``, ``"bottom_right"`` (one rendered kernel serves both
 alignments through the runtime causal offset), mask kinds ``"none"``, ``"bool_keep"``,
@@ -73,7 +75,8 @@ from .render import RenderedKernel, render
 
 __all__ = [
     "forward", "colsum_kernel", "fwd_kernel", "kernels_for", "candidate_configs", "alloc_score",
-    "cached_tiles", "diagonal_count", "workspace_bytes", "program_tiles", "PLANS", "CACHE_LAYOUTS", "SUPPORTED",
+    "cached_tiles", "diagonal_count", "workspace_bytes", "program_tiles", "empty_rows_possible", "PLANS",
+    "CACHE_LAYOUTS", "SUPPORTED",
 ]
 
 TEMPLATE = "h2o_colsum.py.jinja"
@@ -139,12 +142,15 @@ def colsum_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, interpret
 
 
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool, one_kernel: bool,
-               cache_ranges: int, interpret: bool, mask_fill_finite: bool = False) -> RenderedKernel:
+               cache_ranges: int, interpret: bool, mask_fill_finite: bool = False,
+               nan_rows: bool = False) -> RenderedKernel:
     """Render the row-parallel H2O kernel module (``templates/h2o_fwd.py.jinja``): the whole
     one_kernel plan (``one_kernel``), or kernel 0 storing the statistics (and ``out`` with
     ``need_out``), writing the cached tiles' scores with ``cache_ranges`` 1 or 2 (diag_cache).
     ``mask_fill_finite``: a boolean mask's hidden entries score the runtime ``mask_fill``
-    (two-part statistics), ignored for other mask kinds.
+    (two-part statistics), ignored for other mask kinds. ``nan_rows`` (one_kernel only; ignored
+    otherwise): a row with no visible key makes every column sum of its (batch, head) NaN
+    (:func:`forward`'s ``nan_rows``).
 
     Raises:
         ValueError: unknown causal mode or mask kind, ``cache_ranges`` not in 0..2, or
@@ -156,15 +162,17 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bo
     causal = variants.is_causal(causal)
     mfill = _mask_fill_finite(mask_kind, mask_fill_finite)
     row = bool(mask_row_broadcast) and mask_kind != "none"
+    nan = bool(nan_rows) and bool(one_kernel)
     name = ("h2o_" + ("onekernel" if one_kernel else "fwd") + ("_causal" if causal else "")
             + variants.MASK_SUFFIX[mask_kind] + ("fill" if mfill else "") + ("_rowbcast" if row else "")
             + ("" if need_out else "_noout")
-            + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_interp" if interpret else ""))
+            + (f"_cache{cache_ranges}" if cache_ranges else "") + ("_nanrows" if nan else "")
+            + ("_interp" if interpret else ""))
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, two_part=mask_kind == "additive" or mfill,
         need_out=bool(need_out), one_kernel=bool(one_kernel), cache_ranges=int(cache_ranges),
-        mask_fill_finite=mfill, interpret=bool(interpret),
+        mask_fill_finite=mfill, nan_rows=nan, interpret=bool(interpret),
     )
 
 
@@ -179,11 +187,11 @@ def _colsum_module(causal: bool, mask_kind: str, row: bool, interpret: bool, cac
 
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal: bool, mask_kind: str, row: bool, need_out: bool, one_kernel: bool, cache_ranges: int,
-                interpret: bool, mask_fill_finite: bool = False):
+                interpret: bool, mask_fill_finite: bool = False, nan_rows: bool = False):
     """The imported row-parallel module of one static variant (rendered once per process)."""
     kernel = fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_out=need_out,
                         one_kernel=one_kernel, cache_ranges=cache_ranges, interpret=interpret,
-                        mask_fill_finite=mask_fill_finite)
+                        mask_fill_finite=mask_fill_finite, nan_rows=nan_rows)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -194,14 +202,17 @@ def _cache_ranges(cache: str) -> int:
 
 def kernels_for(*, plan: str, causal, mask_kind: str, mask_row_broadcast: bool, need_out: bool,
                 interpret: bool, diagonals: int = 0, cache: str = "balanced", causal_fill: float = NEG_INF,
-                causal_fill_mode: str = "replace", mask_fill: float = NEG_INF) -> list[RenderedKernel]:
+                causal_fill_mode: str = "replace", mask_fill: float = NEG_INF,
+                nan_rows: bool = False) -> list[RenderedKernel]:
     """The kernel modules a plan runs for one static variant (for reports), in launch order (a
     finite ``causal_fill``: two_kernel's attention forward and column pass taking the fill; a
-    finite ``mask_fill`` of a boolean mask: every plan's kernels taking it)."""
+    finite ``mask_fill`` of a boolean mask: every plan's kernels taking it; ``nan_rows``: as
+    :func:`forward`'s, for some sizes)."""
     _check_plan(plan, cache)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     fill_k = variants.causal_fill_kind(causal, causal_fill, causal_fill_mode)
     mfill = variants.mask_fill_kind(mask_kind, mask_fill) != "hide"
+    nan = bool(nan_rows) and empty_rows_possible(causal, mask_kind, mask_fill, fill_k)
     if fill_k != "hide":
         return [attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
                                      interpret=interpret, mask_fill=mask_fill, causal_fill=causal_fill,
@@ -210,7 +221,7 @@ def kernels_for(*, plan: str, causal, mask_kind: str, mask_row_broadcast: bool, 
                               causal_fill=fill_k, mask_fill_finite=mfill)]
     kw = dict(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, interpret=interpret, mask_fill_finite=mfill)
     if plan == "one_kernel":
-        return [fwd_kernel(need_out=need_out, one_kernel=True, cache_ranges=0, **kw)]
+        return [fwd_kernel(need_out=need_out, one_kernel=True, cache_ranges=0, nan_rows=nan, **kw)]
     ranges = _cache_ranges(cache) if plan == "diag_cache" and diagonals > 0 else 0
     if ranges == 0 and need_out:
         first = attention.fwd_kernel(causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=True,
@@ -503,7 +514,11 @@ _tab_tensors: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict(
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A float32 workspace of ``numel`` elements on ``device``, allocated on first use of that
     (device, dtype, size) and reused by later calls (poisoned when first allocated under
-    :func:`~fuser.codegen.launch.poison_outputs`)."""
+    :func:`~fuser.codegen.launch.poison_outputs`). While traced (:func:`~fuser.codegen.launch.tracing`:
+    the kernels handed to Inductor) a new one per call: a kept tensor would be captured into the
+    compiled graph, one buffer for every call of it."""
+    if launch.tracing():
+        return launch.empty((max(int(numel), 1),), torch.float32, device)
     key = (str(device), torch.float32, int(numel))
     with _ws_lock:
         ws = _workspaces.get(key)
@@ -516,8 +531,75 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
         return ws
 
 
+def _two_ranges(a0, b0, a1, b1):
+    """Two sorted half-open ranges (``b0 <= a1``; int tensors, elementwise) in the tables' form
+    (:func:`_ranges` then :func:`_pad_ranges`): adjacent ranges merged, empty ones dropped, the
+    rest padded with empty ranges at the last end (``0`` when none is left)."""
+    e0, e1 = b0 > a0, b1 > a1
+    both = e0 & e1
+    merged = both & (b0 == a1)
+    first_a = torch.where(e0, a0, torch.where(e1, a1, 0))
+    first_b = torch.where(merged, b1, torch.where(e0, b0, torch.where(e1, b1, 0)))
+    second_a = torch.where(both & ~merged, a1, first_b)
+    second_b = torch.where(both & ~merged, b1, first_b)
+    return first_a, first_b, second_a, second_b
+
+
+def _device_tables(device: torch.device, n_q: int, n_k: int, tile: int, causal: str, diagonals: int, cache: str):
+    """``(row_tab, col_tab)`` of :func:`_tables` computed by tensor ops on ``device`` from block
+    indices (``torch.arange``), no data from the host: the form a traced call (the kernels handed
+    to Inductor) allocates per call, where a tensor made from Python lists would become a
+    constant of the compiled graph (copied from the host on every call). The same values as
+    :func:`_tables` (``tests/codegen/test_h2o_kernels.py`` compares them)."""
+    n_r, n_c = launch.cdiv(n_q, tile), launch.cdiv(n_k, tile)
+    n = max(n_r, n_c)
+    kk = int(diagonals)
+    r = torch.arange(n_r, dtype=torch.int32, device=device)
+    c = torch.arange(n_c, dtype=torch.int32, device=device)
+    if causal == "none":
+        hi = torch.full_like(r, n_c)
+        lo = torch.zeros_like(c)
+    else:
+        off = variants.causal_offset(causal, n_q, n_k)
+        last = torch.clamp((r + 1) * tile, max=n_q) + off  # (the last visible query row + 1) + offset
+        hi = torch.clamp(torch.div(last + tile - 1, tile, rounding_mode="floor"), min=0, max=n_c)
+        first = torch.clamp(c * tile - off, min=0)  # the first query that sees the key block
+        lo = torch.where(first >= n_q, n_r, torch.div(first, tile, rounding_mode="floor"))
+    zero_r, zero_c = torch.zeros_like(r), torch.zeros_like(c)
+    if cache == "balanced":
+        # row r caches the key blocks c with (c - r) mod n < K: [0, r + K - n) (wrapped) and
+        # [r, r + K), within the visible [0, hi); key block c is cached by the query blocks
+        # [c - K + 1, c + 1) and [c + n - K + 1, n_r) (wrapped), within the visible [lo, n_r)
+        w = torch.minimum(torch.clamp(r + kk - n, min=0), hi)
+        m = torch.minimum(r + kk, hi)
+        row = _two_ranges(zero_r, w, r, torch.maximum(m, r))
+        a = torch.maximum(torch.clamp(c - kk + 1, min=0), lo)
+        b = torch.clamp(c + 1, max=n_r)
+        a2 = torch.maximum(c + n - kk + 1, lo)
+        b = torch.maximum(b, a)
+        col = _two_ranges(a, b, torch.maximum(a2, b), torch.maximum(torch.full_like(c, n_r), torch.maximum(a2, b)))
+    else:
+        # causal: the query blocks r < K cache their whole visible row [0, hi)
+        end = torch.where(r < kk, hi, 0)
+        row = (zero_r, end, end, end)
+        a = torch.clamp(lo, max=n_r)
+        b = torch.clamp(torch.full_like(c, min(kk, n_r)), min=0)
+        nonempty = b > a
+        col = (torch.where(nonempty, a, 0), torch.where(nonempty, b, 0), zero_c, zero_c)
+    counts = (row[1] - row[0]) + (row[3] - row[2])
+    slots = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    row_tab = torch.stack([*row, slots], dim=1).reshape(-1).to(torch.int32)
+    col_tab = torch.stack(list(col), dim=1).reshape(-1).to(torch.int32)
+    return row_tab, col_tab
+
+
 def _table_tensors(device: torch.device, n_q: int, n_k: int, tile: int, causal: str, diagonals: int, cache: str):
-    """``(row_tab, col_tab, n_slots)`` as int32 tensors on ``device`` (copied there once per layout)."""
+    """``(row_tab, col_tab, n_slots)`` as int32 tensors on ``device``: copied there once per
+    layout and kept; while traced (:func:`~fuser.codegen.launch.tracing`), computed on the
+    device per call (:func:`_device_tables`), nothing kept."""
+    if launch.tracing():
+        n_slots = _tables(n_q, n_k, tile, causal, diagonals, cache)[2]
+        return (*_device_tables(device, n_q, n_k, tile, causal, diagonals, cache), n_slots)
     key = (str(device), n_q, n_k, tile, causal, diagonals, cache)
     with _ws_lock:
         hit = _tab_tensors.get(key)
@@ -607,6 +689,26 @@ def alloc_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return launch.empty((b, h, k.shape[2]), torch.float32, q.device)
 
 
+def empty_rows_possible(causal, mask_kind: str, mask_fill: float = NEG_INF, causal_fill_kind: str = "hide",
+                        n_q: Optional[int] = None, n_k: Optional[int] = None) -> bool:
+    """Whether a query row can have no visible key (every score ``-inf``): a ``-inf`` causal mask
+    aligned bottom-right with ``Nq > Nk`` (any sizes when ``n_q``/``n_k`` are None), or a data
+    mask hiding with ``-inf`` (a boolean mask without a finite ``mask_fill``, an additive mask).
+    ``causal_fill_kind``: ``"hide"`` or a finite fill's kind (:func:`variants.causal_fill_kind`)."""
+    if mask_kind == "additive" or (mask_kind in ("bool_keep", "bool_drop") and mask_fill == NEG_INF):
+        return True
+    if causal_fill_kind != "hide" or causal != "bottom_right":
+        return False
+    return n_q is None or n_k is None or variants.causal_offset(causal, n_q, n_k) < 0
+
+
+def _nan_where_empty_rows(score: torch.Tensor, stats: torch.Tensor, two_part: bool) -> None:
+    """``score[b, h, :] = NaN`` (in place) where a row of (b, h) has no visible key: its
+    statistics' first part (``LSE₂``, or the row max ``m₂``) is ``+inf`` (the kernels' mark)."""
+    first = stats[:, :, 0] if two_part else stats
+    score.masked_fill_(torch.isposinf(first).any(-1, keepdim=True), float("nan"))
+
+
 def _check_supported(mask_fill: float, causal, causal_fill: float, causal_fill_mode: str, mask_kind: str,
                      mask_pred, plan: str, diagonals: int) -> tuple[str, str]:
     """``(mask fill kind, causal fill kind)`` (each ``"hide"``, ``"replace"`` or ``"add"``)
@@ -644,6 +746,7 @@ def forward(
     causal_fill: float = NEG_INF,
     mask_pred=None,
     causal_fill_mode: str = "replace",
+    nan_rows: bool = False,
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """H2O column sums and attention output with one of :data:`PLANS` (module docstring).
 
@@ -683,12 +786,17 @@ def forward(
             a partly hidden row gives its hidden keys ``exp(fill − max)`` (computed, never
             assumed 0). Every plan; ignored for the other mask kinds.
         mask_pred: only the default (``None``) is supported.
+        nan_rows: eager's semantics for a query row with no visible key (every score ``-inf``):
+            its softmax row is NaN, so ``score[b, h, :]`` is NaN for every key of its (b, h)
+            (``out``'s row stays 0). False: such a row contributes 0. Costs nothing where no
+            row can be empty (:func:`empty_rows_possible`); else one pass over the statistics
+            (two_kernel, diag_cache) or a per-program check (one_kernel).
 
     Returns:
         ``(out, score)``: ``out`` ``[B, Hq, Nq, Dv]`` in q's dtype (``None`` unless
         ``need_out``; rows whose scores are all ``-inf`` give 0); ``score`` ``[B, Hq, Nk]`` float32,
-        ``score[b, h, j] = Σ_i P[b, h, i, j]`` (rows with no visible key contribute 0, a key no
-        query sees scores 0).
+        ``score[b, h, j] = Σ_i P[b, h, i, j]`` (rows with no visible key contribute 0, or make
+        their (b, h) NaN with ``nan_rows``; a key no query sees scores 0).
 
     Raises:
         ValueError: an unknown plan or layout, ``diagonals`` out of range, the causal layout
@@ -720,9 +828,12 @@ def forward(
             plan = "two_kernel"
     mfill = mask_fill if mfill_k != "hide" else NEG_INF
     if plan == "one_kernel":
-        return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mfill)
+        # the kernel variant by what can happen at any size (one variant serves every length)
+        nan = bool(nan_rows) and empty_rows_possible(causal, mask_kind, mfill, fill_k)
+        return _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mfill, nan)
+    nan = bool(nan_rows) and empty_rows_possible(causal, mask_kind, mfill, fill_k, q.shape[2], k.shape[2])
     return _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config,
-                       diagonals if plan == "diag_cache" else 0, cache, fill_k, causal_fill, mfill)
+                       diagonals if plan == "diag_cache" else 0, cache, fill_k, causal_fill, mfill, nan)
 
 
 def _empty_result(q, k, v, need_out: bool):
@@ -741,7 +852,7 @@ def _mask_fill_args(mask_fill: float) -> dict:
     return {} if mask_fill == NEG_INF else {"mask_fill": variants.fill_base2(mask_fill)}
 
 
-def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mask_fill=NEG_INF):
+def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mask_fill=NEG_INF, nan_rows=False):
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if b * hq == 0 or n_q == 0 or n_k == 0:
@@ -751,7 +862,7 @@ def _one_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, mask_
     row = bool(row_broadcast) and mask_kind != "none"
     mfill = _mask_fill_args(mask_fill)
     kernel, module = _fwd_module(variants.is_causal(causal), mask_kind, row, bool(need_out), True, 0, interpret,
-                                 bool(mfill))
+                                 bool(mfill), bool(nan_rows))
     score = alloc_score(q, k)
     out = attention.alloc_out(q, v) if need_out else None
     args = [q, k] + ([v, out] if need_out else []) + [score] + ([mask4] if mask4 is not None else [])
@@ -802,10 +913,10 @@ def _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, need_out, configs
 
 
 def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_config, diagonals, cache,
-                fill_k="hide", causal_fill=NEG_INF, mask_fill=NEG_INF):
+                fill_k="hide", causal_fill=NEG_INF, mask_fill=NEG_INF, nan_rows=False):
     """two_kernel (``diagonals == 0``) or diag_cache: kernel 0, then the column pass (``fill_k``:
     the causal fill kind, finite only for two_kernel; ``mask_fill``: the boolean mask's fill,
-    ``-inf`` or finite, for every plan)."""
+    ``-inf`` or finite, for every plan; ``nan_rows``: NaN scores for the (b, h) with an empty row)."""
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
     if b * hq == 0 or n_q == 0 or n_k == 0:
@@ -871,4 +982,6 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
     key = (kernel.path, "colsum", q.dtype, d, None if mask4 is None else mask4.dtype, precision,
            configs[0]["BLOCK_N"])
     launch.launch_first_fitting(key, configs, run)
+    if nan_rows:
+        _nan_where_empty_rows(score, stats, two_part)
     return (out if need_out else None), score

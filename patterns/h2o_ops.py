@@ -1,8 +1,12 @@
 """The fused H2O op: ``torch.ops.fuser.h2o``.
 
-A ``torch.library.custom_op`` with a fake (meta) implementation, so Dynamo, AOTAutograd and
-Inductor treat it as an opaque kernel with known output shapes; it neither mutates nor aliases
-its inputs. It has no autograd formula: the pattern declines regions whose outputs need
+A ``torch.library.custom_op`` with a fake (meta) implementation, so Dynamo and AOTAutograd
+treat it as one op with known output shapes; it neither mutates nor aliases its inputs. It is a
+:func:`fuser.codegen.launch.fused_op`: on CUDA tensors with static sizes AOTAutograd traces its
+body and Inductor launches the H2O kernels itself (their launches recorded with
+``torch.library.wrap_triton``; diag_cache's workspace and layout tables, one_kernel's zeroed
+score, allocated in the compiled graph per call); on CPU tensors (Triton's interpreter) and
+with dynamic shapes it stays an opaque op that launches its kernels from Python. It has no autograd formula: the pattern declines regions whose outputs need
 gradients (H2O scores keys during inference). The kernels are in ``codegen/h2o.py``.
 
 ``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill,
@@ -18,7 +22,10 @@ causal_fill_mode, mask_fill) -> (out, score)``
     ``plan`` says, see :func:`fuser.codegen.h2o.forward`); ``mask_fill`` (``-inf``, or the finite
     score of an entry a boolean mask hides: every plan). Returns ``out = softmax(scale·q kᵀ + mask) v``
     ``[B, Hq, Nq, Dv]`` in q's dtype (an empty tensor when ``need_out`` is False or v is None)
-    and the column sums ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32.
+    and the column sums ``score[b, h, j] = Σ_i P[b, h, i, j]`` ``[B, Hq, Nk]`` float32. A query row
+    with no visible key (every score ``-inf``) is NaN in eager's softmax: its (b, h)'s scores are
+    NaN for every key, as in eager (``nan_rows`` of :func:`fuser.codegen.h2o.forward`); its out row
+    is 0 (eager: NaN; README, Limits).
 
 With dynamic shapes a K chosen at compile time can exceed the block diagonals of a later,
 shorter call: it is clamped to :func:`fuser.codegen.h2o.diagonal_count` (and the causal layout
@@ -26,7 +33,8 @@ without causal masking, impossible from the planner, falls back to ``balanced``)
 
 ``plan=autotune`` times the listed plans on the first call of each shape bucket (sequence
 lengths rounded up to powers of two) with :func:`fuser.codegen.launch.autotune` — on the GPU with
-Triton's ``do_bench``, in the interpreter with the wall clock — and remembers the fastest in
+Triton's ``do_bench`` (while Inductor compiles the call: on random stand-ins of the inputs, at
+compile time), in the interpreter with the wall clock — and remembers the fastest in
 memory and in the autotune cache file; ``one_kernel`` is left out under
 ``torch.use_deterministic_algorithms(True)`` (its atomics are not deterministic).
 """
@@ -117,17 +125,18 @@ def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_ou
     if len(cands) == 1:
         best = cands[0]
     else:
-        def run(cfg):
-            kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_out=need_out,
-                            mask_fill=mask_fill, **_fit(q, k, causal, cfg["plan"], cfg["diagonals"], cfg["cache"]))
+        def run(cfg, q, k, v, mask):
+            return kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind,
+                                   need_out=need_out, mask_fill=mask_fill, nan_rows=True,
+                                   **_fit(q, k, causal, cfg["plan"], cfg["diagonals"], cfg["cache"]))
 
         timer = launch.wall_clock_ms if launch.interpreted(q.device) else None
         best = launch.autotune(_tune_key(q, k, v, mask, causal, mask_kind, need_out, tries, mask_fill), cands, run,
-                               timer=timer)
+                               timer=timer, inputs=(q, k, v, mask))
     return _fit(q, k, causal, best["plan"], best["diagonals"], best["cache"])
 
 
-@torch.library.custom_op("fuser::h2o", mutates_args=())
+@launch.fused_op("fuser::h2o")
 def h2o(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,7 +162,7 @@ def h2o(
         kw = _fit(q, k, causal, p["plan"], p["diagonals"], p["cache"])
     out, score = kernels.forward(q, k, v if want_out else None, scale=scale, causal=causal, mask=mask,
                                  mask_kind=mask_kind, need_out=want_out, causal_fill=causal_fill,
-                                 causal_fill_mode=causal_fill_mode, mask_fill=mask_fill, **kw)
+                                 causal_fill_mode=causal_fill_mode, mask_fill=mask_fill, nan_rows=True, **kw)
     return (out if out is not None else _empty(q)), score
 
 

@@ -221,7 +221,7 @@ def kernels_for(m: Match, plan: Candidate) -> list:
                                      need_out=b["v"] is not None, interpret=b["device"].type == "cpu", diagonals=kk,
                                      cache=cache, causal_fill=b.get("causal_fill", float("-inf")),
                                      causal_fill_mode=b.get("causal_fill_mode", "replace"),
-                                     mask_fill=b.get("mask_fill", float("-inf"))):
+                                     mask_fill=b.get("mask_fill", float("-inf")), nan_rows=True):
             if k not in out:
                 out.append(k)
     return out

@@ -530,6 +530,101 @@ def test_plans_fully_masked_rows_and_batches(plan):
     assert (score[1] == 0).all() and (out[1] == 0).all()
 
 
+def _eager64(q, k, v, *, scale, causal="none", mask=None, mask_kind="none", causal_fill=-math.inf,
+             causal_fill_mode="replace"):
+    """Eager PyTorch in float64, NaN rows included: the data mask, then the causal mask (-inf, or
+    a finite fill replacing or added to the entries above the diagonal), softmax, column sums."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, 1)
+    s = scale * q.double() @ kk.transpose(-1, -2)
+    if mask_kind == "bool_keep":
+        s = s.masked_fill(~mask, -math.inf)
+    elif mask_kind == "bool_drop":
+        s = s.masked_fill(mask, -math.inf)
+    elif mask_kind == "additive":
+        s = s + mask.double()
+    n_q, n_k = s.shape[-2:]
+    if causal != "none":
+        off = n_k - n_q if causal == "bottom_right" else 0
+        above = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + off
+        s = s.masked_fill(above, causal_fill) if causal_fill_mode == "replace" else s + torch.where(
+            above, causal_fill, 0.0).double()
+    p = torch.softmax(s, -1)
+    return p @ v.double().repeat_interleave(group, 1), p.sum(-2)
+
+
+NAN_PLANS = [("two_kernel", dict(plan="two_kernel")), ("one_kernel", dict(plan="one_kernel")),
+             ("diag_balanced_K2", dict(plan="diag_cache", diagonals=2, cache="balanced")),
+             ("diag_causal_K1", dict(plan="diag_cache", diagonals=1, cache="causal"))]
+
+
+def _nan_cases():
+    b, hq = 2, 2
+    keep = torch.rand(b, 1, 1, 19, generator=torch.Generator().manual_seed(5)) > 0.3
+    keep[1] = False  # batch 1: no row sees a key
+    rows = torch.ones(b, hq, 21, 19, dtype=torch.bool)
+    rows[0, 1, 7] = False  # one row of one head sees no key
+    bias = torch.zeros(b, hq, 21, 19)
+    bias[1, 0, 0] = -math.inf
+    bias[0, 0, :, 5] = torch.finfo(torch.float32).min  # finite: a value, no empty row
+    return [
+        # id, Nq, Nk, causal, mask, mask_kind, causal fill, mode
+        ("bottom_right_q>k", 21, 19, "bottom_right", None, "none", -math.inf, "replace"),
+        ("bottom_right_q<k", 19, 21, "bottom_right", None, "none", -math.inf, "replace"),
+        ("padding_batch", 21, 19, "top_left", keep, "bool_keep", -math.inf, "replace"),
+        ("bool_drop_row", 21, 19, "bottom_right", ~rows, "bool_drop", -math.inf, "replace"),
+        ("additive_row", 21, 19, "none", bias, "additive", -math.inf, "replace"),
+        ("finite_causal_add", 21, 19, "top_left", rows, "bool_keep", torch.finfo(torch.float32).min, "add"),
+        ("finite_causal_replace", 21, 19, "top_left", rows, "bool_keep", -1e4, "replace"),
+    ]
+
+
+@pytest.mark.parametrize("plan", NAN_PLANS, ids=[p[0] for p in NAN_PLANS])
+@pytest.mark.parametrize("case", _nan_cases(), ids=[c[0] for c in _nan_cases()])
+def test_nan_rows_follow_eager(case, plan):
+    # nan_rows (what the op asks for): a row with no visible key is NaN in eager's softmax, so is
+    # every column sum of its (batch, head); out's row is 0 (documented), the rest as eager.
+    # Without out, two_kernel's kernel 0 is the statistics-only pass: checked too
+    _, n_q, n_k, causal, mask, mask_kind, fill, mode = case
+    _, plan_kw = plan
+    if fill != -math.inf and plan_kw["plan"] != "two_kernel":
+        pytest.skip("a finite causal fill runs with two_kernel only")
+    if plan_kw.get("cache") == "causal" and causal == "none":
+        pytest.skip("the causal layout needs causal masking")
+    q, k, v = _qkv(71, 2, 2, 1, n_q, n_k, 16, 24)
+    kw = dict(scale=0.25, causal=causal, mask=mask, mask_kind=mask_kind, causal_fill=fill, causal_fill_mode=mode)
+    want_out, want = _eager64(q, k, v, **kw)
+    for need_out in (True, False) if plan_kw["plan"] == "two_kernel" else (True,):
+        h2o.clear_workspaces()
+        with launch.poison_outputs():
+            out, score = h2o.forward(q, k, v, need_out=need_out, nan_rows=True, **plan_kw, **kw)
+        assert torch.equal(score.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert _rel(score[ok], want[ok]) < 1e-4
+        if need_out:
+            nan_rows = want_out.isnan().any(-1)
+            assert (out[nan_rows] == 0).all() and not out.isnan().any()
+            assert _rel(out[~nan_rows], want_out[~nan_rows]) < 1e-4
+    if not want.isnan().any():  # nothing to mark: the same as without nan_rows
+        h2o.clear_workspaces()
+        _, plain = h2o.forward(q, k, v, **plan_kw, **kw)
+        assert torch.equal(plain, score) or plan_kw["plan"] == "one_kernel"
+
+
+def test_empty_rows_possible():
+    f = h2o.empty_rows_possible
+    assert f("bottom_right", "none") and f("bottom_right", "none", n_q=5, n_k=4)
+    assert not f("bottom_right", "none", n_q=4, n_k=4) and not f("top_left", "none") and not f("none", "none")
+    assert not f("bottom_right", "none", causal_fill_kind="replace", n_q=5, n_k=4)
+    assert f("none", "bool_keep") and f("none", "bool_drop") and f("none", "additive")
+    assert not f("none", "bool_keep", mask_fill=-1e4) and f("none", "additive", mask_fill=-1e4)
+    # the one_kernel variant with the NaN marking only where a row can be empty
+    names = [h2o.kernels_for(plan="one_kernel", causal=c, mask_kind="none", mask_row_broadcast=False,
+                             need_out=True, interpret=True, nan_rows=True)[0].name
+             for c in ("top_left", "bottom_right")]
+    assert "_nanrows" not in names[0] and "_nanrows" in names[1]
+
+
 @pytest.mark.parametrize("plan", PLAN_CASES, ids=[p[0] for p in PLAN_CASES])
 def test_plans_need_out_false(plan):
     q, k, v = _qkv(59, 2, 4, 2, 37, 50, 32, 32)
@@ -658,6 +753,24 @@ def test_workspace_reused_across_calls():
         qq, kk_, vv = _qkv(68, 1, 2, 2, 37 + 16 * n, 45, 16, 16)
         h2o.forward(qq, kk_, vv, cache="balanced", **kw)
     assert len(h2o._workspaces) <= h2o._WS_KEEP
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_device_tables_equal_the_host_tables(causal):
+    # a traced diag_cache call (the kernels handed to Inductor) computes its layout tables with
+    # tensor ops on the device; they must be the host tables the kernels are tested with, for
+    # every K of both layouts on square, tall and wide grids with ragged edges
+    import itertools
+
+    t = 16
+    for n_q, n_k in itertools.product([1, 16, 17, 40, 64, 100], repeat=2):
+        n = max(launch.cdiv(n_q, t), launch.cdiv(n_k, t))
+        for cache in ("balanced",) + (("causal",) if causal != "none" else ()):
+            for kk in range(n + 1):
+                row_tab, col_tab, _, _ = h2o._tables(n_q, n_k, t, causal, kk, cache)
+                rows, cols = h2o._device_tables(torch.device("cpu"), n_q, n_k, t, causal, kk, cache)
+                assert rows.dtype == cols.dtype == torch.int32
+                assert (rows.tolist(), cols.tolist()) == (row_tab, col_tab), (n_q, n_k, cache, kk)
 
 
 def test_workspace_bytes():

@@ -109,6 +109,14 @@ CASES = [
          "by -100: the limit must keep the fill",
          Spec(pattern="attention_kl", batch=2, calls=((16, 40),), shift=-20000.0, mask="padding", fill="-100",
               kl_spelling="kl_probs_log")),
+    # -- H2O: a query row with no visible key is NaN in eager's softmax, so is every column sum of
+    #    its (batch, head); fuser skipped the row (issue 9, fuzzer seed 23000310)
+    Case("h2o_bottom_right_rows_without_keys", "H2O, bottom-right causal with Nq > Nk: the first rows see no key, "
+         "eager's scores are NaN, fuser summed the other rows",
+         Spec(seed=23000310, calls=((8, 7),), mask="causal_br", score="sum")),
+    Case("h2o_data_mask_row_without_keys", "H2O, scores only, a boolean data mask hiding every key of one row: "
+         "eager's scores of that (batch, head) are NaN",
+         Spec(batch=2, calls=((6, 9),), mask="data_bool", empty_row=True, score="score_only")),
     # -- KDA loops (python -m tests.soundness.fuzz --pattern kda)
     Case("kda_buffer_symbolic_time_axis", "KDA loop recompiled under dynamic=True at a second length: Dynamo gives "
          "v its own time symbol, o = zeros(v.shape) may outlast the loop; the pattern took the example's length "

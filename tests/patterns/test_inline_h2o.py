@@ -1,0 +1,248 @@
+"""``torch.ops.fuser.h2o`` as Inductor sees it on the GPU (``codegen.launch.inline_into_inductor``),
+checked on the CPU the way ``test_inline_ops.py`` checks the other fused ops: traced with fake
+GPU tensors ("meta" standing for CUDA, an H100's config tables) through functionalisation, every
+plan must become its kernel launches (``triton_kernel_wrapper_functional``) and tensor ops only —
+no ``fuser.h2o`` left, no input cloned, no tensor captured from outside the call (diag_cache's
+workspace and layout tables, one_kernel's zeroed score are allocated inside the traced body),
+outputs with the metadata of the op's fake implementation.
+
+What the kernels compute through this path is checked on the GPU
+(``test_h2o_region_is_launched_by_inductor_on_the_gpu``, ``-m gpu``); the interpreter path (CPU
+tensors, the opaque op) by ``tests/codegen/test_h2o_kernels.py`` and ``test_h2o.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fuser  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.codegen import h2o as h2o_kernels
+from fuser.codegen import launch
+from fuser.patterns import h2o_ops
+
+# the fake-H100 fixture and the tracing helpers of the other fused ops' inlining tests
+from test_inline_ops import GPU, _an_h100, _check_inlined, _fake_like, _targets  # noqa: F401
+
+INF = float("-inf")
+F32_MIN = torch.finfo(torch.float32).min
+N = 150  # 3 blocks of the H100 tables' 64-wide tiles, the last ragged: diag_cache caches 1 of 3 per row
+
+PLANS = {
+    "two_kernel": "plan=two_kernel;diagonals=0;cache=balanced",
+    "one_kernel": "plan=one_kernel;diagonals=0;cache=balanced",
+    "diag_balanced": "plan=diag_cache;diagonals=1;cache=balanced",
+    "diag_causal": "plan=diag_cache;diagonals=1;cache=causal",
+}
+AUTOTUNE = h2o_ops.plan_string("autotune", tries=(("two_kernel", 0, "balanced"), ("one_kernel", 0, "balanced"),
+                                                  ("diag_cache", 1, "balanced")))
+
+# (causal, mask_kind, mask, mask_fill): masks full or row-broadcast, bool and additive
+VARIANTS = [
+    ("none", "none", None, INF),
+    ("top_left", "none", None, INF),
+    ("bottom_right", "bool_keep", "row", INF),
+    ("none", "bool_drop", "full", INF),
+    ("top_left", "additive", "full", INF),
+    ("bottom_right", "bool_keep", "row", F32_MIN),
+]
+VARIANT_IDS = ["plain", "causal", "br_bool_row", "bool_drop_full", "causal_additive", "bool_fill"]
+
+
+def _mask(kind, mask_kind, nq=N, nk=N):
+    if kind is None:
+        return None
+    dtype = torch.float32 if mask_kind == "additive" else torch.bool
+    return torch.zeros((2, 1, 1, nk) if kind == "row" else (2, 4, nq, nk), dtype=dtype)
+
+
+def _qkv(hq=4, hkv=2, nq=N, nk=N, d=16, dtype=torch.float16, strided=True):
+    """q, k, v; q as a transposed view of a [B, N, H, D] buffer (Inductor passes views)."""
+    q = torch.empty(2, nq, hq, d, dtype=dtype).transpose(1, 2) if strided else torch.empty(2, hq, nq, d, dtype=dtype)
+    return q, torch.empty(2, hkv, nk, d, dtype=dtype), torch.empty(2, hkv, nk, d + 8, dtype=dtype)
+
+
+def _args(plan, causal, mask_kind, mask, mask_fill, *, need_out=True, with_v=True, causal_fill=INF,
+          causal_fill_mode="replace", nq=N, nk=N, hq=4, hkv=2):
+    q, k, v = _qkv(hq, hkv, nq, nk)
+    return (q, k, v if with_v else None, _mask(mask, mask_kind, nq, nk), 0.25, causal, mask_kind, need_out, plan,
+            causal_fill, causal_fill_mode, mask_fill)
+
+
+def _check_h2o(args):
+    gm = _check_inlined(torch.ops.fuser.h2o.default, args)
+    # nothing from outside the call is baked into the graph (a workspace or table kept across
+    # calls would be captured as a constant: one buffer shared by every call of the compiled code)
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "tensor_constant" in str(n.target)], gm.code
+    return gm
+
+
+def _launched(gm):
+    """The names of the kernels the traced graph launches, in order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    names = []
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper_functional" in str(n.target):
+            names.append(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__)
+    return names
+
+
+@pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
+@pytest.mark.parametrize("causal,mask_kind,mask,mask_fill", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("need_out", [True, False], ids=["out", "score_only"])
+def test_h2o_becomes_its_kernel_launches(plan, causal, mask_kind, mask, mask_fill, need_out):
+    if plan == "diag_causal" and causal == "none":
+        pytest.skip("the causal layout serves causal masks (the op falls back to balanced: diag_balanced)")
+    gm = _check_h2o(_args(PLANS[plan], causal, mask_kind, mask, mask_fill, need_out=need_out))
+    kernels = _launched(gm)
+    if plan == "one_kernel":
+        assert kernels == ["h2o_fwd_kernel"], kernels
+    elif plan.startswith("diag"):
+        assert kernels == ["h2o_fwd_kernel", "h2o_colsum_kernel"], kernels
+    else:
+        assert kernels[-1] == "h2o_colsum_kernel" and len(kernels) == 2, kernels
+
+
+def test_h2o_without_v():
+    _check_h2o(_args(PLANS["two_kernel"], "top_left", "none", None, INF, need_out=True, with_v=False))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+@pytest.mark.parametrize("plan", ["one_kernel", "diag_balanced"])
+def test_h2o_head_groups(hq, hkv, plan):
+    _check_h2o(_args(PLANS[plan], "top_left", "none", None, INF, hq=hq, hkv=hkv))
+
+
+@pytest.mark.parametrize("nq,nk", [(40, 200), (200, 40)], ids=["nq<nk", "nq>nk"])
+@pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
+def test_h2o_bottom_right_rectangles(nq, nk, plan):
+    gm = _check_h2o(_args(PLANS[plan], "bottom_right", "none", None, INF, nq=nq, nk=nk))
+    # Nq > Nk: the first rows see no key; eager's scores are NaN there, and so are the op's: the
+    # statistics' +inf marks read in the graph (two_kernel, diag_cache) or the one_kernel variant
+    # that marks them itself; Nq <= Nk: nothing to mark
+    marks = any("isposinf" in str(n.target) for n in gm.graph.nodes)
+    assert marks == (nq > nk and plan != "one_kernel"), gm.code
+
+
+@pytest.mark.parametrize("fill,mode", [(-1e4, "replace"), (F32_MIN, "add")], ids=["replace", "add"])
+@pytest.mark.parametrize("causal,mask_kind,mask", [("top_left", "none", None), ("bottom_right", "bool_keep", "row")],
+                         ids=["no_mask", "bool_mask"])
+def test_h2o_finite_causal_fill(fill, mode, causal, mask_kind, mask):
+    # a finite causal fill runs two_kernel whatever the plan says: the attention forward with the
+    # fill (and its skip flag, computed on the device inside the traced body) and the column pass
+    gm = _check_h2o(_args(PLANS["diag_balanced"], causal, mask_kind, mask, INF, causal_fill=fill,
+                          causal_fill_mode=mode))
+    assert _launched(gm) == ["attention_fwd_kernel", "h2o_colsum_kernel"], _launched(gm)
+
+
+def test_h2o_diag_cache_allocates_its_workspace_per_call():
+    # the workspace holds the cached tiles between the call's two kernels: an allocation in the
+    # traced graph (Inductor's, per call), never a buffer kept across calls
+    h2o_kernels.clear_workspaces()
+    gm = _check_h2o(_args(PLANS["diag_balanced"], "none", "none", None, INF))
+    assert not h2o_kernels._workspaces and not h2o_kernels._tab_tensors  # no fake tensor kept
+    fwd = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)][0]
+    ws = fwd.kwargs["kwargs"]["WS"]
+    assert "WS" in fwd.kwargs["tensors_to_clone"]  # written by kernel 0, read by kernel 1
+    assert ws.op == "call_function" and "empty" in str(ws.target), ws.format_node()
+
+
+@pytest.mark.parametrize("winner", [0, 1, 2], ids=["two_kernel", "one_kernel", "diag_cache"])
+def test_h2o_autotune_takes_the_winner_while_traced(winner, monkeypatch):
+    # plan=autotune under tracing times the tries on real stand-ins of the inputs (a GPU) or
+    # takes the remembered winner: here a spy answers, and the traced graph runs the winner's
+    # kernels; its run function, given real (CPU) stand-ins, computes the plan exactly
+    seen = {}
+
+    def spy(key, candidates, run, timer=None, inputs=None):
+        seen.update(key=key, candidates=candidates, run=run, inputs=inputs)
+        return candidates[winner]
+
+    monkeypatch.setattr(launch, "autotune", spy)
+    args = _args(AUTOTUNE, "top_left", "bool_keep", "row", INF)
+    gm = _check_h2o(args)
+    assert [c["plan"] for c in seen["candidates"]] == ["two_kernel", "one_kernel", "diag_cache"]
+    fakes = seen["inputs"]
+    assert fakes is not None and [tuple(x.shape) for x in fakes if x is not None] == [
+        tuple(a.shape) for a in args[:4] if a is not None]
+    want = {0: ["attention_fwd_kernel", "h2o_colsum_kernel"], 1: ["h2o_fwd_kernel"],
+            2: ["h2o_fwd_kernel", "h2o_colsum_kernel"]}[winner]
+    assert _launched(gm) == want
+
+
+def test_h2o_autotune_run_computes_each_try_on_stand_ins(monkeypatch):
+    # the run function autotune times takes its inputs as arguments (stand-ins under tracing):
+    # each try on real CPU tensors (the interpreter) gives the float64 reference's score
+    from fuser.patterns.h2o_reference import reference
+
+    seen = {}
+
+    def spy(key, candidates, run, timer=None, inputs=None):
+        seen.update(candidates=candidates, run=run)
+        return candidates[0]
+
+    monkeypatch.setattr(launch, "autotune", spy)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
+    mask = torch.rand(1, 1, 1, 20, generator=g) > 0.2
+    mask[..., 0] = True  # every causal row sees a key (no NaN rows)
+    h2o_ops.tuned_plan(q, k, v, mask, 0.25, "top_left", "bool_keep", True,
+                       [("two_kernel", 0, "balanced"), ("one_kernel", 0, "balanced"), ("diag_cache", 1, "balanced")])
+    ref_out, ref_score = reference(q.double(), k.double(), v.double(), scale=0.25, causal="top_left",
+                                   mask=mask, mask_kind="bool_keep")
+    for cfg in seen["candidates"]:
+        out, score = seen["run"](cfg, q, k, v, mask)
+        torch.testing.assert_close(score.double(), ref_score, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_h2o_cpu_tensors_keep_the_opaque_op():
+    args = _args(PLANS["diag_balanced"], "none", "none", None, INF)
+    mode = FakeTensorMode()
+    fargs = [_fake_like(mode, a, "cpu") for a in args]
+    with mode:
+        gm = make_fx(dispatch_functionalize(lambda *xs: torch.ops.fuser.h2o(*xs)))(*fargs)
+    assert "fuser.h2o.default" in _targets(gm)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: Inductor's generated code launches the H2O kernels and equals eager
+# --------------------------------------------------------------------------------------------
+
+
+def _h2o_region(q, k, v, pad):
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf")).masked_fill(~pad[:, None, None, :], float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return p @ v, p.float().sum(dim=-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel", "diag_cache"])
+def test_h2o_region_is_launched_by_inductor_on_the_gpu(plan):
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    pad = torch.ones(2, 256, dtype=torch.bool, device="cuda")
+    pad[1, 200:] = False
+    torch._dynamo.reset()
+    compiled = torch.compile(_h2o_region, backend="fuser", options={"fuser.plan": f"h2o.plan={plan}"})
+    with torch.no_grad():
+        (out, score), codes = run_and_get_code(compiled, q, k, v, pad)
+    code = "\n".join(codes)
+    assert "torch.ops.fuser" not in code, code  # no opaque op: Inductor launches the kernels
+    want = {"two_kernel": ["attention_fwd_kernel", "h2o_colsum_kernel"], "one_kernel": ["h2o_fwd_kernel"],
+            "diag_cache": ["h2o_fwd_kernel", "h2o_colsum_kernel"]}[plan]
+    assert all(f"def {name}" in code for name in want), code
+    ref_out, ref_score = _h2o_region(q, k, v, pad)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(score, ref_score, atol=2e-3, rtol=2e-3)
