@@ -312,8 +312,8 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     steps are as they would be untimed); then the same in the bodies of the higher-order ops
     the graph calls (:func:`_apply_bodies`). ``inputs`` (placeholder -> example value) stands
     for ``example_inputs`` when given; with ``match_only`` (a reason) the pass matches without
-    rewriting anything and returns every match as a near-miss with that reason (in a body the
-    pass does not enter)."""
+    rewriting anything and returns every match as a near-miss with that reason, and nothing
+    else (in a body the pass does not enter)."""
     result = PassResult()
     if not options.enabled:
         return result
@@ -373,7 +373,8 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         log.debug("fuser: near-miss of %s at %s superseded by a match of the same region", r.pattern, r.location)
     result.rejected = [r for r in result.rejected if r.node not in taken_names]
     if match_only is not None:
-        result.rejected += [Rejection(p.name, match_only, m.location, m.root.name, graph_index) for p, m in found]
+        # a body the pass does not enter: only what it would have fused there is worth saying
+        result.rejected = [Rejection(p.name, match_only, m.location, m.root.name, graph_index) for p, m in found]
         _apply_bodies(gm, view, inputs, options, graph_index, patterns, timer, result, match_only=match_only)
         return result
     bodies = _hop_bodies(gm, view)  # before the rewrite: the call sites' grad modes are in the view

@@ -23,7 +23,7 @@ D, N, H = 16, 8, 2
 
 
 def _core(q, k, v, causal):
-    s = q @ k.transpose(-2, -1) / (D // H) ** 0.5
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
     s = s.masked_fill(~causal, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
@@ -36,19 +36,19 @@ class Block(torch.nn.Module):
     under ``torch.utils.checkpoint`` (``context_fn`` for selective checkpointing), or as a
     ``nested_compile_region``, or plainly."""
 
-    def __init__(self, how: str = "checkpoint", context_fn=None):
+    def __init__(self, how: str = "checkpoint", context_fn=None, dim: int = D, heads: int = H, n: int = N):
         super().__init__()
-        self.qkv = torch.nn.Linear(D, 3 * D)
-        self.proj = torch.nn.Linear(D, D)
-        self.register_buffer("causal", torch.tril(torch.ones(N, N, dtype=torch.bool)))
-        self.how, self.context_fn = how, context_fn
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.register_buffer("causal", torch.tril(torch.ones(n, n, dtype=torch.bool)))
+        self.how, self.context_fn, self.dim, self.heads, self.n = how, context_fn, dim, heads, n
 
     def core(self, q, k, v):
         return _core(q, k, v, self.causal)
 
     def forward(self, x):
-        b = x.shape[0]
-        q, k, v = (t.view(b, N, H, D // H).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         if self.how == "checkpoint":
             kw = {} if self.context_fn is None else {"context_fn": self.context_fn}
             o = checkpoint(self.core, q, k, v, use_reentrant=False, **kw)
@@ -60,15 +60,15 @@ class Block(torch.nn.Module):
                 o = o * _core_region(k, q, v, self.causal)
         else:
             o = self.core(q, k, v)
-        return self.proj(o.transpose(1, 2).reshape(b, N, D))
+        return self.proj(o.transpose(1, 2).reshape(b, n, d))
 
 
 def _pair(block: Block) -> tuple[Block, Block, torch.Tensor, torch.Tensor]:
     """(float32 model, its float64 copy, x, x64)."""
     torch.manual_seed(0)
-    ref = Block(block.how, block.context_fn).double()
+    ref = Block(block.how, block.context_fn, block.dim, block.heads, block.n).double()
     block.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ref.state_dict().items()})
-    x64 = torch.randn(2, N, D, dtype=torch.float64, requires_grad=True)
+    x64 = torch.randn(2, block.n, block.dim, dtype=torch.float64, requires_grad=True)
     return block, ref, x64.detach().float().requires_grad_(), x64
 
 
@@ -171,7 +171,10 @@ def test_unentered_hop_body_is_reported_not_rewritten():
 
     q, k, v = (torch.randn(1, H, N, D) for _ in range(3))
     (gm, ex), = testing.capture(f, q, k, v, torch.tensor(True))
+    before = {name: sub.code for name, sub in gm.named_modules() if isinstance(sub, torch.fx.GraphModule)}
     gm, result = fuser.rewrite(gm, ex, options={"fuser.interpret": True}, grad_enabled=False)
+    # matched, not rewritten: every graph as it was
+    assert {name: sub.code for name, sub in gm.named_modules() if isinstance(sub, torch.fx.GraphModule)} == before
     assert not result.matches
     r, = result.rejected
     assert r.pattern == "attention" and "torch.ops.higher_order.cond" in r.reason and "does not enter" in r.reason
@@ -319,7 +322,7 @@ def test_gpu_checkpoint_and_selective_checkpoint(monkeypatch, inline, policy):
     monkeypatch.setattr(attention_kernels, "forward", counting)
     monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", inline)
     context_fn = None if policy is None else functools.partial(create_selective_checkpoint_contexts, policy)
-    model, ref, x, x64 = _pair(Block("checkpoint", context_fn))
+    model, ref, x, x64 = _pair(Block("checkpoint", context_fn, dim=128, heads=2, n=64))
     model, ref, x, x64 = model.cuda(), ref.cuda(), x.detach().cuda().requires_grad_(), x64.detach().cuda().requires_grad_()
     rep = fuser.explain(model, x)
     assert [m.pattern for m in rep.fused] == ["attention"], str(rep)
