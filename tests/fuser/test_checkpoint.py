@@ -329,3 +329,22 @@ def test_gpu_checkpoint_and_selective_checkpoint(monkeypatch, inline, policy):
     _check_training(rep.output, model, x, ref, x64, tol=1e-2)  # TF32 matmuls (Triton's fp32 dot default)
     if not inline:
         assert calls["forward"] == (2 if policy is None else 1)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_autograd_with_checkpoint():
+    """Compiled autograd over a checkpointed block on CUDA (fused ops inlined into Inductor):
+    the backward graph is compiled untouched, training equals eager float64."""
+    model, ref, x, x64 = _pair(Block("checkpoint", None, dim=128, heads=2, n=64))
+    model, ref, x, x64 = model.cuda(), ref.cuda(), x.detach().cuda().requires_grad_(), x64.detach().cuda().requires_grad_()
+
+    def step(x):
+        out = model(x)
+        (out ** 2).sum().backward()
+        return out
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(compiled_autograd=True), fuser.report.collecting() as rep:
+        out = torch.compile(step, backend="fuser")(x)
+    assert rep.graphs == 2 and [m.pattern for m in rep.fused] == ["attention"], str(rep)
+    _check_training(out, model, x, ref, x64, tol=1e-2)
