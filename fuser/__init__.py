@@ -6,6 +6,7 @@ Public API:
     explain(fn_or_module, *args, **kwargs) -> Report   what was fused, why, and the kernels
     rewrite(gm, example_inputs=None, ...)              apply the pass to an FX graph (tests)
     fuser_backend                                      the backend function itself
+    ops_to_save()                                      fuser's fused forward ops (selective-AC policies)
     FuserOptionError                                   raised for bad ``fuser.*`` options
     FuserWarning                                       what fuser says once (regions left unfused)
     fuser.testing                                      pytest helpers for pattern rewrites
@@ -58,8 +59,9 @@ from .report import Report, explain  # noqa: E402
 from .options import FuserOptionError, FuserWarning  # noqa: E402
 from .testing import rewrite  # noqa: E402
 from .exporting import export  # noqa: E402
+from .registry import ops_to_save  # noqa: E402
 
-__all__ = ["explain", "rewrite", "export", "fuser_backend", "Report", "FuserOptionError", "FuserWarning"]
+__all__ = ["explain", "rewrite", "export", "fuser_backend", "Report", "FuserOptionError", "FuserWarning", "ops_to_save"]
 __version__ = "0.1.0"
 
 _logging.getLogger("fuser").addHandler(_logging.NullHandler())

@@ -119,8 +119,15 @@ def fuser_backend(
     try:
         opts, inductor_opts = options_mod.resolve(options, mode)
         index = next_graph_index()
-        with render.exporting_to(opts.debug_dir):
-            result = passes.apply(gm, example_inputs, opts, grad_enabled=torch.is_grad_enabled(), graph_index=index)
+        if compiled_autograd_graph():
+            # the backward graph compiled autograd traced: AOTAutograd's backward graphs (fuser's
+            # backward ops in them already) and the autograd engine's own ops; it passes as it is
+            log.info("fuser: graph %d is compiled autograd's backward graph: passed to Inductor untouched", index)
+            result = passes.PassResult()
+        else:
+            with render.exporting_to(opts.debug_dir):
+                result = passes.apply(gm, example_inputs, opts, grad_enabled=torch.is_grad_enabled(),
+                                      graph_index=index)
     except FuserOptionError as exc:
         # Dynamo passes a ShortenTraceback through unchanged and cuts the traceback to start here
         exc.first_useful_frame = inspect.currentframe()
@@ -134,6 +141,27 @@ def fuser_backend(
     existing = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = _cache_key_pass(existing)
     return _compile_timed(compile_fx, gm, example_inputs, patches, result.times, opts.enabled)
+
+
+def compiled_autograd_graph() -> bool:
+    """Whether the graph being compiled now is one that compiled autograd traced from a
+    backward pass (``torch._dynamo.config.compiled_autograd = True``, or
+    ``torch._dynamo.compiled_autograd._enable``): Dynamo compiles it with the compile id's
+    ``compiled_autograd_id`` set, while compiled autograd's runtime wrapper runs. Such a graph
+    is made of AOTAutograd's backward graphs (with fuser's backward ops where the forward was
+    fused, and the forward ops that activation checkpointing recomputes) and the autograd
+    engine's own ops: fuser leaves it as it is."""
+    from torch._guards import CompileContext
+
+    try:
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - private API moved: fall back on the region flag
+        cid = None
+    if cid is not None and hasattr(cid, "compiled_autograd_id"):
+        return cid.compiled_autograd_id is not None
+    from torch._dynamo import compiled_autograd
+
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
 def _compile_timed(compile_fx: Callable, gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict,

@@ -306,15 +306,22 @@ def apply(
 
 
 def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options: Options, grad_enabled: bool,
-           graph_index: int, patterns: list[Pattern], timer: PhaseTimer) -> PassResult:
+           graph_index: int, patterns: list[Pattern], timer: PhaseTimer, *, inputs: Optional[dict] = None,
+           match_only: Optional[str] = None) -> PassResult:
     """:func:`apply`'s work, each phase timed by ``timer`` (wrapped callables: the pass's
-    steps are as they would be untimed)."""
+    steps are as they would be untimed); then the same in the bodies of the higher-order ops
+    the graph calls (:func:`_apply_bodies`). ``inputs`` (placeholder -> example value) stands
+    for ``example_inputs`` when given; with ``match_only`` (a reason) the pass matches without
+    rewriting anything and returns every match as a near-miss with that reason, and nothing
+    else (in a body the pass does not enter)."""
     result = PassResult()
     if not options.enabled:
         return result
     view = timer.wrap("canonicalise", GraphView)(gm.graph, grad_enabled=grad_enabled)
     view._canonicalize = timer.wrap("canonicalise", view._canonicalize)  # each node's first canon()
-    evaluator = StaticEvaluator(view, _placeholder_inputs(gm, example_inputs), owner=gm)
+    if inputs is None:
+        inputs = _placeholder_inputs(gm, example_inputs)
+    evaluator = StaticEvaluator(view, inputs, owner=gm)
     for name in ("slice", "evaluate", "max_numel", "constant"):
         setattr(evaluator, name, timer.wrap("static masks", getattr(evaluator, name)))
     check_region, place = timer.wrap("regions", _check_region), timer.wrap("regions", _place)
@@ -365,6 +372,12 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     for r in [r for r in result.rejected if r.node in taken_names]:
         log.debug("fuser: near-miss of %s at %s superseded by a match of the same region", r.pattern, r.location)
     result.rejected = [r for r in result.rejected if r.node not in taken_names]
+    if match_only is not None:
+        # a body the pass does not enter: only what it would have fused there is worth saying
+        result.rejected = [Rejection(p.name, match_only, m.location, m.root.name, graph_index) for p, m in found]
+        _apply_bodies(gm, view, inputs, options, graph_index, patterns, timer, result, match_only=match_only)
+        return result
+    bodies = _hop_bodies(gm, view)  # before the rewrite: the call sites' grad modes are in the view
 
     replaced: dict = {}  # an output of an emitted match -> its replacement
     erased: set = set()  # the regions of emitted matches
@@ -430,7 +443,166 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         with timer.phase("recompile"):
             gm.graph.lint()
             gm.recompile()
+    _apply_bodies(gm, view, inputs, options, graph_index, patterns, timer, result, bodies=bodies)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies of higher-order ops. Dynamo puts some of the user's code into a subgraph that a
+# higher-order op (HOP) of the graph calls: ``torch.utils.checkpoint(fn, ..., use_reentrant=False)``
+# becomes ``tag_activation_checkpoint(body, *operands)`` and a ``torch.compiler.nested_compile_region``
+# function ``invoke_subgraph(body, identifier, *operands)``, the body a ``get_attr`` GraphModule.
+# The pass runs on such a body as on the graph itself: a match lives wholly inside one graph, so
+# its escape analysis is the same, the body's outputs being what the HOP's caller reads.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyCall:
+    """How a higher-order op the pass enters calls its body.
+
+    Attributes:
+        first: index, in the op's ``args``, of the first operand bound to the body's
+            placeholders (the body itself is ``args[0]``).
+        what: how reports name code inside it.
+    """
+
+    first: int
+    what: str
+
+
+#: Higher-order ops (by their ``name()``) whose body the pass enters. Each runs its body
+#: (``args[0]``, a GraphModule) as a plain function of its operands (``args[first:]``), under
+#: the caller's grad mode, and returns the body's outputs; AOTAutograd then traces the body as
+#: it stands, and ``tag_activation_checkpoint`` tags every op in it, a fused op too, to be
+#: recomputed in the backward or saved as the checkpoint's policy says. Replacing a region of
+#: such a body by an op that computes the same values is as exact as in the graph itself.
+#: Every other higher-order op (``cond``, ``while_loop``, ``map``, ``flex_attention``,
+#: ``autograd_function_apply``, ...) is left as it is: its bodies are only matched, so that
+#: ``explain()`` names what would have been fused there.
+ENTERED_HOPS = {
+    "tag_activation_checkpoint": BodyCall(1, "torch.utils.checkpoint"),
+    "invoke_subgraph": BodyCall(2, "torch.compiler.nested_compile_region"),
+    "wrap": BodyCall(1, "torch._higher_order_ops.wrap"),
+}
+
+
+@dataclasses.dataclass
+class _Body:
+    """A GraphModule that higher-order ops of a graph call (``uses``: ``(HOP node, the get_attr
+    node naming the body)``)."""
+
+    module: fx.GraphModule
+    attr: str
+    uses: list = dataclasses.field(default_factory=list)
+
+
+def _hop_name(target: Any) -> str:
+    name = getattr(target, "_name", None)
+    if not isinstance(name, str):
+        name = target.name() if callable(getattr(target, "name", None)) else str(target)
+    return name
+
+
+def _hop_bodies(gm: fx.GraphModule, view: GraphView) -> list[_Body]:
+    """The GraphModules that the higher-order ops of ``gm`` take as operands, each once (an
+    ``invoke_subgraph`` body may be called from several places), in graph order."""
+    from torch._ops import HigherOrderOperator
+
+    found: dict[int, _Body] = {}
+    for n in view.nodes:
+        if n.op != "call_function" or not isinstance(n.target, HigherOrderOperator):
+            continue
+        for a in flat_args(n):
+            if not (isinstance(a, fx.Node) and a.op == "get_attr"):
+                continue
+            sub: Any = gm
+            for part in str(a.target).split("."):
+                sub = getattr(sub, part, None)
+            if isinstance(sub, fx.GraphModule):
+                found.setdefault(id(sub), _Body(sub, str(a.target))).uses.append((n, a))
+    return list(found.values())
+
+
+def _body_operands(body: _Body) -> tuple[Optional[BodyCall], Optional[list], str]:
+    """``(how the body is called, per call the operands bound to its placeholders, "")`` when
+    the pass may enter ``body``, else ``(None, None, why not)``."""
+    names = {_hop_name(n.target) for n, _ in body.uses}
+    hops = ", ".join(f"torch.ops.higher_order.{x}" for x in sorted(names))
+    if len(names) != 1 or next(iter(names)) not in ENTERED_HOPS:
+        return None, None, (f"it lies inside the body '{body.attr}' of {hops}, which fuser does not enter (it cannot "
+                            "tell how that operator runs its body); left as written")
+    call = ENTERED_HOPS[next(iter(names))]
+    phs = [p for p in body.module.graph.nodes if p.op == "placeholder"]
+    per_call = []
+    for n, attr in body.uses:
+        if not n.args or n.args[0] is not attr or attr in n.args[call.first:] or attr in n.kwargs.values():
+            return None, None, (f"it lies inside the body '{body.attr}' of {hops}, which is passed to it other than as "
+                                "the body it runs; left as written")
+        ops = list(n.args[call.first:])
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)) and len(phs) != 1:
+            ops = list(ops[0])  # torch versions that pass the operands as one tuple
+        if len(ops) != len(phs):
+            return None, None, (f"it lies inside the body '{body.attr}' of {hops}, whose {len(ops)} operands do not "
+                                f"line up with the body's {len(phs)} inputs; left as written")
+        per_call.append(ops)
+    return call, per_call, ""
+
+
+def _body_inputs(body: _Body, per_call: list, inputs: dict) -> dict:
+    """Placeholder of the body -> example value, for each placeholder that every call binds to
+    the same value of the caller: the caller's example value of it. A placeholder bound to a
+    placeholder of the caller takes the caller's Dynamo source too (on ``meta["fuser_source"]``),
+    so that a registered buffer passed into the body is still known as one (static masks)."""
+    from .names import _source_of
+
+    out: dict = {}
+    phs = [p for p in body.module.graph.nodes if p.op == "placeholder"]
+    for i, ph in enumerate(phs):
+        bound = [ops[i] for ops in per_call]
+        x = bound[0]
+        if any(b is not x for b in bound[1:]):
+            continue
+        if not isinstance(x, fx.Node):
+            out[ph] = x
+            continue
+        if x in inputs:
+            out[ph] = inputs[x]
+        source = _source_of(x) if x.op == "placeholder" else None
+        if source is not None and _source_of(ph) is None:
+            ph.meta["fuser_source"] = source
+    return out
+
+
+def _apply_bodies(gm: fx.GraphModule, view: GraphView, inputs: dict, options: Options, graph_index: int,
+                  patterns: list[Pattern], timer: PhaseTimer, result: PassResult, *,
+                  bodies: Optional[list] = None, match_only: Optional[str] = None) -> None:
+    """Apply the pass to the bodies of the higher-order ops ``gm`` calls (``bodies``: from
+    :func:`_hop_bodies`, taken before ``gm`` was rewritten; ``view`` is ``gm``'s view from
+    then). A body of an op in :data:`ENTERED_HOPS` is matched and rewritten in place, in the
+    grad mode of its callers (on if any caller records gradients), with the callers' example
+    values where every call passes the same; any other body, and every body under
+    ``match_only``, is only matched: what would have been fused there is reported as not
+    fused, with the reason. Adds the bodies' matches and near-misses to ``result``, their
+    locations saying which body they lie in."""
+    if bodies is None:
+        bodies = _hop_bodies(gm, view)
+    for body in bodies:
+        call, per_call, why = _body_operands(body)
+        if match_only is not None:
+            why = match_only
+        grad = any(view.grad_enabled.get(n, True) for n, _ in body.uses)
+        sub_inputs = _body_inputs(body, per_call, inputs) if call is not None else {}
+        sub = _apply(body.module, None, options, grad, graph_index, patterns, timer, inputs=sub_inputs,
+                     match_only=why or None)
+        where = f" (inside {call.what}, '{body.attr}')" if call is not None else f" (inside '{body.attr}')"
+        for item in list(sub.matches) + list(sub.rejected):
+            if not item.location.endswith(")") or "(inside " not in item.location:
+                item.location += where
+        result.matches += sub.matches
+        result.rejected += sub.rejected
+        log.info("fuser: %s body '%s': %d fused, %d not fused", "entered" if not why else "matched (not entered)",
+                 body.attr, sum(m.fused for m in sub.matches), len(sub.rejected))
 
 
 def _remap(m: Match, mapping: dict) -> None:

@@ -78,3 +78,42 @@ def plan_choices() -> dict[str, dict[str, tuple[str, ...]]]:
         if p is not None:
             out[n] = dict(p.plan_choices)
     return out
+
+
+def ops_to_save() -> tuple:
+    """fuser's fused forward ops, for selective activation checkpointing policies.
+
+    A policy given to ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` is called
+    with every op a checkpointed region runs; a region fuser fused runs one of these ops (an
+    ``OpOverload`` such as ``torch.ops.fuser.attention.default``). Returning
+    ``CheckpointPolicy.MUST_SAVE`` for them keeps their outputs (the attention output and its
+    O(N) softmax statistics) for the backward instead of running the fused forward again::
+
+        ops = fuser.ops_to_save()
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    The list is read off ``torch.library``, not written per pattern: every op of the ``fuser``
+    namespace that a pattern module (loaded through this registry: all implemented patterns,
+    whichever ``fuser.patterns`` enables) defines with an autograd formula. Backward ops,
+    ops of inference-only patterns (no autograd formula: nothing of them is saved for a
+    backward) and the pass's own helper ops are not in it.
+
+    Returns:
+        A tuple of ``torch._ops.OpOverload``, sorted by name.
+    """
+    from torch._library.custom_ops import OPDEFS
+
+    import torch
+
+    for name in names():  # define every pattern's ops
+        load(name)
+    prefix = _package().__name__ + "."
+    out = []
+    for qualname, opdef in list(OPDEFS.items()):
+        namespace, _, op = qualname.partition("::")
+        module = getattr(getattr(opdef, "_init_fn", None), "__module__", "") or ""
+        if namespace != "fuser" or not module.startswith(prefix) or getattr(opdef, "_backward_fn", None) is None:
+            continue
+        out.append(getattr(torch.ops.fuser, op).default)
+    return tuple(sorted(out, key=lambda o: o.name()))
