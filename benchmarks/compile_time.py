@@ -32,8 +32,9 @@ itself); then a second call (``step ms``: the steady state). The process's impor
 build are reported apart (``import s``, ``setup s``). fuser's report of the first call
 (``fuser.report.collecting``) gives the regions fused, their plans and fuser's own compile phases
 (``fuser compile s``, the sum of ``explain()``'s compile times; ``compile_fx s``: Inductor's
-``compile_fx`` on fuser's graphs). Triton compiles fuser's kernels at their first launch, so that
-time is in ``first call s`` and in none of fuser's phases.
+``compile_fx`` on fuser's graphs). Compiling fuser's kernels is in ``first call s`` and in none of
+fuser's phases: on the GPU with static shapes Inductor compiles them inside ``compile_fx``
+(opaque ops, with dynamic shapes or ``FUSER_OPAQUE_OPS=1``: Triton at their first launch).
 
 Correctness: after the compiled steps, the same step runs eagerly on the same weights and input;
 ``err`` is the worst of ‖x − eager‖ / ‖eager‖ over the loss and the gradients (train) or the
@@ -480,7 +481,7 @@ class CompileTimeBenchmark(common.Benchmark):
         body = [[cfg.workload, cfg.cache] + [common.fmt_sig(r["phases_ms"].get(p)) for p in names]
                 + [common.fmt_sig(r["fuser_compile_s"] * 1e3)] for cfg, r in runs]
         return ("fuser's compile phases (ms; `fuser.report.CompileTimes`, summed over the first call's graphs; "
-                "Triton's compile of fuser's kernels, at their first launch, is in none):\n\n"
+                "compiling fuser's kernels is in none: Inductor's compile_fx compiles them on the GPU):\n\n"
                 + common.md_table(["workload", "caches"] + names + ["total"], body, "ll" + "r" * (len(names) + 1)))
 
     def render(self, done: bool) -> tuple[str, str, str]:
@@ -499,8 +500,8 @@ class CompileTimeBenchmark(common.Benchmark):
             "FUSER_CACHE_DIR and TRITON_CACHE_DIR; warm = a second process reusing them. first call s = host "
             "time of the first call to a synchronize after it (Dynamo, fuser's pass, Inductor, AOTAutograd, Triton "
             f"compiles, the step). fuser / inductor: target ≤ {TARGET_RATIO:g}× (✓/✗). fuser's own compile s: "
-            "fuser's compile phases (explain()'s compile time; Triton compiles fuser's kernels at their first "
-            "launch, inside the first call but in none of fuser's phases). step ms = the second call. err = worst "
+            "fuser's compile phases (explain()'s compile time; compiling fuser's kernels is in none of them: "
+            "on the GPU Inductor compiles them inside compile_fx, in the first call). step ms = the second call. err = worst "
             "‖x − eager‖ / ‖eager‖ over the loss and gradients (train) or the logits (prefill); above "
             f"{WRONG_TOL[a.dtype]:g} reads WRONG. Columns: docstring of benchmarks/compile_time.py.")
 
