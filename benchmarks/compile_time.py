@@ -32,8 +32,9 @@ itself); then a second call (``step ms``: the steady state). The process's impor
 build are reported apart (``import s``, ``setup s``). fuser's report of the first call
 (``fuser.report.collecting``) gives the regions fused, their plans and fuser's own compile phases
 (``fuser compile s``, the sum of ``explain()``'s compile times; ``compile_fx s``: Inductor's
-``compile_fx`` on fuser's graphs). Triton compiles fuser's kernels at their first launch, so that
-time is in ``first call s`` and in none of fuser's phases.
+``compile_fx`` on fuser's graphs). Compiling fuser's kernels is in ``first call s`` and in none of
+fuser's phases: on the GPU with static shapes Inductor compiles them inside ``compile_fx``
+(opaque ops, with dynamic shapes or ``FUSER_OPAQUE_OPS=1``: Triton at their first launch).
 
 Correctness: after the compiled steps, the same step runs eagerly on the same weights and input;
 ``err`` is the worst of ‖x − eager‖ / ‖eager‖ over the loss and the gradients (train) or the
@@ -42,7 +43,10 @@ logits (prefill); above 5e-2 (bf16, fp16; 1e-3 fp32) reads ``WRONG`` (exit statu
 Main table (``benchmarks/results/compile_time.md``): ``workload, shape, caches``; first call s of
 inductor and fuser; ``fuser / inductor`` (issue 11's target: ≤ 1.1×, cold and warm, on the
 training step: ✓/✗); fuser's own compile s; regions fused; ``step ms`` of both; fuser's err. The
-details table has one row per (configuration, backend). ``ms`` in the JSON (and the plot) is the
+details table has one row per (configuration, backend), with the first call's hits, misses and
+bypasses of Inductor's FX-graph cache and AOTAutograd's cache (``caches hit/miss/bypass``, from
+``torch._dynamo.utils.counters``: a warm process should show hits only; a miss there means a
+cache key that changes between processes). ``ms`` in the JSON (and the plot) is the
 first call in ms.
 
 Flags: ``--workloads {train,prefill}``, ``--backends``, ``--caches {cold,warm}`` (warm needs
@@ -50,7 +54,9 @@ cold first: the warm row reuses the cold row's directories), ``--layers``, ``--h
 ``--intermediate``, ``--heads``, ``--kv-heads``, ``--vocab``, ``--batch``, ``--seq``, ``--dtype``,
 ``--cache-root``, ``--child-timeout`` (s, default 240), ``--budget-s`` (default 300), ``--out``,
 ``--out-dir`` (or env ``FUSER_BENCH_OUT_DIR``), ``--fuser-option key=value``, ``--device``,
-``--seed``, ``--smoke`` (1 layer, hidden 64, 4 heads, 2 KV heads, vocab 128, B=2, N=64, fp32, the
+``--seed``, ``--profile TOP`` (cProfile each first call; its TOP functions by cumulative and own
+time to ``compile_time_profile_<workload>_<caches>_<backend>.txt`` in ``--out-dir``; slows the
+first call), ``--smoke`` (1 layer, hidden 64, 4 heads, 2 KV heads, vocab 128, B=2, N=64, fp32, the
 prefill workload unless ``--workloads`` says otherwise; fuser's kernels in Triton's interpreter;
 results to ``compile_time_smoke.md``; on a 2-core CPU each process takes ~10-30 s, most of it
 Inductor's C++ compile when cold).
@@ -114,6 +120,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--cache-root", default=None, help="where the cache directories go (default: a new temp dir)")
     p.add_argument("--child-timeout", type=float, default=240.0, help="seconds per measuring process (default 240)")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="cProfile each first call and write its TOP functions (by cumulative and own time) "
+                        "to compile_time_profile_<workload>_<caches>_<backend>.txt in --out-dir (default: beside "
+                        "--out); the profiler slows the first call (~1.5x): compare timings without it")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)
     common.add_driver_args(p, budget_s=300.0, out_name="compile_time")
     a = p.parse_args(argv)
@@ -182,6 +192,13 @@ def run_child(spec: dict) -> dict:
     common.synchronize(device)
     out["setup_s"] = time.perf_counter() - t0
     g0 = common.graphs_compiled()
+    before = cache_counters()
+    profiler = None
+    if spec.get("profile_path"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     if fuser is not None:
         with fuser.report.collecting() as rep:
@@ -191,6 +208,12 @@ def run_child(spec: dict) -> dict:
         got = step(compiled)
     common.synchronize(device)
     out["first_call_s"] = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        write_profile(profiler, spec["profile_path"], spec.get("profile_top", 60))
+        out["profile"] = spec["profile_path"]
+    after = cache_counters()
+    out["cache_counters"] = {k: after[k] - before.get(k, 0) for k in after}
     out["graphs_compiled"] = common.graphs_compiled() - g0 if g0 >= 0 else None
     got = tuple(x.detach().clone() if x is not None else None for x in got)
     common.synchronize(device)
@@ -208,6 +231,43 @@ def run_child(spec: dict) -> dict:
     out["rel_err"] = float("nan") if any(e != e for e in errs) else max(errs)
     out["process_s"] = time.perf_counter() - t_start
     return out
+
+
+#: Inductor's FX-graph cache and AOTAutograd's cache: hits, misses and bypasses in
+#: ``torch._dynamo.utils.counters`` (what a warm process should show: hits only).
+CACHE_COUNTERS = {
+    "fx_hit": ("inductor", "fxgraph_cache_hit"), "fx_miss": ("inductor", "fxgraph_cache_miss"),
+    "fx_bypass": ("inductor", "fxgraph_cache_bypass"), "aot_hit": ("aot_autograd", "autograd_cache_hit"),
+    "aot_miss": ("aot_autograd", "autograd_cache_miss"), "aot_bypass": ("aot_autograd", "autograd_cache_bypass"),
+}
+
+
+def cache_counters() -> dict:
+    """The counts of :data:`CACHE_COUNTERS` so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {k: int(counters[group][name]) for k, (group, name) in CACHE_COUNTERS.items()}
+
+
+def cache_cell(c: Optional[dict]) -> str:
+    """``FX h/m/b · AOT h/m/b``: the first call's cache hits, misses and bypasses."""
+    if not c:
+        return "—"
+    return (f"FX {c.get('fx_hit', 0)}/{c.get('fx_miss', 0)}/{c.get('fx_bypass', 0)} · "
+            f"AOT {c.get('aot_hit', 0)}/{c.get('aot_miss', 0)}/{c.get('aot_bypass', 0)}")
+
+
+def write_profile(profiler, path: str, top: int) -> None:
+    """The ``top`` functions of a cProfile of the first call, by cumulative and by own time."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(buf.getvalue())
 
 
 def fuser_outcome(rep) -> dict:
@@ -286,7 +346,7 @@ class CompileTimeBenchmark(common.Benchmark):
         return {**super().new_record(impl, run), "import_s": None, "setup_s": None, "step_ms": None,
                 "fused": None, "matches": None, "plan": "", "fuser_compile_s": None, "compile_fx_s": None,
                 "phases_ms": None, "rel_err_out": None, "rel_err_grads": None, "process_s": None,
-                "cache_dirs": None}
+                "cache_dirs": None, "cache_counters": None, "profile": None}
 
     def cache_env(self, cfg: Config, backend: str) -> dict:
         base = self.root / f"{cfg.workload}_{backend}"
@@ -319,6 +379,10 @@ class CompileTimeBenchmark(common.Benchmark):
                 "layers": a.layers, "hidden": a.hidden, "intermediate": a.intermediate, "heads": a.heads,
                 "kv_heads": a.kv_heads, "vocab": a.vocab, "batch": a.batch, "seq": a.seq,
                 "fuser_options": a.fuser_options}
+        if a.profile:
+            folder = Path(a.out_dir) if a.out_dir else Path(a.out).parent
+            spec["profile_path"] = str(folder / f"compile_time_profile_{cfg.workload}_{cfg.cache}_{name}.txt")
+            spec["profile_top"] = a.profile
         env = {**os.environ, **env_dirs}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(common.REPO_ROOT), env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
@@ -393,7 +457,7 @@ class CompileTimeBenchmark(common.Benchmark):
 
     def details_table(self) -> str:
         headers = ["workload", "caches", "backend", "first call s", "step ms", "import s", "setup s",
-                   "fuser's own s", "compile_fx s", "err loss-or-logits / grads", "note"]
+                   "fuser's own s", "compile_fx s", "caches hit/miss/bypass", "err loss-or-logits / grads", "note"]
         body = []
         for cfg, recs, _ in self.rows:
             for name, r in recs.items():
@@ -402,9 +466,10 @@ class CompileTimeBenchmark(common.Benchmark):
                     errs += " / " + common.fmt_err(r["rel_err_grads"])
                 body.append([cfg.workload, cfg.cache, name, common.first_call_cell(r), ms_cell(r),
                              sec(r.get("import_s")), sec(r.get("setup_s")), sec(r.get("fuser_compile_s")),
-                             sec(r.get("compile_fx_s")), ("WRONG " if r.get("wrong") else "") + errs,
-                             common.note_cell(r)])
-        return common.md_table(headers, body, "lll" + "r" * 6 + "ll")
+                             sec(r.get("compile_fx_s")), cache_cell(r.get("cache_counters")),
+                             ("WRONG " if r.get("wrong") else "") + errs,
+                             common.note_cell(r) + (" (profiled: slower)" if r.get("profile") else "")])
+        return common.md_table(headers, body, "lll" + "r" * 6 + "lll")
 
     def phases_table(self) -> str:
         """fuser's compile phases (ms, summed over the graphs of the first call) per fuser run."""
@@ -416,7 +481,7 @@ class CompileTimeBenchmark(common.Benchmark):
         body = [[cfg.workload, cfg.cache] + [common.fmt_sig(r["phases_ms"].get(p)) for p in names]
                 + [common.fmt_sig(r["fuser_compile_s"] * 1e3)] for cfg, r in runs]
         return ("fuser's compile phases (ms; `fuser.report.CompileTimes`, summed over the first call's graphs; "
-                "Triton's compile of fuser's kernels, at their first launch, is in none):\n\n"
+                "compiling fuser's kernels is in none: Inductor's compile_fx compiles them on the GPU):\n\n"
                 + common.md_table(["workload", "caches"] + names + ["total"], body, "ll" + "r" * (len(names) + 1)))
 
     def render(self, done: bool) -> tuple[str, str, str]:
@@ -435,8 +500,8 @@ class CompileTimeBenchmark(common.Benchmark):
             "FUSER_CACHE_DIR and TRITON_CACHE_DIR; warm = a second process reusing them. first call s = host "
             "time of the first call to a synchronize after it (Dynamo, fuser's pass, Inductor, AOTAutograd, Triton "
             f"compiles, the step). fuser / inductor: target ≤ {TARGET_RATIO:g}× (✓/✗). fuser's own compile s: "
-            "fuser's compile phases (explain()'s compile time; Triton compiles fuser's kernels at their first "
-            "launch, inside the first call but in none of fuser's phases). step ms = the second call. err = worst "
+            "fuser's compile phases (explain()'s compile time; compiling fuser's kernels is in none of them: "
+            "on the GPU Inductor compiles them inside compile_fx, in the first call). step ms = the second call. err = worst "
             "‖x − eager‖ / ‖eager‖ over the loss and gradients (train) or the logits (prefill); above "
             f"{WRONG_TOL[a.dtype]:g} reads WRONG. Columns: docstring of benchmarks/compile_time.py.")
 

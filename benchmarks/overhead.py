@@ -65,8 +65,9 @@ Columns of the main table (``benchmarks/results/overhead.md``): ``op, shape, mod
 impl; ``fuser − inductor`` (host µs: the issue's target is ≤ 10 µs); ``fuser − empty`` (fuser's
 host µs minus the ``empty`` op's inductor host µs in the same mode: everything the fused op adds
 to a compiled call); ``device µs`` of inductor and fuser; ``fused``; ``fuser err``; ``fuser
-compile ms`` (fuser's own phases; ``first call s`` in the details includes Triton's compile of the
-kernels at their first launch). The details table has one row per (configuration, impl).
+compile ms`` (fuser's own phases; ``first call s`` in the details includes compiling the kernels:
+on the GPU with static shapes inside Inductor's ``compile_fx``, else at their first launch). The
+details table has one row per (configuration, impl).
 
 Flags: ``--ops``, ``--modes``, ``--impls``, ``--seqs``, ``--dim``, ``--batch``, ``--heads``,
 ``--dtype``, ``--kda-t``, ``--kda-heads``, ``--kda-dim``, ``--kda-dtype``, ``--empty-numel``,
@@ -522,8 +523,8 @@ class OverheadBenchmark(common.Benchmark):
             "function's (x + 1) under Inductor in the same mode. err = ‖x − eager‖ / ‖eager‖ (worst output); "
             f"above {WRONG_TOL[a.dtype]:g} ({a.dtype}; KDA {WRONG_TOL[a.kda_dtype]:g}, {a.kda_dtype}) reads WRONG. "
             "† / fused NO: fuser did not fuse the op (then its row times Inductor). fuser compile ms: fuser's own "
-            "compile phases (explain()'s compile time; Triton compiles the kernels at the first launch: that is in "
-            "first call s). Columns: docstring of benchmarks/overhead.py.")
+            "compile phases (explain()'s compile time; compiling the kernels is in none of them but in first call s: "
+            "on the GPU inside Inductor's compile_fx). Columns: docstring of benchmarks/overhead.py.")
 
     def wrong(self) -> list[str]:
         out = []

@@ -301,24 +301,13 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[..., Any],
     if inputs is not None:
         run_one = run
         run = lambda cfg: run_one(cfg, *inputs)  # noqa: E731
-    log.info("fuser: autotuning %s: %d configs", key, len(candidates))
     if timer is None:
         import triton.testing
 
         def timer(fn):
             return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
-    best, best_ms = candidates[0], float("inf")
-    for cfg in candidates:
-        try:
-            ms = timer(lambda: run(cfg))
-        except Exception as exc:  # a config that cannot run here is simply not a candidate
-            log.debug("fuser: autotune %s: config %s failed: %s", key, cfg, exc)
-            continue
-        log.debug("fuser: autotune %s: %s -> %.4f ms", key, cfg, ms)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    log.info("fuser: autotune %s -> %s (%.4f ms)", key, best, best_ms)
+    best, best_ms = _time_configs(key, candidates, run, timer)
     with _tune_lock:
         _tune_mem[key] = best
         disk = _tune_load()
@@ -327,6 +316,55 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[..., Any],
         tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
         os.replace(tmp, _tune_file())
     return best
+
+
+#: While autotuning, a progress line at INFO at most this often (seconds), as Inductor's
+#: max-autotune reports its own; each config's time is at DEBUG.
+AUTOTUNE_PROGRESS_S = 5.0
+#: How many of the fastest configs :func:`autotune`'s closing INFO line lists.
+AUTOTUNE_SHOW = 5
+
+
+def _time_configs(key: str, candidates: Sequence[dict], run: Callable[[dict], Any],
+                  timer: Callable[[Callable[[], Any]], float]) -> tuple[dict, float]:
+    """Time every candidate; ``(fastest, its ms)`` (the first candidate and ``inf`` if none
+    ran). Logs through the ``fuser`` logger at INFO what is tuned and how many configs, a
+    progress line every :data:`AUTOTUNE_PROGRESS_S` seconds, and at the end the winner, its
+    time, the runners-up (relative to it) and the time taken; each config at DEBUG."""
+    import time
+
+    n = len(candidates)
+    log.info("fuser: autotuning %s: timing %d configs (once: the winner is cached in %s)", key, n, _tune_file())
+    t0 = last = time.perf_counter()
+    timed: list[tuple[float, int]] = []
+    failed = 0
+    for i, cfg in enumerate(candidates):
+        try:
+            ms = timer(lambda: run(cfg))
+        except Exception as exc:  # a config that cannot run here is simply not a candidate
+            failed += 1
+            log.debug("fuser: autotune %s: config %s failed: %s", key, cfg, exc)
+        else:
+            timed.append((ms, i))
+            log.debug("fuser: autotune %s: %s -> %.4f ms", key, cfg, ms)
+        now = time.perf_counter()
+        if i + 1 < n and now - last >= AUTOTUNE_PROGRESS_S:
+            last = now
+            best_so_far = f"{min(timed)[0]:.4f} ms" if timed else "none ran yet"
+            log.info("fuser: autotuning %s: %d/%d configs timed in %.1f s, best so far %s",
+                     key, i + 1, n, now - t0, best_so_far)
+    took = time.perf_counter() - t0
+    if not timed:
+        log.info("fuser: autotune %s: none of the %d configs ran here (%.1f s); taking the first, %s",
+                 key, n, took, candidates[0])
+        return candidates[0], float("inf")
+    timed.sort()
+    best_ms, best_i = timed[0]
+    ranking = "; ".join(f"{candidates[i]} {ms:.4f} ms ({100 * best_ms / ms:.0f}%)" if ms > 0 else
+                        f"{candidates[i]} {ms:.4f} ms" for ms, i in timed[:AUTOTUNE_SHOW])
+    log.info("fuser: autotune %s -> %s (%.4f ms); %d configs timed%s in %.1f s; fastest: %s",
+             key, candidates[best_i], best_ms, len(timed), f", {failed} failed" if failed else "", took, ranking)
+    return candidates[best_i], best_ms
 
 
 def wall_clock_ms(fn: Callable[[], Any], repeats: int = 3) -> float:

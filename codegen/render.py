@@ -16,7 +16,10 @@ copy per template (``tests/codegen/test_render.py`` checks). The compile cache k
 macro file included, so an edit to a shared macro is an edit to every template that uses it.
 
 Cache directory: ``$FUSER_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fuser`` (default
-``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``. Inside
+``~/.cache/fuser``); kernels go to ``<cache>/kernels/<name>_<digest>.py``, and the templates'
+compiled form (Jinja's bytecode: parsing and compiling a template costs ~20-150 ms, loading
+its bytecode ~1 ms) to ``<cache>/jinja/`` (:class:`TemplateBytecodeCache`), so a second process
+compiles no template again. Inside
 :func:`exporting_to` (the backend wraps each compile with ``fuser.debug_dir``), or with
 ``$FUSER_DEBUG_DIR`` set, every rendered kernel is also copied there under the same name.
 
@@ -49,8 +52,41 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 # the file of the macros the kernel templates share (see the module docstring)
 MACRO_FILE = "_macros.jinja"
 
+
+
+class TemplateBytecodeCache(jinja2.FileSystemBytecodeCache):
+    """Jinja's bytecode cache (``jinja2.FileSystemBytecodeCache``) in ``<cache>/jinja/``, the
+    directory resolved at every use (``$FUSER_CACHE_DIR`` may change after import, e.g. in
+    tests). Jinja keys each entry on the template's name and path and checks the checksum of
+    its source and Jinja's and Python's bytecode versions on load, so an edited template or
+    another Python is compiled afresh. A cache that cannot be read or written is skipped (the
+    template is compiled, as without a cache), never an error."""
+
+    def __init__(self) -> None:
+        super().__init__(directory=os.devnull)  # never used: see _get_cache_filename
+
+    def _get_cache_filename(self, bucket: "jinja2.bccache.Bucket") -> str:
+        folder = cache_dir().parent / "jinja"
+        folder.mkdir(parents=True, exist_ok=True)
+        return str(folder / (self.pattern % (bucket.key,)))
+
+    def load_bytecode(self, bucket: "jinja2.bccache.Bucket") -> None:
+        try:
+            super().load_bytecode(bucket)
+        except OSError as exc:  # e.g. an unreadable cache directory: compile the template
+            log.debug("fuser: template bytecode cache not read: %s", exc)
+            bucket.reset()
+
+    def dump_bytecode(self, bucket: "jinja2.bccache.Bucket") -> None:
+        try:
+            super().dump_bytecode(bucket)
+        except OSError as exc:  # e.g. an unwritable cache directory: nothing is cached
+            log.debug("fuser: template bytecode cache not written: %s", exc)
+
+
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+    bytecode_cache=TemplateBytecodeCache(),
     undefined=jinja2.StrictUndefined,
     keep_trailing_newline=True,
     trim_blocks=True,

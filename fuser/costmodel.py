@@ -118,10 +118,26 @@ def wave_efficiency(tiles: float, sm_count: int) -> float:
 
 
 def evaluate(expr: sympy.Expr | float, subs: Mapping) -> float:
-    """A cost term's value at concrete shapes."""
+    """A cost term's value at concrete shapes.
+
+    Args:
+        expr: a number or a sympy expression in the shape symbols (``Piecewise`` included).
+        subs: shape symbol -> number, for every symbol of ``expr``.
+
+    Raises:
+        TypeError: a symbol of ``expr`` has no value in ``subs``.
+
+    Symbols are replaced structurally (``xreplace``; ~10x faster than ``subs``, which matters
+    at compile time: every candidate of every match evaluates several terms); ``subs`` is the
+    fallback for an expression that does not reduce to a number that way.
+    """
     if isinstance(expr, (int, float)):
         return float(expr)
-    return float(sympy.sympify(expr).subs(subs))
+    expr = sympy.sympify(expr)
+    value = expr.xreplace({k: sympy.sympify(v) for k, v in subs.items()})
+    if not value.is_number:
+        value = expr.subs(subs)
+    return float(value)
 
 
 def estimate_ms(cost: Mapping[str, sympy.Expr], subs: Mapping, device: DeviceModel, kind: str, efficiency: float) -> float:

@@ -162,6 +162,7 @@ _SDPA = _fns("F.scaled_dot_product_attention") | _aten("scaled_dot_product_atten
 _MASKED_FILL = _fns("torch.masked_fill") | _aten("masked_fill")
 _WHERE = _fns("torch.where") | _aten("where")
 _DROPOUT = _fns("F.dropout", "torch.dropout") | _aten("dropout")
+_NATIVE_DROPOUT = _aten("native_dropout")  # (built once: _aten lists overloads, ~0.1 ms a call)
 _TRANSPOSE = _fns("torch.transpose", "torch.swapaxes", "torch.swapdims") | _aten("transpose")
 _PERMUTE = _fns("torch.permute") | _aten("permute")
 _T = _fns("torch.t") | _aten("t")
@@ -411,6 +412,7 @@ class GraphView:
         self._groups: Optional[dict] = None
         self._mutation_pos: dict[fx.Node, list] = {}
         self._users_by_pos: dict[fx.Node, list] = {}
+        self._writes_by_key: Optional[dict] = None  # writes_between's index (built once)
 
     # -- in-place resolution -------------------------------------------------------------------
     @staticmethod
@@ -481,8 +483,18 @@ class GraphView:
         with alias key ``key`` (see :meth:`alias_key`), except those in ``exclude``."""
         if key is None:
             return []
-        return [w for w, target in self.writes
-                if lo < self.order[w] < hi and w not in exclude and self.alias_key(target) == key]
+        if self._writes_by_key is None:
+            # alias key -> (positions, writers) in graph order, so that each call bisects its
+            # span: the pass asks once per input of a region, and an unrolled loop has T of both
+            index: dict = {}
+            for w, target in self.writes:
+                pos_w = index.setdefault(self.alias_key(target), ([], []))
+                pos_w[0].append(self.order[w])
+                pos_w[1].append(w)
+            self._writes_by_key = index
+        positions, writers = self._writes_by_key.get(key, ((), ()))
+        lo_i, hi_i = bisect.bisect_right(positions, lo), bisect.bisect_left(positions, hi)
+        return [w for w in writers[lo_i:hi_i] if w not in exclude]
 
     def operand(self, x: Any, user: fx.Node) -> Any:
         """The value ``user`` reads through operand ``x``: the latest in-place mutation of
@@ -658,7 +670,7 @@ class GraphView:
             p = _arg(n, 1, "p", 0.5)
             training = _arg(n, 2, "training", _arg(n, 2, "train", True))
             return mk("dropout", (x0,), p=p, training=training)
-        if fn and t in _aten("native_dropout"):
+        if fn and t in _NATIVE_DROPOUT:
             return None
         if (fn and t in _TRANSPOSE) or (meth and t in ("transpose", "swapaxes", "swapdims")):
             d0, d1 = _norm_dim(_arg(n, 1, "dim0"), rank0), _norm_dim(_arg(n, 2, "dim1"), rank0)

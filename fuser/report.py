@@ -27,8 +27,15 @@ CPU_ESTIMATES_NOTE = (
 )
 
 
-#: Said with every compile-time line: what is not in it.
-TRITON_COMPILE_NOTE = "Triton compiles fuser's kernels at their first launch, not here: not timed"
+#: Said with every compile-time line: what is not in it. Where fuser's kernels are compiled
+#: (``codegen.launch.inline_into_inductor``): on the GPU with static shapes Inductor compiles them
+#: with its own kernels, in its parallel compile workers, inside ``compile_fx`` (so in Inductor's
+#: time, and loaded from Triton's cache by a warm process); opaque ops (dynamic shapes,
+#: ``FUSER_OPAQUE_OPS=1``) have Triton compile each kernel at its first launch, in the first call;
+#: on CPU tensors the kernels run in Triton's interpreter and nothing is compiled.
+TRITON_COMPILE_NOTE = ("compiling fuser's kernels is in no phase: on the GPU Inductor compiles them in "
+                       "compile_fx (dynamic shapes, FUSER_OPAQUE_OPS=1: Triton, at their first launch); "
+                       "the CPU interpreter compiles none")
 
 
 class PhaseTimer:
@@ -100,8 +107,10 @@ class CompileTimes:
             None until it has run (or when the pass ran without the backend).
         graph_index: the graph's number in the report (or in the process).
 
-    Triton compiles fuser's kernels at their first launch (the first call), not while the
-    backend runs: that time is in none of these.
+    Compiling fuser's Triton kernels is in none of these (see :data:`TRITON_COMPILE_NOTE`): on
+    the GPU with static shapes Inductor compiles them inside ``compile_fx`` (in ``inductor_ms``);
+    opaque ops (dynamic shapes, ``FUSER_OPAQUE_OPS=1``) compile at their first launch, in the
+    first call; interpreted kernels (CPU) are not compiled.
     """
 
     phases: dict = dataclasses.field(default_factory=dict)
@@ -114,11 +123,11 @@ class CompileTimes:
 
     def pieces(self) -> list[str]:
         """:meth:`text` in the pieces a wrapped line may break between: ``["canonicalise 1.2,",
-        ..., "total 33.0;", "Inductor's compile_fx 2345.1 (not fuser's);", <note>]``."""
+        ..., "total 33.0;", "Inductor's compile_fx 2345.1 (not fuser's);", <the note's words>]``."""
         out = [f"{name} {ms:.1f}," for name, ms in self.phases.items()] + [f"total {self.total_ms:.1f};"]
         if self.inductor_ms is not None:
             out.append(f"Inductor's compile_fx {self.inductor_ms:.1f} (not fuser's);")
-        return out + [TRITON_COMPILE_NOTE]
+        return out + TRITON_COMPILE_NOTE.split(" ")
 
     def text(self) -> str:
         """``canonicalise 1.2, ..., total 33.0; Inductor's compile_fx 2345.1 (not fuser's); <note>``."""

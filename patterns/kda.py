@@ -534,7 +534,8 @@ class KDAPattern(Pattern):
             raise _Decline(f"the output buffer '{buf.name}' is {dtype(buf)}; the KDA kernels write float16, bfloat16 "
                            "or float32")
         last = max(view.order[sk] for sk in sinks)
-        early = [u for u in buf.users if u not in sinks and view.order[u] < last]
+        sink_set = set(sinks)  # (a set: T sinks, T users; a list made this quadratic)
+        early = [u for u in buf.users if u not in sink_set and view.order[u] < last]
         if early:
             u = early[0]
             raise _Decline(f"'{u.name}' ({location(u)}) reads the output buffer '{buf.name}' while the loop is "

@@ -201,6 +201,13 @@ def test_compile_time_smoke(tmp_path):
         assert r["fused"] == r["matches"] == 1 and r["rel_err"] <= 1e-4, r
         assert r["fuser_compile_s"] > 0 and set(r["phases_ms"]) >= {"canonicalise", "match[attention]", "plan"}
     assert cold["cache_dirs"] == warm["cache_dirs"]
+    # the warm process hits Inductor's FX-graph cache and AOTAutograd's: fuser's cache key
+    # (backend._cache_key_pass) is the same in every process
+    assert cold["cache_counters"]["fx_miss"] >= 1, cold["cache_counters"]
+    hits = warm["cache_counters"]
+    assert hits["aot_hit"] >= 1 and hits["fx_miss"] == hits["aot_miss"] == 0, hits
+    assert hits["fx_bypass"] == hits["aot_bypass"] == 0, hits
+    assert "caches hit/miss/bypass" in md
     kernels = Path(cold["cache_dirs"]["FUSER_CACHE_DIR"]) / "kernels"
     assert any(kernels.glob("attention_fwd*.py"))  # the child wrote fuser's kernels there, not elsewhere
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())

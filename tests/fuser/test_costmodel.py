@@ -44,3 +44,22 @@ def test_planner_cheapest_and_forced():
     # a choice the candidates do not have (inference: no backward) is ignored
     c = Candidate("fuser", {"impl": "fuser"}, {}, 1.0)
     assert choose(_match(), [c], resolve({"fuser.plan": "attention.backward=atomic_dq"})[0])[0] is c
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (7, 7), (5, 9), (9, 5), (4096, 4096), (128, 8192)])
+def test_evaluate_agrees_with_sympy_subs(nq, nk):
+    """``evaluate`` replaces symbols structurally (fast): it must give what ``subs`` gives, for
+    products, ceilings and the Piecewise of the causal pair count."""
+    subs = {cm.B: 2, cm.H: 16, cm.HKV: 4, cm.NQ: nq, cm.NK: nk, cm.D: 64, cm.DV: 128}
+    bh = cm.B * cm.H
+    exprs = [
+        2 * bh * cm.NQ * cm.NK * (cm.D + cm.DV),
+        cm.pairs_causal(cm.NQ, cm.NK, 0) * bh,
+        cm.pairs_causal(cm.NQ, cm.NK, cm.NK - cm.NQ),
+        cm.sympy.ceiling(cm.NQ / 128) * bh + cm.sympy.ceiling(cm.NK / 64) * cm.B * cm.HKV,
+        cm.sympy.Max(cm.NQ, cm.NK) / 3,
+    ]
+    for e in exprs:
+        assert cm.evaluate(e, subs) == float(e.subs(subs))
+    with pytest.raises(TypeError):
+        cm.evaluate(cm.NQ * cm.NK, {cm.NQ: nq})  # a symbol without a value is an error, as before
