@@ -346,5 +346,8 @@ def test_gpu_compiled_autograd_with_checkpoint():
     torch._dynamo.reset()
     with torch._dynamo.config.patch(compiled_autograd=True), fuser.report.collecting() as rep:
         out = torch.compile(step, backend="fuser")(x)
-    assert rep.graphs == 2 and [m.pattern for m in rep.fused] == ["attention"], str(rep)
     _check_training(out, model, x, ref, x64, tol=1e-2)
+    # the forward graph and compiled autograd's backward graph(s): torch 2.13 on the CPU makes one
+    # backward graph, torch 2.11 on the H100 several (measured: 12 graphs in all); whatever their
+    # number, only the forward's attention is fused
+    assert rep.graphs >= 2 and [m.pattern for m in rep.fused] == ["attention"], str(rep)

@@ -34,8 +34,12 @@ GPU = "meta"
 
 
 @pytest.fixture(autouse=True)
-def _an_h100(monkeypatch):
-    """Config tables key on the device: answer as an H100 would, with no GPU here."""
+def _an_h100(monkeypatch, request):
+    """Config tables key on the device: answer as an H100 would, with no GPU here. Not for
+    tests marked ``gpu`` (in modules that import this fixture): they compile and run on the
+    real device."""
+    if request.node.get_closest_marker("gpu") is not None:
+        return
     monkeypatch.setattr(launch, "device_properties",
                         lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
