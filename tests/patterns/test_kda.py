@@ -555,9 +555,11 @@ def test_the_chunk_plan_with_half_inputs_is_as_close_as_eager(t_len):
 def test_the_chunk_plan_with_half_inputs_is_as_close_as_eager_on_gpu(dtype, t_len):
     # compiled kernels (float32 dots as tf32x3) and Inductor's compiled loop around them; eager on
     # the GPU (IEEE float32 einsums). bfloat16 only here: the interpreter rounds o to bfloat16
-    # toward zero (twice the GPU's rounding error)
+    # toward zero (twice the GPU's rounding error). Bound 3x: tf32x3 is not IEEE float32; measured
+    # on the H100 (torch 2.11, Triton 3.6) the final state 1.18-1.26e-7 against eager's 5.7-5.8e-8
+    # (2.0-2.2x; bfloat16 dots were 1e5x), o within 2x
     for got, own in _chunk_plan_against_eager(dtype, t_len, device="cuda"):
-        assert got <= 2 * own, (dtype, t_len, got, own)
+        assert got <= 3 * own, (dtype, t_len, got, own)
 
 
 def _negative_index_loop(lo, hi, shift):
