@@ -47,6 +47,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from .graph import val
+
 log = logging.getLogger("fuser")
 
 
@@ -251,9 +253,9 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
         for a in _node_args(n):
             if a not in region:
                 outside.setdefault(a, None)
-    values = {a: _value(a) for a in outside}
+    values = {a: val(a) for a in outside}
     sharded = {a: v for a, v in values.items() if isinstance(v, DTensor)}
-    if not sharded and not any(isinstance(_value(n), DTensor) for n in nodes):
+    if not sharded and not any(isinstance(val(n), DTensor) for n in nodes):
         return None
     described = ", ".join(f"'{a.name}' {_placements(v)}" for a, v in sharded.items()) or "DTensor values"
     try:
@@ -277,16 +279,6 @@ def _node_args(n: fx.Node) -> list:
     return out
 
 
-def _value(n: Any) -> Any:
-    if not isinstance(n, fx.Node):
-        return n
-    for key in ("example_value", "val"):
-        v = n.meta.get(key)
-        if v is not None:
-            return v
-    return None
-
-
 def _placements(v: Any) -> str:
     return "(" + ", ".join(str(p) for p in v.placements) + ")"
 
@@ -303,7 +295,7 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
                                   for v in values.values() if isinstance(v, torch.Tensor)) if m is not None), None)
 
     def load(a: Any) -> Any:
-        return env[a] if a in env else values.get(a, _value(a))
+        return env[a] if a in env else values.get(a, val(a))
 
     ctx = fake_mode if fake_mode is not None else _null()
     with ctx, torch.no_grad():
