@@ -68,7 +68,7 @@ class TemplateBytecodeCache(jinja2.FileSystemBytecodeCache):
     def _get_cache_filename(self, bucket: "jinja2.bccache.Bucket") -> str:
         folder = cache_dir().parent / "jinja"
         folder.mkdir(parents=True, exist_ok=True)
-        return str(folder / (self.pattern % (bucket.key,)))
+        return str(folder / (self.pattern % (f"{bucket.key}-{_compile_options_digest(bucket.environment)}",)))
 
     def load_bytecode(self, bucket: "jinja2.bccache.Bucket") -> None:
         try:
@@ -82,6 +82,26 @@ class TemplateBytecodeCache(jinja2.FileSystemBytecodeCache):
             super().dump_bytecode(bucket)
         except OSError as exc:  # e.g. an unwritable cache directory: nothing is cached
             log.debug("fuser: template bytecode cache not written: %s", exc)
+
+
+#: Environment settings that change the code Jinja compiles a template to (its lexer's settings,
+#: the optimizer, autoescaping, extensions). Jinja's bytecode cache keys an entry on the
+#: template's name and source only, so two environments with different settings sharing a cache
+#: directory would load each other's code (a template rendered without ``trim_blocks`` by the
+#: one that has it): the key includes these too.
+_COMPILE_OPTIONS = ("block_start_string", "block_end_string", "variable_start_string", "variable_end_string",
+                    "comment_start_string", "comment_end_string", "line_statement_prefix", "line_comment_prefix",
+                    "trim_blocks", "lstrip_blocks", "newline_sequence", "keep_trailing_newline", "optimized",
+                    "autoescape")
+
+
+def _compile_options_digest(env: "jinja2.Environment") -> str:
+    def name(x: Any) -> str:
+        return getattr(x, "__qualname__", None) or repr(x)
+
+    parts = [f"{k}={name(getattr(env, k, None))}" for k in _COMPILE_OPTIONS]
+    parts.append("extensions=" + ",".join(sorted(env.extensions)))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
 _env = jinja2.Environment(

@@ -13,11 +13,27 @@ import pytest
 from fuser.codegen import render
 
 
-def _env(folder) -> jinja2.Environment:
-    """An environment like ``render._env`` over templates in ``folder`` (Jinja's own in-memory
-    template cache off, so that every ``get_template`` goes to the bytecode cache)."""
+def _env(folder, **options) -> jinja2.Environment:
+    """An environment like ``render._env`` (its settings) over templates in ``folder``, Jinja's
+    own in-memory template cache off, so that every ``get_template`` goes to the bytecode cache."""
+    settings = dict(keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    settings.update(options)
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)), cache_size=0,
-                              bytecode_cache=render.TemplateBytecodeCache(), undefined=jinja2.StrictUndefined)
+                              bytecode_cache=render.TemplateBytecodeCache(), undefined=jinja2.StrictUndefined,
+                              **settings)
+
+
+def test_environments_with_other_settings_do_not_share_bytecode(tmp_path, monkeypatch):
+    # Jinja keys its bytecode on the template alone: without the settings in the key, an
+    # environment without trim_blocks would load the code compiled with it (and render otherwise)
+    monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path / "cache"))
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "t.jinja").write_text("{% if x %}\nyes\n{% endif %}\n")
+    trimmed = _env(templates).get_template("t.jinja").render(x=1)
+    plain = _env(templates, trim_blocks=False, lstrip_blocks=False).get_template("t.jinja").render(x=1)
+    assert trimmed == "yes\n" and plain == "\nyes\n\n"
+    assert _env(templates).get_template("t.jinja").render(x=1) == trimmed
 
 
 def _compiles(monkeypatch) -> list:

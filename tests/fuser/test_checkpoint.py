@@ -244,18 +244,21 @@ def test_near_miss_inside_checkpoint_is_declined_with_its_reason():
 
 
 @pytest.mark.skipif(_core_region is None, reason="this torch has no torch.compiler.nested_compile_region")
-def test_nested_compile_region_is_fused(monkeypatch):
+def test_nested_compile_region_is_fused():
     """The region's body is rewritten; the rewritten graph, differentiated by AOTAutograd and
     run eagerly (``aot_eager``), trains as eager float64 does. (Not through Inductor: torch
     2.13's Inductor computes wrong gradients through ``invoke_subgraph`` on the CPU for this
     block with or without fuser, ``fuser.enabled=False`` too, while ``aot_eager`` is right.)"""
     from torch._dynamo.backends.debugging import aot_eager
 
-    # torch 2.13 inlines a region called once before the backend sees it, unless told not to
-    if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
-        monkeypatch.setattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", False)
+    # torch 2.13 inlines a region called once before the backend sees it, unless told not to.
+    # config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes on undo an attribute that is
+    # not in the module's __dict__, and a torch config module then loses the option for good
+    patch = ({"inline_single_use_invoke_subgraph": False}
+             if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph") else {})
     model, ref, x, x64 = _pair(Block("region"))
-    (gm, ex), = testing.capture(model, x)
+    with torch._dynamo.config.patch(**patch):
+        (gm, ex), = testing.capture(model, x)
     gm, result = fuser.rewrite(gm, ex, options={"fuser.interpret": True}, grad_enabled=True)
     m, = result.matches
     assert m.fused and "nested_compile_region" in m.location and m.summary["causal"] == "top_left"

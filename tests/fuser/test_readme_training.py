@@ -53,8 +53,8 @@ def forwards(monkeypatch):
     return count
 
 
-def test_readme_training_guide_runs(forwards, capsys, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", False)
+@torch._dynamo.config.patch(compiled_autograd=False)  # not monkeypatch: see test_checkpoint's note
+def test_readme_training_guide_runs(forwards, capsys):
     blocks = _blocks()
     ns: dict = {"__name__": "readme"}
     torch._dynamo.reset()
