@@ -282,6 +282,17 @@ def test_nested_compile_region_called_twice_is_fused_once(launches):
     torch.testing.assert_close(rep.output.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def _training_step(model):
+    """``x -> model(x)`` that also runs the backward of ``(out ** 2).sum()`` (compiled autograd
+    compiles it when the step is compiled)."""
+    def step(x):
+        out = model(x)
+        (out ** 2).sum().backward()
+        return out
+
+    return step
+
+
 def test_compiled_autograd_backward_graph_passes_untouched(monkeypatch, launches):
     applied = []
     real_apply = passes.apply
@@ -291,10 +302,7 @@ def test_compiled_autograd_backward_graph_passes_untouched(monkeypatch, launches
     monkeypatch.setattr(backend, "compiled_autograd_graph", lambda: (seen.append(real_check()), seen[-1])[1])
     model, ref, x, x64 = _pair(Block("checkpoint"))
 
-    def step(x):
-        out = model(x)
-        (out ** 2).sum().backward()
-        return out
+    step = _training_step(model)
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(compiled_autograd=True), fuser.report.collecting() as rep:
@@ -341,10 +349,7 @@ def test_gpu_compiled_autograd_with_checkpoint():
     model, ref, x, x64 = _pair(Block("checkpoint", None, dim=128, heads=2, n=64))
     model, ref, x, x64 = model.cuda(), ref.cuda(), x.detach().cuda().requires_grad_(), x64.detach().cuda().requires_grad_()
 
-    def step(x):
-        out = model(x)
-        (out ** 2).sum().backward()
-        return out
+    step = _training_step(model)
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(compiled_autograd=True), fuser.report.collecting() as rep:
