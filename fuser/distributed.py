@@ -40,6 +40,7 @@ torch/distributed/tensor/experimental/_context_parallel/_attention.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, Optional, Sequence
@@ -47,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from .graph import val
+from .graph import flat_args, val
 
 log = logging.getLogger("fuser")
 
@@ -250,7 +251,7 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     nodes = sorted(region, key=order.__getitem__)
     outside: dict = {}
     for n in nodes:
-        for a in _node_args(n):
+        for a in flat_args(n):
             if a not in region:
                 outside.setdefault(a, None)
     values = {a: val(a) for a in outside}
@@ -273,12 +274,6 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     return None
 
 
-def _node_args(n: fx.Node) -> list:
-    out: list = []
-    fx.node.map_arg((n.args, n.kwargs), out.append)
-    return out
-
-
 def _placements(v: Any) -> str:
     return "(" + ", ".join(str(p) for p in v.placements) + ")"
 
@@ -297,7 +292,7 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
     def load(a: Any) -> Any:
         return env[a] if a in env else values.get(a, val(a))
 
-    ctx = fake_mode if fake_mode is not None else _null()
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx, torch.no_grad():
         for a, v in list(values.items()):
             if isinstance(v, torch.Tensor):
@@ -317,14 +312,6 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
                     raise NotImplementedError(f"node {n.name} ({n.op})")
     counts = comm.get_comm_counts()
     return {str(k): int(v) for k, v in counts.items() if v}
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------------------------

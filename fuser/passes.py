@@ -331,6 +331,11 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     taken: set[fx.Node] = set()
     found: list[tuple[Pattern, Match]] = []
     metadata_readers: dict = {}  # id(match) -> its region's metadata readers (_check_region)
+
+    def decline(m: Match, why: str) -> None:
+        result.rejected.append(Rejection(m.pattern, why, m.location, m.root.name, graph_index))
+        log.info("fuser: not fused: %s at %s: %s", m.pattern, m.location, why)
+
     for pattern in patterns:
         phase = f"match[{pattern.name}]"
         anchors = timer.wrap(phase, lambda v: list(pattern.anchors(v)))(view)
@@ -353,15 +358,9 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             why = check_region(r, view, metadata_readers) or distributed.sharding_decline(r, view)
             if why is None and r.region & taken:
                 why = "overlaps another match"
+            why = why or place(r, view)
             if why is not None:
-                result.rejected.append(Rejection(pattern.name, why, r.location, r.root.name, graph_index))
-                log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
-                continue
-            if why is None:
-                why = place(r, view)
-            if why is not None:
-                result.rejected.append(Rejection(pattern.name, why, r.location, r.root.name, graph_index))
-                log.info("fuser: not fused: %s at %s: %s", pattern.name, r.location, why)
+                decline(r, why)
                 continue
             taken |= r.region
             found.append((pattern, r))
@@ -390,8 +389,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             remap(m, replaced)
             why = stale_placement(m, gm.graph, set(replaced.values()), erased)
             if why:
-                result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
-                log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
+                decline(m, why)
                 continue
         cands = timer.wrap("plan", pattern.candidates)(m, ctx)
         plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
@@ -408,8 +406,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
             why = f"internal error while re-pointing metadata readers: {exc!r}"
         if why:
-            result.rejected.append(Rejection(pattern.name, why, m.location, m.root.name, graph_index))
-            log.info("fuser: not fused: %s at %s: %s", pattern.name, m.location, why)
+            decline(m, why)
             continue
         before = set(gm.graph.nodes)
         try:
