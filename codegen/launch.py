@@ -477,6 +477,21 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+def stays_opaque(args, kwargs) -> str | None:
+    """Why a fused op's call with these arguments (real, fake or functional tensors) keeps the
+    opaque op instead of handing its kernels to Inductor (:func:`inline_into_inductor`), or None:
+    ``"opaque ops"`` (``FUSER_OPAQUE_OPS=1``), ``"device"`` (no tensor, or its first tensor not on
+    a device of :data:`INLINE_DEVICE_TYPES`), ``"symbolic sizes"`` (dynamic shapes)."""
+    if not INLINE_INTO_INDUCTOR:
+        return "opaque ops"
+    first = _first_tensor(args, kwargs)
+    if first is None or first.device.type not in INLINE_DEVICE_TYPES:
+        return "device"
+    if _symbolic(args, kwargs):
+        return "symbolic sizes"
+    return None
+
+
 def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable[..., Any]], Any]:
     """``torch.library.custom_op(name, mutates_args=...)`` whose GPU kernels Inductor launches
     (:func:`inline_into_inductor`); the decorated function is the op's body for both."""
@@ -519,9 +534,7 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
     def decompose(mode, func, types, args, kwargs):
         from torch.export._trace import custom_triton_ops_decomposition_disabled
 
-        first = _first_tensor(args, kwargs)
-        if (not INLINE_INTO_INDUCTOR or first is None or first.device.type not in INLINE_DEVICE_TYPES
-                or custom_triton_ops_decomposition_disabled() or _symbolic(args, kwargs)):
+        if stays_opaque(args, kwargs) is not None or custom_triton_ops_decomposition_disabled():
             return mode.__torch_dispatch__(func, types, args, kwargs)
         if any(t not in known for t in types):
             return NotImplemented

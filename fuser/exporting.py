@@ -85,29 +85,24 @@ def export(
 
 
 def _check_inlinable(gm: torch.fx.GraphModule) -> None:
-    """Raise when a fused op in ``gm`` would stay opaque under AOTInductor."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
-
+    """Raise when a fused op in ``gm`` would stay opaque under AOTInductor (the rule Inductor's
+    tracing applies, :func:`fuser.codegen.launch.stays_opaque`, on the values the graph carries)."""
     from .codegen import launch
 
+    fixes = {
+        "device": (f"runs on tensors of another device; only ops on "
+                   f"{'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an AOTInductor "
+                   f"package (on the CPU they need Python and Triton's interpreter). Export on CUDA tensors"),
+        "symbolic sizes": ("has symbolic sizes (dynamic_shapes); fuser's ops become kernels in an AOTInductor "
+                           "package only with static sizes (their kernels and launch configs are chosen from the "
+                           "sizes). Export without dynamic_shapes, one package per shape"),
+        "opaque ops": "is kept opaque by FUSER_OPAQUE_OPS=1, which an AOTInductor package cannot run. Unset it",
+    }
     for n in gm.graph.nodes:
         if n.op != "call_function" or getattr(n.target, "namespace", None) != "fuser":
             continue
-        vals = [a.meta.get("val") for a in n.all_input_nodes]
-        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
-        if any(t.device.type not in launch.INLINE_DEVICE_TYPES for t in tensors):
-            raise FuserOptionError(
-                f"fuser.export(for_aoti=True): {n.target} runs on {tensors[0].device.type} tensors; only "
-                f"ops on {'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an "
-                f"AOTInductor package (on the CPU they need Python and Triton's interpreter). Export on "
-                f"CUDA tensors, or keep the program in Python (for_aoti=False, ep.module()).")
-        if any(free_symbols(t) for t in tensors):
-            raise FuserOptionError(
-                f"fuser.export(for_aoti=True): {n.target} has symbolic sizes (dynamic_shapes); fuser's ops "
-                f"become kernels in an AOTInductor package only with static sizes (their kernels and "
-                f"launch configs are chosen from the sizes). Export without dynamic_shapes, one package "
-                f"per shape, or keep the program in Python (for_aoti=False, ep.module()).")
-        if not launch.INLINE_INTO_INDUCTOR:
-            raise FuserOptionError(
-                "fuser.export(for_aoti=True): FUSER_OPAQUE_OPS=1 keeps fuser's ops opaque, which an "
-                "AOTInductor package cannot run; unset it.")
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+        why = launch.stays_opaque(args, kwargs)
+        if why is not None:
+            raise FuserOptionError(f"fuser.export(for_aoti=True): {n.target} {fixes[why]}, or keep the program "
+                                   f"in Python (for_aoti=False, ep.module()).")
