@@ -354,12 +354,8 @@ class H2OPattern(Pattern):
         # finite fills are values, computed as eager computes them (codegen/h2o.py): a boolean
         # data mask's with every plan, a causal one (with or without a data mask) with two_kernel
         finite_causal = sc.causal != "none" and sc.causal_fill != NEG_INF
+        # (a fill that is NaN or +inf as the scores hold it is declined by the mask analysis)
         finite_mask = sc.mask_kind in ("bool_keep", "bool_drop") and sc.mask_fill != NEG_INF
-        for what, f in (("mask", sc.mask_fill if finite_mask else NEG_INF),
-                        ("causal", sc.causal_fill if finite_causal else NEG_INF)):
-            if f != f or f == float("inf"):  # a scaled fill that overflows, as it does in eager
-                raise Decline(f"the {what} fill {f} gives NaN rows in eager's softmax; the H2O kernels take a "
-                              "finite fill or -inf")
         outputs = {"score": colsum} if pv is None else {"out": pv, "score": colsum}
         if ctx.grad_enabled and any(val(n).requires_grad for n in outputs.values()):
             raise Decline("the H2O outputs need gradients; the fused H2O op has no backward yet "

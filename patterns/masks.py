@@ -16,6 +16,7 @@ computes it. A number added to every score before a finite fill is taken off the
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Optional
 
@@ -63,6 +64,16 @@ def round_to(x: float, dt: Optional[torch.dtype]) -> float:
     if dt is None or not dt.is_floating_point:
         return float(x)
     return float(torch.tensor(x, dtype=torch.float64).to(dt))
+
+
+def _takeable_fill(f: float) -> float:
+    """``f``, a fill as the scores finally hold it (scaled, shifted, rounded to their dtype), or
+    :class:`Decline` when it is NaN or ``+inf`` (a finite fill that overflows when scaled): eager's
+    softmax then gives NaN rows, and the kernels take a finite fill or ``-inf`` only."""
+    if f != f or f == math.inf:
+        raise Decline(f"the fill {f} (as the scores hold it, after the later scales) gives NaN rows in eager's "
+                      "softmax; the fused kernels take a finite fill or -inf")
+    return f
 
 
 def classify_values(vis: torch.Tensor, nq: int, nk: int) -> str:
@@ -277,7 +288,7 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
             if shift is None and t["fill"] != NEG_INF:
                 raise Decline("a masked_fill/where with a finite fill comes after a shift of the scores that is "
                               "only known at run time")
-            t["fill_eff"] = round_to((t["fill"] - (shift or 0.0)) * factor, out_dtype)
+            t["fill_eff"] = _takeable_fill(round_to((t["fill"] - (shift or 0.0)) * factor, out_dtype))
         try:
             mc = static_class(t["node"], t["kind"], sizes, ctx, at=t["at"])
             buffers += mc.buffers
@@ -293,7 +304,7 @@ def analyze_masks(terms: list, score_scales: list, sizes: tuple, rank: int, scor
                 if factor is None or factor <= 0 or t["neg"] or mc.hidden is None:
                     cls = "data"
                 else:
-                    value, mode = round_to(mc.hidden * factor, out_dtype), "add"
+                    value, mode = _takeable_fill(round_to(mc.hidden * factor, out_dtype)), "add"
             else:
                 value, mode = t["fill_eff"], "replace"
         if cls == "pred":

@@ -1156,6 +1156,26 @@ def test_nan_and_plus_inf_fills_are_declined(fill, qkv2):
         torch.testing.assert_close(g_, w, equal_nan=True)
 
 
+@pytest.mark.parametrize("with_score", [True, False], ids=["h2o", "attention"])
+def test_a_finite_fill_that_a_later_scale_overflows_is_declined(with_score, qkv2):
+    # masked_fill(~pad, 3e38) then * 4: eager's hidden scores are +inf (float32), its softmax rows
+    # NaN; the mask analysis (shared by the patterns) declines before anything is rewritten
+    q, k, v = qkv2
+
+    def fn(q, k, v, pad):
+        p = torch.softmax((q @ k.mT).masked_fill(~pad, 3e38) * 4.0, -1)
+        return (p @ v, p.sum(-2)) if with_score else p @ v
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(fn, q, k, v, _pad(left=True))
+        want = fn(q, k, v, _pad(left=True))
+    assert not rep.fused
+    assert any("gives NaN rows" in r.reason for r in rep.rejected), str(rep)
+    for g_, w in zip(rep.output if with_score else (rep.output,), want if with_score else (want,)):
+        torch.testing.assert_close(g_, w, equal_nan=True)
+
+
 def test_a_finite_padding_fill_beside_an_additive_mask_is_declined(qkv2):
     # the kernels apply one boolean mask with a finite fill, and no other mask tensor beside it
     q, k, v = qkv2
