@@ -248,11 +248,12 @@ DOTS = ("float32", "bfloat16")
 #: ``input_precision`` of the float32 dots on a GPU where torch's float32 matmul precision is
 #: ``"highest"`` (no TF32): three TF32 products per dot (Triton splits each operand into a TF32
 #: high part and a TF32 remainder and drops the remainder × remainder product), about 22 bits of
-#: the 24 of float32, on the tensor cores. Predicted, not measured on a GPU (the interpreter
-#: computes every dot in IEEE float32): a float64 model of the kernels' dataflow with Triton's
-#: split (B=1, H=4, K=V=64, T 64-300, float16 and bfloat16 inputs, strong and mild gates) puts the
-#: final state at 0.6-1.5x the error of the eager float32 loop and ``o`` at eager's (plain TF32:
-#: the state at 2.5-3.4e-4, 1000x eager's). ``tests/codegen/test_kda_chunk.py``'s GPU test
+#: the 24 of float32, on the tensor cores. A float64 model of the kernels' dataflow with Triton's
+#: split (B=1, H=4, K=V=64, T 64-300, float16 and bfloat16 inputs, strong and mild gates)
+#: predicted the final state at 0.6-1.5x the error of the eager float32 loop and ``o`` at eager's
+#: (plain TF32: the state at 2.5-3.4e-4, 1000x eager's); measured on the H100 (torch 2.11, Triton
+#: 3.6; ``tests/patterns/test_kda.py``, K=V=32, T 64-200): ``o`` as eager's, the state 2.0-2.2x
+#: (1.2e-7 against 5.8e-8). ``tests/codegen/test_kda_chunk.py``'s GPU test
 #: ``test_half_inputs_as_close_as_eager_on_gpu`` checks it on the device. IEEE float32 dots
 #: would run on the FMA units (about 15x below the bf16 tensor-core rate on the H100).
 GPU_FP32_PRECISION = "tf32x3"

@@ -68,7 +68,8 @@ CHUNK_EFFICIENCY = 0.3
 #: Measured over modelled time of the chunked forward on the H100 (B=1, T=4096, H=16, bf16:
 #: K=V=64 0.316 ms against 0.195 ms modelled, K=V=128 0.343 against 0.243): kernel 1 spills
 #: registers. Applied to the chunk plan's estimate. Measured with bfloat16 workspaces and dots,
-#: before they became float32 (tf32x3 dots): NOT MEASURED since.
+#: before they became float32 (tf32x3 dots); with them the H100 ran K=V=64 in 0.615 ms against
+#: this model's 0.361 ms (benchmarks/results/kda_chunk_fp32dots.md): not re-fitted yet.
 CHUNK_CALIBRATION = 1.5
 #: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
 #: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
