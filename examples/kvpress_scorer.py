@@ -20,10 +20,11 @@ GQA mean, the top-k) stays ordinary PyTorch on the small ``[B, H, N]`` tensor. F
 fuser slices q (softmax rows are independent) and takes the causal mask of those rows as
 bottom-right.
 
-One difference from kvpress' code: it builds the window's mask as ``torch.ones_like(attn_weights)
-* -inf``, which reads the scores themselves (for their shape) — so the scores would have to be
-materialised, and fuser declines (``explain()`` says the intermediate is "also used by
-'ones_like'"). ``torch.full((w, n), -inf).triu(...)`` is the same mask without reading them.
+The window's mask is built as kvpress builds it, ``torch.ones_like(attn_weights) * -inf`` made
+causal by ``triu``: ``ones_like`` reads the scores' shape, dtype and device, never their values,
+so fuser evaluates the mask from the sizes alone, finds it is the window's bottom-right causal
+mask, and skips the hidden tiles instead of loading a ``[B, H, w, N]`` mask (``explain()``:
+``causal=bottom_right, mask=none``).
 
 Run::
 
@@ -96,7 +97,8 @@ def snapkv_window_attention(q: torch.Tensor, k: torch.Tensor, window: int = 8, k
     n = k.shape[2]
     keys = repeat_kv(k, q.shape[1] // k.shape[1])
     attn = torch.matmul(q[:, :, -window:], keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
-    attn += torch.full((window, n), float("-inf"), device=q.device).triu(n - window + 1)  # bottom-right causal
+    mask = torch.ones_like(attn) * float("-inf")  # kvpress' spelling: reads attn's shape only
+    attn += torch.triu(mask, diagonal=n - window + 1)  # bottom-right causal
     attn = torch.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
     scores = attn[..., :-window].mean(dim=-2)
     return _snapkv_finish(scores, k.shape[1], window, kernel_size)

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from .graph import GraphView, val, written_args
+from .static import reads_metadata_of_first_arg
 
 __all__ = ["NotIndexed", "Atom", "MaskPredicate", "Prover", "mask_predicate", "classify", "concrete_predicate", "shape_env_of", "evaluate"]
 
@@ -514,7 +515,9 @@ class _Interpreter:
                 return tuple(Scalar(_expr(x)) for x in v)
             raise NotIndexed(f"'{n.name}' has no value metadata")
         t = n.target
-        args = [self.arg(a) for a in n.args]
+        # ones_like(x) and its kin read x's metadata alone: x is not in the slice (fuser/static.py)
+        skip_first = reads_metadata_of_first_arg(n)
+        args = [None if (i == 0 and skip_first) else self.arg(a) for i, a in enumerate(n.args)]
         kwargs = {k: self.arg(a) for k, a in n.kwargs.items()}
         shape = _shape(n)
         rank = len(shape)

@@ -32,6 +32,21 @@ _RANDOM = {
 }
 _SIZE_METHODS = {"size", "dim", "ndimension", "numel", "stride"}
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
+#: Factories whose first argument is read for its metadata alone (shape, dtype, device), with
+#: the value each entry gets (None: the ``fill_value`` argument). ``empty_like`` is not one:
+#: its values are whatever the memory held.
+LIKE_FACTORIES = {"ones_like": 1, "zeros_like": 0, "full_like": None, "new_ones": 1, "new_zeros": 0,
+                  "new_full": None}
+
+
+def reads_metadata_of_first_arg(n: fx.Node) -> bool:
+    """True for ``torch.ones_like(x)`` / ``zeros_like`` / ``full_like`` and the methods
+    ``x.new_ones(...)`` / ``new_zeros`` / ``new_full``: the result depends on ``x``'s shape,
+    dtype and device, never on its values (kvpress builds a mask as ``ones_like(scores) *
+    -inf``), so ``x`` is not part of the value's static slice."""
+    if n.op == "call_function":
+        return n.target in (torch.ones_like, torch.zeros_like, torch.full_like)
+    return n.op == "call_method" and n.target in ("new_ones", "new_zeros", "new_full")
 
 
 class NotStatic(Exception):
@@ -189,7 +204,17 @@ class StaticEvaluator:
                 if v is None and isinstance(n.args[0], fx.Node):
                     symbols |= free_symbols(val(n.args[0]).shape) if isinstance(val(n.args[0]), torch.Tensor) else set()
                 continue
+            skip = None
+            if reads_metadata_of_first_arg(n):
+                # the shape (and so the symbols) of the result; the tensor read for it is not followed
+                v = val(n)
+                if not isinstance(v, torch.Tensor):
+                    raise NotStatic(f"'{n.name}' has no recorded value")
+                symbols |= free_symbols(tuple(v.shape))
+                skip = n.args[0] if n.args else n.kwargs.get("input", n.kwargs.get("self"))
             for a in flat_args(n):
+                if a is skip:
+                    continue
                 if isinstance(a, fx.Node):
                     stack.append(self.view.operand(a, n))
             # in-place updates of a node in the slice that precede the reader are part of it
@@ -240,6 +265,15 @@ class StaticEvaluator:
                     src = val(n.args[0])
                     v = _size_like(n, src)
                 env[n] = symint_value(v, assignment)
+                continue
+            if reads_metadata_of_first_arg(n):
+                v = val(n)
+                fill = LIKE_FACTORIES[n.target if isinstance(n.target, str) else n.target.__name__]
+                if fill is None:
+                    rest = load(n.args[1:])
+                    fill = load(n.kwargs).get("fill_value", rest[0] if n.op == "call_function" else rest[-1])
+                env[n] = torch.full(tuple(symint_value(tuple(v.shape), assignment)), symint_value(fill, assignment),
+                                    dtype=v.dtype, device=v.device)
                 continue
             args, kwargs = load(n.args), load(n.kwargs)
             if n.op == "call_function":

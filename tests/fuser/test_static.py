@@ -88,3 +88,46 @@ def test_buffers_are_identified_by_dynamo_source_not_by_name():
     static = {k: v[1] for k, v in by_kind.items() if v[0] == "static" and v[1]}
     assert list(static.values()) == [["blocks.0.causal"]], by_kind
     assert sum(1 for v in by_kind.values() if v[0] == "data") == 3, by_kind
+
+
+@pytest.mark.parametrize("spelling", ["ones_like", "full_like", "new_full", "new_ones"])
+def test_like_factories_read_only_metadata(spelling):
+    """``ones_like(a)`` and its kin depend on a's shape, dtype and device only: static even
+    though a is an input, and evaluated at the example size (and at other sizes when dynamic)."""
+    def f(a):
+        if spelling == "ones_like":
+            m = torch.ones_like(a) * float("-inf")
+        elif spelling == "full_like":
+            m = torch.full_like(a, float("-inf"))
+        elif spelling == "new_full":
+            m = a.new_full(a.shape, float("-inf"))
+        else:
+            m = a.new_ones(a.shape) * float("-inf")
+        return a + m.triu(1)
+
+    for dynamic in (None, True):
+        gm, ev = _evaluator(f, torch.randn(5, 5), dynamic=dynamic)
+        triu = next(n for n in gm.graph.nodes if "triu" in str(n.target))
+        want = torch.full((5, 5), float("-inf")).triu(1)
+        assert torch.equal(ev.evaluate(triu), want)
+        if dynamic:
+            s = next(iter(ev.slice(triu).symbols))
+            assert torch.equal(ev.evaluate(triu, {s: 3}), torch.full((3, 3), float("-inf")).triu(1))
+
+
+def test_like_factory_with_a_fill_from_data_is_not_static():
+    def f(a, b):
+        return a + torch.full_like(a, 1.0) * b.sum()
+
+    gm, ev = _evaluator(f, torch.randn(4, 4), torch.randn(3))
+    mul = next(n for n in gm.graph.nodes if n.target is operator.mul)
+    with pytest.raises(NotStatic, match="input tensor 'b'|L_b_"):
+        ev.slice(mul)
+
+
+def test_empty_like_is_not_static():
+    # unlike ones_like, empty_like is not a metadata reader: its values are the memory's
+    gm, ev = _evaluator(lambda a: torch.empty_like(a).triu(1), torch.randn(4, 4))
+    triu = next(n for n in gm.graph.nodes if "triu" in str(n.target))
+    with pytest.raises(NotStatic, match="input tensor"):
+        ev.slice(triu)

@@ -1107,12 +1107,38 @@ def kvpress_compute_window_attention(q, k, w):
 
 
 def test_kvpress_ones_like_mask(qkv2):
-    """The pass re-points ones_like to a proxy of the scores' shape built outside the region
-    (the scores are never computed); the mask is then a tensor the kernels load (it is not
-    proven causal: it is computed from that proxy)."""
+    """``ones_like(scores)`` reads the scores' shape, dtype and device, never their values, so
+    the mask built from it is static: evaluated, it is the window's bottom-right causal mask,
+    and the kernels skip the hidden tiles instead of loading a ``[B, H, w, N]`` mask."""
     q, k, _ = qkv2
-    m = _fused(kvpress_compute_window_attention, q, k[:, :2], 6, outputs="score", gqa_group=2, window="keys[:-6]")
-    assert m.summary["mask"].startswith("additive")
+    m = _fused(kvpress_compute_window_attention, q, k[:, :2], 6, outputs="score", gqa_group=2, window="keys[:-6]",
+               causal="bottom_right")
+    assert m.summary["mask"] == "none", m.summary
+
+
+def kvpress_mask_from_data(q, k, w):
+    """The same window, but the mask's fill is read from the scores' values (``x * 0 - inf``
+    instead of ``ones_like(x) * -inf``): data, so it is loaded, never assumed causal."""
+    bsz, h_kv, q_len, _ = k.shape
+    attn_weights = torch.matmul(q[:, :, -w:], _rep_kv(k, q.shape[1] // h_kv).transpose(2, 3)) / math.sqrt(q.shape[-1])
+    attention_mask = torch.triu(attn_weights * 0 + float("-inf"), diagonal=q_len - w + 1)
+    attn_weights = attn_weights + attention_mask
+    p = F.softmax(attn_weights, dim=-1, dtype=torch.float32)
+    return p[..., :-w].sum(-2)
+
+
+def test_mask_reading_score_values_is_not_static(qkv2):
+    """``x * 0 - inf`` is NaN where x is ±inf: unlike ``ones_like(x)`` it reads x's values, so the
+    mask is not static (the region is declined: the scores escape to the mask)."""
+    q, k, _ = qkv2
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(kvpress_mask_from_data, q, k[:, :2], 6)
+        want = kvpress_mask_from_data(*_to64((q, k[:, :2])), 6)
+    torch.testing.assert_close(rep.output.double(), want.double(), rtol=2e-5, atol=2e-5)
+    for m in rep.matches:
+        if m.pattern == "h2o" and m.fused:
+            assert m.summary["causal"] == "none" and m.summary["mask"] != "none", m.summary
 
 
 def test_kvpress_ones_like_mask_dynamic_shapes():
