@@ -168,13 +168,25 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_ms(fn: Callable[[], Any], device: str, warmup: int, rep: int) -> float:
-    """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA (events, L2 flushed
-    before each run); on CPU, a host clock around each call (for smoke runs only)."""
+#: How a CUDA implementation is timed: ``"events"`` (``triton.testing.do_bench``: each call
+#: launched from Python between CUDA events, L2 flushed before each; host launch cost included
+#: where it exceeds the GPU time) or ``"cudagraph"`` (``triton.testing.do_bench_cudagraph``: the
+#: calls captured once in a CUDA graph and replayed: GPU time alone, no host launch cost, no L2
+#: flush between calls).
+TIMINGS = ("events", "cudagraph")
+
+
+def bench_ms(fn: Callable[[], Any], device: str, warmup: int, rep: int, timing: str = "events") -> float:
+    """Median time of ``fn()`` in ms: on CUDA as ``timing`` says (:data:`TIMINGS`); on CPU, a
+    host clock around each call (for smoke runs only)."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
     if device == "cuda":
         import triton.testing
 
         synchronize(device)
+        if timing == "cudagraph":
+            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     times = []
     t_end = time.perf_counter() + rep / 1e3
@@ -267,6 +279,7 @@ class Measurement:
     check: Any = None
     error: Optional[str] = None
     first_context: Any = None
+    timing: Optional[str] = None  # how ``ms`` was timed (see :data:`TIMINGS`)
 
     @property
     def ok(self) -> bool:
@@ -275,15 +288,17 @@ class Measurement:
 
 def measure(run_once: Callable[[], Any], device: str, warmup: int, rep: int,
             check: Optional[Callable[[Any], Any]] = None,
-            on_first: Optional[Callable[[], Any]] = None) -> Measurement:
+            on_first: Optional[Callable[[], Any]] = None, timing: str = "events") -> Measurement:
     """Measure one implementation on one configuration.
 
     ``run_once()`` does the whole timed region (e.g. forward, or forward + backward) and
     returns what ``check`` should look at. Steps: synchronize; first call, timed with a host
     clock (includes compilation: this is the "first call s" users feel) and checked; one
-    memory-probe call; then ``do_bench`` (median). ``on_first``, a context-manager factory,
-    wraps the first call if given (e.g. to collect a compiler's report); what it yields is
-    kept in ``first_context``.
+    memory-probe call; then ``do_bench`` (median), or with ``timing="cudagraph"``
+    ``do_bench_cudagraph`` — if the calls cannot be captured (a host synchronisation, say), they
+    are timed with events instead and ``Measurement.timing`` says so. ``on_first``, a
+    context-manager factory, wraps the first call if given (e.g. to collect a compiler's
+    report); what it yields is kept in ``first_context``.
     """
     m = Measurement()
     out = None
@@ -305,7 +320,15 @@ def measure(run_once: Callable[[], Any], device: str, warmup: int, rep: int,
             m.check = check(out)
         out = None
         m.extra_mib = extra_mib(run_once, device)
-        m.ms = bench_ms(run_once, device, warmup, rep)
+        m.timing = timing if device == "cuda" else "host clock"
+        try:
+            m.ms = bench_ms(run_once, device, warmup, rep, timing)
+        except Exception as exc:  # noqa: BLE001 - capture refused: timed with events instead
+            if timing != "cudagraph" or device != "cuda":
+                raise
+            synchronize(device)
+            m.timing = f"events (CUDA graph capture failed: {short_error(exc)})"
+            m.ms = bench_ms(run_once, device, warmup, rep)
     except Exception as exc:  # noqa: BLE001 - any failure is a result, recorded and reported
         m.status = short_error(exc)
         m.error = describe_error(exc)
@@ -674,11 +697,13 @@ class Impl:
     :meth:`Benchmark.implementations_at`). ``report``: collect fuser's report around its first call (a ``backend="fuser"``
     variant); what :meth:`Benchmark.describe` makes of it is kept in ``info`` and carried to the
     group's later configurations (a reused compile reports nothing). ``info`` goes into every
-    record of this implementation (e.g. ``note``, ``plan``)."""
+    record of this implementation (e.g. ``note``, ``plan``). ``timing``: how it is timed on CUDA
+    (:data:`TIMINGS`)."""
 
     build: Callable[["ConfigRun"], Built]
     report: bool = False
     info: dict = dataclasses.field(default_factory=dict)
+    timing: str = "events"  # :data:`TIMINGS`; the record's ``timing`` says what was used
 
 
 @dataclasses.dataclass
@@ -753,7 +778,7 @@ class Benchmark:
 
     def new_record(self, impl: str, run: ConfigRun) -> dict:
         return {"impl": impl, "status": "ok", "ms": None, "extra_mib": None, "first_call_s": None,
-                "graphs_compiled": None, "rel_err": None, "note": "", "error": None}
+                "graphs_compiled": None, "rel_err": None, "note": "", "error": None, "timing": None}
 
     def store_check(self, rec: dict, value) -> None:
         rec["rel_err"] = value
@@ -953,14 +978,14 @@ class Benchmark:
         run.impl = name
         a = self.args
         m = measure(run_once, self.device, a.warmup, a.rep, check=lambda out: self.check(run, out),
-                    on_first=fuser_collector() if impl.report else None)
+                    on_first=fuser_collector() if impl.report else None, timing=impl.timing)
         if impl.report and m.first_context is not None:
             found = self.describe(m.first_context)
             if found.get("note"):  # compiled during this call; else the group's earlier compile stands
                 impl.info.update(found)
                 rec.update(found)
         rec.update(status=m.status, ms=m.ms, extra_mib=m.extra_mib, first_call_s=m.first_call_s,
-                   graphs_compiled=m.graphs_compiled, error=m.error)
+                   graphs_compiled=m.graphs_compiled, error=m.error, timing=m.timing)
         self.store_check(rec, m.check)
         if m.error and context_broken(m.error):
             self.state["broken"] = True

@@ -36,8 +36,12 @@ Implementations (``--impls``; default all):
   then a column-parallel pass recomputing P from the LSE; ``one_kernel``; ``diag_cache``: swept
   over the number of cached diagonals K = 0, 1, 2, 4, ... up to ``h2o.diagonal_count(q, k,
   causal)`` (or ``--diagonals``) and each layout of ``h2o.CACHE_LAYOUTS``; ``causal`` only in
-  causal configurations). Plans and arguments that the installed ``codegen/h2o.py`` does not
-  have yet are left out (today: ``two_kernel`` alone, without the ``plan=`` argument).
+  causal configurations). Plans and arguments that an older ``codegen/h2o.py`` does not have
+  are left out. The forced plans are timed as CUDA graph replays (``--plan-timing cudagraph``,
+  the default: GPU time alone). Called from Python, each call would pay the direct path's host
+  work (argument checks, config lookup, Triton's launcher: ~0.1 ms) that the compiled ``fuser``
+  row does not pay (Inductor's wrapper launches its kernels), and at N ≤ 2048 that host time,
+  not the plan, would decide which plan looks fastest.
 - ``sdpa``: ``F.scaled_dot_product_attention`` (flash on an H100; ``enable_gqa`` for GQA): O
   only, no score; the floor of what attention alone costs.
 
@@ -66,7 +70,10 @@ the larger. The peaks are an H100 SXM's datasheet numbers (``common.H100_PEAK_TB
 
 Planner's regret: the time of the plan fuser's planner chose (its forced-kernel row, or the
 compiled row when that plan was not forced) / the best time among the plans it chooses from
-(the forced fuser plans and Inductor) at that shape; 1.00× = it chose the fastest.
+(the forced fuser plans and Inductor) at that shape; 1.00× = it chose the fastest. The forced
+rows are GPU time (CUDA graph replays, no L2 flush between calls), the other rows
+``do_bench``'s (launched from Python, L2 flushed): the ``timing`` column of the details table
+says which; a forced row whose capture failed is timed with events and says why.
 
 Columns of the main table (printed last; ``benchmarks/results/h2o.md``): ``N, mask, H/H_kv``;
 ``eager``, ``inductor``, ``fuser`` (median ms; ``OOM``, ``err``, ``skip``: see the details table;
@@ -127,6 +134,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=None, help="head dim (default 128)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                    help="plans = every forced plan of h2o.PLANS (default: all)")
+    p.add_argument("--plan-timing", choices=common.TIMINGS, default="cudagraph",
+                   help="how the forced plans are timed (default cudagraph: GPU time without the direct path's host work)")
     p.add_argument("--diagonals", type=int, nargs="+", default=None,
                    help="diag_cache: the K to measure (default 0 1 2 4 ... up to h2o.diagonal_count)")
     p.add_argument("--layouts", nargs="+", default=None, help="diag_cache layouts (default h2o.CACHE_LAYOUTS)")
@@ -358,7 +367,8 @@ class H2OBenchmark(common.Benchmark):
         if "plans" in a.impls:
             for plan in plans():
                 if plan != "diag_cache":
-                    impls[plan] = common.Impl(lambda run, plan=plan: self.forced(run, plan), info={"plan": plan})
+                    impls[plan] = common.Impl(lambda run, plan=plan: self.forced(run, plan), info={"plan": plan},
+                                              timing=a.plan_timing)
         if "fuser" in a.impls:
             f = torch.compile(common.fresh_function(fn, f"h2o_fuser_{tag}"), backend="fuser", dynamic=False,
                               options=dict(a.fuser_options) or None)
@@ -391,7 +401,8 @@ class H2OBenchmark(common.Benchmark):
                 raise exc
             return {"diag_cache": common.Impl(failed, info={"plan": "diag_cache"})}
         return {diag_name(d, lay): common.Impl(lambda run, d=d, lay=lay: self.forced(run, "diag_cache", d, lay),
-                                               info={"plan": "diag_cache", "diagonals": d, "cache": lay})
+                                               info={"plan": "diag_cache", "diagonals": d, "cache": lay},
+                                               timing=self.args.plan_timing)
                 for lay in cache_layouts(run.cfg.causal, self.args.layouts)
                 for d in diagonal_sweep(count, self.args.diagonals)}
 
@@ -565,23 +576,24 @@ class H2OBenchmark(common.Benchmark):
         return common.md_table(headers, body, align)
 
     def details_table(self) -> str:
-        headers = ["N", "mask", "H/H_kv", "impl", "ms", "%floor", "extra MiB", "workspace MiB", "first call s",
-                   "err O / score", "note"]
+        headers = ["N", "mask", "H/H_kv", "impl", "ms", "timing", "%floor", "extra MiB", "workspace MiB",
+                   "first call s", "err O / score", "note"]
         body = []
         for cfg, recs, _ in self.rows:
             for name, r in recs.items():
                 body.append([cfg.n, common.mask_label(cfg.causal), f"{cfg.heads}/{cfg.kv_heads}", name, common.fmt_ms(r["ms"]),
-                             fmt_pct(r.get("pct_floor")), common.fmt_num(r["extra_mib"], 0),
+                             r.get("timing") or "—", fmt_pct(r.get("pct_floor")), common.fmt_num(r["extra_mib"], 0),
                              common.fmt_sig(r.get("workspace_mib")), common.first_call_cell(r),
                              ("WRONG " if r.get("wrong") else "") + fmt_errs(r), common.note_cell(r)])
-        return common.md_table(headers, body, "rlll" + "r" * 6 + "l")
+        return common.md_table(headers, body, "rlllrl" + "r" * 5 + "l")
 
     def legend(self) -> str:
         a = self.args
         return (
             f"B={a.batch}, H={a.heads}, D={a.dim}, dtype={a.dtype}, do_bench warmup={a.warmup} ms rep={a.rep} ms "
             "(median). Times in ms. plans = h2o.PLANS forced through fuser.codegen.h2o.forward: "
-            f"{', '.join(plans())}. Floor = max(FLOPs / {a.peak_tflops:g} TFLOP/s, bytes / {a.peak_tbps:g} TB/s) "
+            f"{', '.join(plans())}, timed by {a.plan_timing} (cudagraph: GPU time, no host launch cost; "
+            "the other rows: do_bench, launched from Python). Floor = max(FLOPs / {a.peak_tflops:g} TFLOP/s, bytes / {a.peak_tbps:g} TB/s) "
             "(H100 SXM datasheet peaks: dense fp16 tensor cores, HBM3); FLOPs = the two-kernel plan's "
             "(2 Q Kᵀ + P V, 6·D per visible pair), bytes = q, k, v read + O, score written. "
             "regret = time of the planner's choice (forced row) / best of the forced plans and Inductor. "
