@@ -132,9 +132,16 @@ different rows of o. Rounding o to its dtype costs the measured eager errors (H1
 (``2^-11``: the same 10 mantissa bits as TF32), float32 o ``~6e-8``. The two add in quadrature:
 
 - bfloat16 o: ``√(1.6² + 0.6²)·1e-3 ≈ 1.7e-3``, predicted ~1.05-1.1x eager's o error (a 1.5x
-  bound leaves room for ``e_tf`` 3x the estimate, e.g. from cancellation);
+  bound leaves room for ``e_tf`` 3x the estimate, e.g. from cancellation or truncation);
 - float16 o: ``√(2.1² + 5²)·1e-4 ≈ 5.4e-4``, ~2.6x eager's: TF32 is not below float16's rounding;
 - float32 o: TF32 would be ~1e4x eager's error.
+
+A float64 model of the output path (the operands the kernels pass, ``q e^{G−c}``, ``k e^{c−G}``,
+``Qg``, ``S``, ``A_qk``, ``Δ``, rounded to TF32 to nearest; the state path exact; N=4, T=1024,
+K=V=64 and 128, softplus and mild gates, bfloat16/float16 inputs) agrees: TF32 alone
+4.1-4.2e-4 relative on o (0.85u); then rounded to bfloat16 1.70-1.71e-3 against 1.65-1.66e-3
+for the exact o rounded (1.03x), to float16 4.5-4.7e-4 against 2.1e-4 (2.2x). On the GPU it
+is a prediction until measured (``tests/codegen/test_kda_chunk.py``'s GPU tests check it).
 
 Into S, compounding (why the state path keeps ``tf32x3``): an error ``δ`` of ``S`` at one chunk
 stays in ``S`` (decayed by ``e^{G_C}``, which forgets it only under strong gates), so the errors
