@@ -379,9 +379,11 @@ def test_the_chunk_plans_dots_forced_show_in_explain_and_in_the_kernels(forced, 
         assert f"output path {precision} ({'forced' if forced else 'Triton'}" in " ".join(text.split())
     (o, s), _ = _run_with(blog_loop, args, options)
     want_o, want_s = blog_loop(*args)
-    tol = 2e-2 if dots == "bfloat16" else 2e-4  # bfloat16 dots: the interpreter rounds toward zero
+    tol = 3e-2 if dots == "bfloat16" else 2e-4  # bfloat16 dots: the interpreter rounds toward zero
     _close(o, want_o, tol)
     _close(s, want_s, tol)
+    if dots == "bfloat16":  # they ran: float32 dots are ~1e-6 off eager here, bfloat16 ones ~1e-2
+        assert _rel(s, want_s.double()) > 1e-3
 
 
 def test_the_chunk_plans_dots_choices_name_their_valid_values():
