@@ -55,6 +55,14 @@ Implementations (``--impls``; default all), in run order per configuration:
   / ``codegen/kda_chunk.forward (chunk=64)`` / ``codegen/kda_parallel.forward`` (T <= 64 only), on inputs flattened to ``[B·H, T, *]`` before the timed region; fwdbwd adds
   ``codegen/kda_bwd.backward(..., chunk=64)`` (the same chunked backward after either
   forward). A module that is not there yet is recorded ``unavailable``.
+- The chunk forward's dots (``codegen/kda_chunk.py``, "Precision of the dots"; :data:`CHUNK_ROWS`):
+  ``fuser[chunk]`` runs its defaults (output-path dots ``A_qk``, ``Qg S``, ``A_qk Δ`` single-pass
+  TF32 for a bfloat16 o, else ``tf32x3`` like the state path's); ``fuser[chunk o=tf32]``
+  (``--impls fuser_chunk_tf32``) forces TF32 on the output path, ``fuser[chunk o=tf32x3]``
+  (``fuser_chunk_tf32x3``) float32-class ``tf32x3`` dots everywhere, ``fuser[chunk dots=bf16]``
+  (``fuser_chunk_bf16``) bfloat16 workspaces and dots (FLA's precision class). Their err columns
+  show what each costs in accuracy. The compiled loop takes the same choices through
+  ``--fuser-option fuser.plan=kda.plan=chunk,kda.output_precision=tf32x3`` (or ``kda.dots=bfloat16``).
 - ``fla_recurrent``: ``fla.ops.kda.fused_recurrent_kda`` (FLA 0.6.0), forward only (it has no
   backward: fwdbwd rows read skip); never run at K >= 8192, where its Triton compile hangs for
   minutes (skip, measured). ``fla_chunk``: ``fla.ops.kda.chunk_kda`` (fwd, and its autograd in
@@ -82,7 +90,8 @@ beta) against float64 references on the same inputs: ``kda_reference.recurrent``
 ``--ref-recurrent-max-t`` (512), ``kda_reference.chunked`` (chunks of 64, the exact WY form, also
 float64; equal to the recurrence up to float64 rounding) above, on the device; fwdbwd by
 autograd through them, a few heads at a time. ``err`` = ‖x − ref‖ / ‖ref‖ (o / state / worst
-gradient); above 2e-2 (bf16, fp16; 1e-3 fp32) reads ``WRONG`` (exit status 1 when a fuser row is).
+gradient); above 2e-2 (bf16, fp16; 1e-3 fp32) reads ``WRONG`` (exit status 1 when a fuser row is;
+``fuser[chunk dots=bf16]``, bfloat16 dots by choice, is held to 2e-2 whatever the dtype).
 
 Floor: the bytes a kernel must move at least, at ``--peak-tbps`` (3.0 TB/s, measured on the
 H100): fwd = q, k, v, g, beta read once + o written (v's dtype) + the final state written
@@ -124,13 +133,24 @@ import common  # noqa: E402
 #: compile, last so a long compile cannot starve the others).
 IMPLS = {
     "fuser": "fuser", "fuser_op": "fuser_op", "fuser_recurrent": "fuser[recurrent]", "fuser_chunk": "fuser[chunk]",
+    "fuser_chunk_tf32": "fuser[chunk o=tf32]", "fuser_chunk_tf32x3": "fuser[chunk o=tf32x3]",
+    "fuser_chunk_bf16": "fuser[chunk dots=bf16]",
     "fuser_parallel": "fuser[parallel]", "fla_recurrent": "fla_recurrent", "fla_chunk": "fla_chunk", "eager": "eager", "inductor": "inductor",
 }
+#: The chunk rows: ``codegen/kda_chunk.forward``'s arguments beyond the defaults (the dots' precision:
+#: its docstring, "Precision of the dots"). ``fuser[chunk]``: the defaults (output-path dots TF32 for a
+#: bfloat16 o, else the state path's ``tf32x3``); ``o=tf32``: output-path dots single-pass TF32 whatever
+#: o is; ``o=tf32x3``: float32-class dots everywhere (the default before the output path was split off);
+#: ``dots=bf16``: bfloat16 workspaces and dots, FLA's precision class (the state ~2e-3 off).
+CHUNK_ROWS = {
+    "fuser[chunk]": {}, "fuser[chunk o=tf32]": {"output_precision": "tf32"},
+    "fuser[chunk o=tf32x3]": {"output_precision": "tf32x3"}, "fuser[chunk dots=bf16]": {"dots": "bfloat16"},
+}
 CUDAGRAPH_IMPLS = ("fuser[cg]", "inductor[cg]")
-FUSER_ROWS = ("fuser", "fuser_op", "fuser[recurrent]", "fuser[chunk]", "fuser[parallel]", "fuser[cg]")
+FUSER_ROWS = ("fuser", "fuser_op", "fuser[recurrent]", *CHUNK_ROWS, "fuser[parallel]", "fuser[cg]")
 FLA_ROWS = ("fla_recurrent", "fla_chunk")
 COLUMN_ORDER = ("eager", "inductor", "inductor[cg]", "fuser", "fuser[cg]", "fuser_op", "fuser[recurrent]",
-                "fuser[chunk]", "fuser[parallel]", "fla_recurrent", "fla_chunk")
+                *CHUNK_ROWS, "fuser[parallel]", "fla_recurrent", "fla_chunk")
 WRONG_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-3}
 BLOG_KV = ((256, 8192), (512, 16384), (8192, 1024), (16384, 1024))
 LONG_T = (64, 512)
@@ -425,7 +445,7 @@ class KDABenchmark(common.Benchmark):
             return self.compiled(name, run)
         if name == "fuser_op":
             return self.op_region(run)
-        if name in ("fuser[recurrent]", "fuser[chunk]", "fuser[parallel]"):
+        if name in ("fuser[recurrent]", "fuser[parallel]") or name in CHUNK_ROWS:
             return self.kernel_region(name, run)
         if name in FLA_ROWS:
             return self.fla_region(name, run)
@@ -500,7 +520,7 @@ class KDABenchmark(common.Benchmark):
 
     def kernel_region(self, name: str, run: common.ConfigRun):
         cfg = run.cfg
-        plan = name[len("fuser["):-1]
+        plan = "chunk" if name in CHUNK_ROWS else name[len("fuser["):-1]
         mod, why = optional_module(f"fuser.codegen.kda_{plan}", "forward")
         if mod is None:
             return UNAVAILABLE + why
@@ -513,7 +533,7 @@ class KDABenchmark(common.Benchmark):
                 return UNAVAILABLE + why
         q, k, v, g, beta, do = self.flat_inputs(run)
         scale = cfg.kd ** -0.5
-        kw = {"chunk": CHUNK} if plan == "chunk" else {}
+        kw = {"chunk": CHUNK, **CHUNK_ROWS[name]} if plan == "chunk" else {}
         b, h, t = cfg.b, cfg.h, cfg.t
 
         def unflat(x):  # [B·H, T, F] -> [B, T, H, F] (a view)
@@ -641,8 +661,11 @@ class KDABenchmark(common.Benchmark):
             torch._dynamo.reset()  # this configuration's compiles (and CUDA-graph pools) go
 
     # -- derived numbers and tables ------------------------------------------------------
-    def is_wrong(self, r: dict) -> bool:
-        return any(e is not None and not (e <= self.args.tol)
+    def is_wrong(self, r: dict, name: str = "") -> bool:
+        """An error above ``--dtype``'s tolerance; ``fuser[chunk dots=bf16]`` (bfloat16 dots, an opt-in
+        that trades accuracy for speed) is held to bfloat16's whatever the inputs' dtype."""
+        tol = max(self.args.tol, WRONG_TOL["bf16"]) if name == "fuser[chunk dots=bf16]" else self.args.tol
+        return any(e is not None and not (e <= tol)
                    for e in (r.get("rel_err_o"), r.get("rel_err_state"), r.get("rel_err_grads")))
 
     def summarize(self, cfg: Config, records: dict[str, dict]) -> dict:
@@ -658,8 +681,8 @@ class KDABenchmark(common.Benchmark):
         fla = {nm: t for nm, t in fla.items() if t is not None and not self.is_wrong(records[nm])}
         best_fla = min(fla, key=fla.get) if fla else None
         ind = common.ok_ms(records, "inductor")
-        for r in records.values():
-            r["wrong"] = self.is_wrong(r)
+        for name, r in records.items():
+            r["wrong"] = self.is_wrong(r, name)
             ms = r["ms"] if r["status"] == "ok" else None
             r["x_floor"] = common.ratio(ms, floor)
             r["vs_inductor"] = common.ratio(ind, ms)
@@ -720,6 +743,7 @@ class KDABenchmark(common.Benchmark):
             f"do_bench warmup={a.warmup} ms rep={a.rep} ms (median). Times in ms. "
             "fuser = torch.compile(loop, backend='fuser'); fuser_op = torch.ops.fuser.kda called directly (the "
             "cost model's plan); fuser[recurrent] / fuser[chunk] / fuser[parallel] = the kernel modules on [B·H, T, *] inputs "
+            "(fuser[chunk o=tf32|tf32x3]: its output-path dots forced; fuser[chunk dots=bf16]: bfloat16 dots) "
             "(fwdbwd: + codegen/kda_bwd.backward); [cg] = mode='reduce-overhead' (CUDA graphs). "
             f"Floor = least bytes / {a.peak_tbps:g} TB/s (inputs read once, o and the final state written; "
             "fwdbwd adds the inputs and do read again and the five gradients written). x floor = time / floor; "

@@ -93,11 +93,72 @@ Precision: decays, ``A``, the solve and the state are float32; the dots of kerne
 kernel 2 the state and ``Δ``) and accumulate in float32. With the default float32 ``DT`` the
 16-bit inputs are upcast exactly, as the user's loop upcasts them, and the result is as close to
 the float64 recurrence as the eager float32 loop's (:func:`workspace_dtype` has the
-measurements); the dots run as :func:`input_precision` says: TF32 where torch's float32 matmul
-precision allows it, else ``tf32x3`` on a GPU (:data:`GPU_FP32_PRECISION`), IEEE float32 in the
-interpreter. With ``dots="bfloat16"`` (FLA's class): measured on the H100 with bf16 inputs (T up
-to 2000, K up to 256), relative error of o 0.3-0.4% against the float64 recurrence, of which
-bf16 output rounding alone is ~0.17%, and of the final state ~2e-3.
+measurements). With ``dots="bfloat16"`` (FLA's class, an explicit opt-in): measured on the H100
+with bf16 inputs (T up to 2000, K up to 256), relative error of o 0.3-0.4% against the float64
+recurrence, of which bf16 output rounding alone is ~0.17%, and of the final state ~2e-3.
+
+Precision of the dots: the state path and the output path. The float32 dots split in two classes
+by where their rounding errors go:
+
+- **State path**: kernel 1's ``A_kk`` (into the solve, ``T``), ``W = T (K ∘ e^G)``, ``U = T V``;
+  kernel 2's ``Δ = U − W S`` and ``S ← diag(e^{G_C}) S + Kdᵀ Δ``. An error here is an error of
+  ``S``, which every later chunk carries on: it compounds over the ``T / C`` chunks, into the final
+  state and into every later chunk's o. These run as :func:`input_precision` says: TF32 where
+  torch's float32 matmul precision allows it, else ``tf32x3`` on a GPU
+  (:data:`GPU_FP32_PRECISION`), IEEE float32 in the interpreter.
+- **Output path**: kernel 1's ``A_qk``; kernel 2's ``Qg S`` and ``A_qk Δ``. Their results make
+  one chunk's o and nothing else (``Δ`` and ``S`` come from the state path's own dots, which round
+  their operands themselves), so each error enters o once and nothing downstream. These run at
+  ``output_precision`` (:data:`OUTPUT_PRECISIONS`; the rule is :func:`resolve_output_precision`).
+
+Error of one dot (a derivation; the GPU numbers it predicts are NOT MEASURED yet): ``tl.dot``
+rounds both operands to its ``input_precision`` and accumulates in float32 (``2^-24`` per add,
+``~2^-24·√K`` relative over K terms, negligible below). TF32 keeps 10 explicit mantissa bits:
+unit roundoff ``u = 2^-11 ≈ 4.9e-4`` (round-to-nearest conversion; ``2^-10`` where the operands
+are truncated instead). One product ``a·b`` of rounded operands is off by ``≤ 2u`` relative, rms
+``√(2/3)·u ≈ 0.8u`` for rounding errors spread evenly. ``tf32x3`` splits ``a = a_hi + a_lo``
+(both TF32) and sums ``a_hi b_hi + a_hi b_lo + a_lo b_hi``: the dropped ``a_lo b_lo`` and the
+rounding of the low parts are ``~u² = 2^-22 ≈ 2.4e-7`` relative, float32's class (``2^-24``);
+``"ieee"`` is float32 FMA (``2^-24``). A dot ``Σ_k a_k b_k`` of products with independent
+errors is off by ``≈ 0.8u‖a ∘ b‖₂`` (rms), relative to the result ``0.8u · ‖a ∘ b‖₂ / |Σ_k a_k
+b_k|``; the ratio is ~1 for terms of mixed signs (q, k, S, Δ here: the sum of K such terms is
+~√K times one, as is ``‖a ∘ b‖₂``), larger where terms cancel.
+
+Into o, once: ``O = Qg S + A_qk Δ`` with ``A_qk`` itself from a TF32 dot, so single-pass TF32 on
+the output path adds ``e_tf ≈ (0.8-1.2)·u ≈ 4-6e-4`` relative (rms) to o, independent of the
+rounding of the stored o and not growing with T: the errors of different chunks land in
+different rows of o. Rounding o to its dtype costs the measured eager errors (H100, FLA's loop,
+``workspace_dtype``): bfloat16 o ``~1.6e-3`` (unit roundoff ``2^-9``), float16 o ``~2.1e-4``
+(``2^-11``: the same 10 mantissa bits as TF32), float32 o ``~6e-8``. The two add in quadrature:
+
+- bfloat16 o: ``√(1.6² + 0.6²)·1e-3 ≈ 1.7e-3``, predicted ~1.05-1.1x eager's o error (a 1.5x
+  bound leaves room for ``e_tf`` 3x the estimate, e.g. from cancellation or truncation);
+- float16 o: ``√(2.1² + 5²)·1e-4 ≈ 5.4e-4``, ~2.6x eager's: TF32 is not below float16's rounding;
+- float32 o: TF32 would be ~1e4x eager's error.
+
+A float64 model of the output path (the operands the kernels pass, ``q e^{G−c}``, ``k e^{c−G}``,
+``Qg``, ``S``, ``A_qk``, ``Δ``, rounded to TF32 to nearest; the state path exact; N=4, T=1024,
+K=V=64 and 128, softplus and mild gates, bfloat16/float16 inputs) agrees: TF32 alone
+4.1-4.2e-4 relative on o (0.85u); then rounded to bfloat16 1.70-1.71e-3 against 1.65-1.66e-3
+for the exact o rounded (1.03x), to float16 4.5-4.7e-4 against 2.1e-4 (2.2x). On the GPU it
+is a prediction until measured (``tests/codegen/test_kda_chunk.py``'s GPU tests check it).
+
+Into S, compounding (why the state path keeps ``tf32x3``): an error ``δ`` of ``S`` at one chunk
+stays in ``S`` (decayed by ``e^{G_C}``, which forgets it only under strong gates), so the errors
+of ``T / C`` chunks add up (``√(T/C)·δ`` for independent ones, ``(T/C)·δ`` at worst) and reach the
+final state and every later chunk's o. A float64 model of the kernels put plain TF32 everywhere
+at 2.5-3.4e-4 on the state (1000x eager's); with ``tf32x3`` the H100 measured 2.0-2.2x eager's
+(:data:`GPU_FP32_PRECISION`).
+
+Hence the default (:func:`resolve_output_precision`): single-pass ``"tf32"`` on the output path
+when o is bfloat16 (its own rounding, ``2^-9``, dominates ``2^-11``), the state path's
+precision when o is float16 or float32 (whose rounding does not hide TF32's error: a float32 o
+deserves float32-class dots). In the interpreter every default is the state path's (IEEE: the
+interpreter does not emulate TF32 anyway, and computes plain float32 products whatever the
+precision). Speed: the output path is ``A_qk`` (``2·256·K`` per tile pair), ``Qg S`` (``2·C·K·V``)
+and ``A_qk Δ`` (``2·C²·V``) per chunk (:func:`flops` with ``path="output"``): at K=V=128, C=64
+3.8 of 11.1 MFLOP per chunk and head, so TF32 there cuts the TF32 products of ``tf32x3``
+everywhere by ~23% (:func:`dot_flops`); what that buys on the GPU is NOT MEASURED.
 
 Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
 ``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
@@ -117,8 +178,8 @@ from .render import RenderedKernel, render
 
 __all__ = [
     "forward", "prep_kernel", "scan_kernel", "kernels_for", "candidate_configs", "workspace_dtype",
-    "input_precision", "dot_rate", "DOTS", "GPU_FP32_PRECISION",
-    "workspace_bytes", "hbm_bytes", "flops", "exps", "CHUNKS", "MAX_K",
+    "input_precision", "resolve_output_precision", "dot_rate", "dot_flops", "DOTS", "OUTPUT_PRECISIONS",
+    "GPU_FP32_PRECISION", "workspace_bytes", "hbm_bytes", "flops", "exps", "CHUNKS", "MAX_K",
 ]
 
 PREP_TEMPLATE = "kda_chunk_prep.py.jinja"
@@ -141,39 +202,50 @@ def _check_chunk(chunk) -> int:
     return int(chunk)
 
 
-def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool) -> RenderedKernel:
-    """Render kernel 1 (``templates/kda_chunk_prep.py.jinja``) for a chunk length and gate kind.
+def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool, output_precision: str) -> RenderedKernel:
+    """Render kernel 1 (``templates/kda_chunk_prep.py.jinja``) for a chunk length, gate kind and
+    the ``input_precision`` of its output-path dot (``A_qk``; :data:`OUTPUT_PRECISIONS`, rendered
+    in: the name ends in ``_o<precision>``, so the variants coexist).
 
     Raises:
-        ValueError: ``chunk`` not in :data:`CHUNKS`.
+        ValueError: ``chunk`` not in :data:`CHUNKS`, ``output_precision`` not in
+            :data:`OUTPUT_PRECISIONS`.
     """
     chunk = _check_chunk(chunk)
-    name = f"kda_chunk_prep_c{chunk}" + ("_scalar" if scalar_gate else "") + ("_interp" if interpret else "")
-    return render(PREP_TEMPLATE, name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret))
+    output_precision = _check_output_precision(output_precision)
+    name = (f"kda_chunk_prep_c{chunk}" + ("_scalar" if scalar_gate else "") + f"_o{output_precision}"
+            + ("_interp" if interpret else ""))
+    return render(PREP_TEMPLATE, name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret),
+                  output_precision=output_precision)
 
 
-def scan_kernel(*, chunk: int, k_blocks: int, interpret: bool) -> RenderedKernel:
-    """Render kernel 2 (``templates/kda_chunk_scan.py.jinja``): the state as ``k_blocks`` tiles.
+def scan_kernel(*, chunk: int, k_blocks: int, interpret: bool, output_precision: str) -> RenderedKernel:
+    """Render kernel 2 (``templates/kda_chunk_scan.py.jinja``): the state as ``k_blocks`` tiles,
+    its output-path dots (``Qg S``, ``A_qk Δ``) at ``output_precision`` (rendered in; the name
+    ends in ``_o<precision>``).
 
     Raises:
-        ValueError: ``chunk`` not in :data:`CHUNKS`, ``k_blocks`` not in 1..16.
+        ValueError: ``chunk`` not in :data:`CHUNKS`, ``k_blocks`` not in 1..16,
+            ``output_precision`` not in :data:`OUTPUT_PRECISIONS`.
     """
     chunk = _check_chunk(chunk)
+    output_precision = _check_output_precision(output_precision)
     if isinstance(k_blocks, bool) or not isinstance(k_blocks, int) or not 1 <= k_blocks <= 16:
         raise ValueError(f"k_blocks must be an int in 1..16, got {k_blocks!r}")
-    name = f"kda_chunk_scan_c{chunk}_kb{k_blocks}" + ("_interp" if interpret else "")
-    return render(SCAN_TEMPLATE, name, chunk=chunk, k_blocks=k_blocks, interpret=bool(interpret))
+    name = f"kda_chunk_scan_c{chunk}_kb{k_blocks}_o{output_precision}" + ("_interp" if interpret else "")
+    return render(SCAN_TEMPLATE, name, chunk=chunk, k_blocks=k_blocks, interpret=bool(interpret),
+                  output_precision=output_precision)
 
 
 @functools.lru_cache(maxsize=None)
-def _prep_module(chunk: int, scalar_gate: bool, interpret: bool):
-    kernel = prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret)
+def _prep_module(chunk: int, scalar_gate: bool, interpret: bool, output_precision: str):
+    kernel = prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=output_precision)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
 @functools.lru_cache(maxsize=None)
-def _scan_module(chunk: int, k_blocks: int, interpret: bool):
-    kernel = scan_kernel(chunk=chunk, k_blocks=k_blocks, interpret=interpret)
+def _scan_module(chunk: int, k_blocks: int, interpret: bool, output_precision: str):
+    kernel = scan_kernel(chunk=chunk, k_blocks=k_blocks, interpret=interpret, output_precision=output_precision)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -245,7 +317,8 @@ def _fit(cfg: dict, k_dim: int, v_dim: int) -> dict:
 #: every tensor-core dot operand (:func:`workspace_dtype`).
 DOTS = ("float32", "bfloat16")
 
-#: ``input_precision`` of the float32 dots on a GPU where torch's float32 matmul precision is
+#: ``input_precision`` of the float32 state-path dots (and by default of the output-path ones but
+#: for a bfloat16 o: :func:`resolve_output_precision`) on a GPU where torch's float32 matmul precision is
 #: ``"highest"`` (no TF32): three TF32 products per dot (Triton splits each operand into a TF32
 #: high part and a TF32 remainder and drops the remainder × remainder product), about 22 bits of
 #: the 24 of float32, on the tensor cores. A float64 model of the kernels' dataflow with Triton's
@@ -259,10 +332,24 @@ DOTS = ("float32", "bfloat16")
 GPU_FP32_PRECISION = "tf32x3"
 
 
+#: The ``input_precision`` values the output-path dots take (``output_precision`` of
+#: :func:`forward`; module docstring, "Precision of the dots"): ``"tf32"`` one TF32 product
+#: (``2^-11`` per operand), ``"tf32x3"`` three (``~2^-22``), ``"ieee"`` float32 FMA (``2^-24``, off
+#: the tensor cores on a GPU).
+OUTPUT_PRECISIONS = ("tf32", "tf32x3", "ieee")
+
+
 def _check_dots(dots) -> str:
     if dots not in DOTS:
         raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
     return dots
+
+
+def _check_output_precision(precision) -> str:
+    if precision not in OUTPUT_PRECISIONS:
+        raise ValueError(f"output_precision must be one of {OUTPUT_PRECISIONS} (or None: the default rule), "
+                         f"got {precision!r}")
+    return precision
 
 
 def workspace_dtype(dots: str = "float32") -> torch.dtype:
@@ -280,7 +367,10 @@ def workspace_dtype(dots: str = "float32") -> torch.dtype:
     eager's 5.4e-8). Float16 workspaces are not offered: the diagonal tiles' decay factor is
     clamped at e^30, beyond float16's range (NaN), and the state would overflow at 65504.
     ``"bfloat16"`` is FLA's ``chunk_kda`` precision class (its state, ``W``, ``U`` and ``Δ``
-    operands are 16-bit too): for speed comparisons, never chosen by the planner.
+    operands are 16-bit too): an explicit opt-in that trades the state's accuracy (~2e-3 against
+    float32's ~1e-7 on the H100) for speed (B=1, T=4096, H=16, bf16 inputs, H100: K=V=64 0.316
+    ms, K=V=128 0.343 ms against 0.615 / 1.05 ms with float32 ``tf32x3`` dots everywhere); the
+    planner never picks it, ``fuser.plan`` ``kda.dots=bfloat16`` forces it.
 
     Raises:
         ValueError: ``dots`` not in :data:`DOTS`.
@@ -289,10 +379,11 @@ def workspace_dtype(dots: str = "float32") -> torch.dtype:
 
 
 def input_precision(dots: str = "float32", *, interpret: bool = False) -> str:
-    """``tl.dot``'s ``input_precision`` for the workspaces of ``dots``: ``"tf32"`` where torch's
-    float32 matmul precision allows TF32 (``launch.dot_precision``), else ``"ieee"`` in Triton's
-    interpreter (``interpret``) and :data:`GPU_FP32_PRECISION` on a GPU; ``"ieee"`` (moot) for
-    bfloat16 operands.
+    """``tl.dot``'s ``input_precision`` of the state-path dots (module docstring, "Precision of
+    the dots") for the workspaces of ``dots``: ``"tf32"`` where torch's float32 matmul precision
+    allows TF32 (``launch.dot_precision``), else ``"ieee"`` in Triton's interpreter
+    (``interpret``) and :data:`GPU_FP32_PRECISION` on a GPU; ``"ieee"`` (moot) for bfloat16
+    operands.
 
     Raises:
         ValueError: ``dots`` not in :data:`DOTS`.
@@ -304,10 +395,48 @@ def input_precision(dots: str = "float32", *, interpret: bool = False) -> str:
     return "ieee" if interpret else GPU_FP32_PRECISION
 
 
+def resolve_output_precision(output_precision: Optional[str] = None, *, dots: str = "float32",
+                             out_dtype: torch.dtype = torch.float32, interpret: bool = False) -> str:
+    """``tl.dot``'s ``input_precision`` of the output-path dots (``A_qk``, ``Qg S``, ``A_qk Δ``;
+    module docstring, "Precision of the dots", has the error argument).
+
+    Args:
+        output_precision: one of :data:`OUTPUT_PRECISIONS`, returned as it is (also in the
+            interpreter, which computes plain float32 products whatever it says), or None: the
+            default rule: ``"tf32"`` when ``out_dtype`` is bfloat16 on a GPU (its rounding,
+            ``2^-9``, dominates TF32's ``2^-11``), else the state path's
+            (:func:`input_precision`: ``tf32x3`` on a GPU under torch's default float32 matmul
+            precision, ``"tf32"`` where torch allows TF32, ``"ieee"`` in the interpreter). A
+            float16 o keeps the state path's: float16 has TF32's 10 mantissa bits, so TF32 would
+            not hide below its rounding (predicted 2.6x eager's o error).
+        dots: :data:`DOTS`. With ``"bfloat16"`` every dot takes bfloat16 operands and the
+            precision is moot: ``"ieee"``.
+        out_dtype: o's dtype (float32, float16 or bfloat16).
+        interpret: the kernels run in Triton's interpreter.
+
+    Raises:
+        ValueError: ``output_precision`` not in :data:`OUTPUT_PRECISIONS` or None (the message
+            names the valid values), ``"tf32"``/``"tf32x3"`` with ``dots="bfloat16"``, ``dots``
+            not in :data:`DOTS`.
+    """
+    if _check_dots(dots) == "bfloat16":
+        if output_precision not in (None, "ieee"):
+            _check_output_precision(output_precision)
+            raise ValueError(f"output_precision={output_precision!r} applies to float32 dots; with dots='bfloat16' "
+                             "every dot takes bfloat16 operands (leave output_precision None, or pass dots='float32')")
+        return "ieee"
+    if output_precision is not None:
+        return _check_output_precision(output_precision)
+    state = input_precision(dots, interpret=interpret)
+    if not interpret and out_dtype == torch.bfloat16:
+        return "tf32"
+    return state
+
+
 def dot_rate(precision: str, dots: str = "float32") -> tuple[str, int]:
     """``(key of the cost model's tflops, products per dot)`` of dots with this
-    ``input_precision`` on ``dots`` operands: ``tf32x3`` runs three TF32 products, ``ieee`` float32
-    runs on the FMA units (``"fp32"``)."""
+    ``input_precision`` on ``dots`` operands: ``tf32x3`` runs three TF32 products, ``tf32`` one,
+    ``ieee`` float32 runs on the FMA units (``"fp32"``)."""
     if _check_dots(dots) == "bfloat16":
         return "bf16", 1
     return {"tf32": ("tf32", 1), "tf32x3": ("tf32", 3)}.get(precision, ("fp32", 1))
@@ -374,19 +503,23 @@ def _k_blocks(k_dim: int, cfg: dict) -> int:
 
 
 def kernels_for(*, k_dim: int, v_dim: int, device, chunk: int = 64, scalar_gate: bool = False,
-                config: Optional[dict] = None, dots: str = "float32") -> list[RenderedKernel]:
+                config: Optional[dict] = None, dots: str = "float32", output_precision: Optional[str] = None,
+                out_dtype: torch.dtype = torch.float32) -> list[RenderedKernel]:
     """The kernel modules :func:`forward` runs for these sizes (for reports), in launch order:
     kernel 1 (prep) and kernel 2 (scan, whose unrolling depends on ``⌈K / BLOCK_K⌉`` of the
     config: ``config`` or the default of :func:`candidate_configs` for the workspaces of
-    ``dots``, whatever the inputs' dtypes).
+    ``dots``, whatever the inputs' dtypes), both with the output-path precision
+    :func:`resolve_output_precision` gives for ``output_precision``, ``dots``, ``out_dtype``
+    (o's dtype) and the device.
 
     Raises:
-        ValueError: a bad chunk, K, V, dots or config.
+        ValueError: a bad chunk, K, V, dots, output_precision or config.
     """
     cfg = _configs(config, k_dim, v_dim, workspace_dtype(dots), device)[0]
     interpret = launch.interpreted(device)
-    return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret),
-            scan_kernel(chunk=chunk, k_blocks=_k_blocks(k_dim, cfg), interpret=interpret)]
+    out_prec = resolve_output_precision(output_precision, dots=dots, out_dtype=out_dtype, interpret=interpret)
+    return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=out_prec),
+            scan_kernel(chunk=chunk, k_blocks=_k_blocks(k_dim, cfg), interpret=interpret, output_precision=out_prec)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,25 +575,53 @@ def hbm_bytes(*, n, nq, t, k_dim, v_dim, chunk: int = 64, in_bytes: int = 2, g_b
     return k1 + k2 + states
 
 
-def flops(*, n, t, k_dim, v_dim, chunk: int = 64):
+def flops(*, n, t, k_dim, v_dim, chunk: int = 64, path: str = "all"):
     """Matrix-unit FLOPs of one :func:`forward` (2 per multiply-add, the tiles as the kernels
     compute them: the ``[16, 16]`` tile pairs of ``A`` on and below the diagonal, the full
     ``[C, C]`` ``T`` in ``U``, ``W``, all of ``W S``, ``Qg S``, ``Kdᵀ Δ`` and the full ``[C, C]``
-    ``Aqk Δ``).
+    ``Aqk Δ``), of the dots of ``path``: ``"all"``, ``"state"`` or ``"output"`` (module
+    docstring, "Precision of the dots").
 
-    Per chunk and head, with ``p = s(s+1)/2`` tile pairs (``s = C / 16``): ``A_kk`` and
-    ``A_qk`` ``2 · 2·256·K·p``; the solve ``2·16³`` per ``[16, 16]`` dot: 6 per diagonal tile
-    and ``Σ_{j<i} (i − j + 1)`` off the diagonal (IEEE float32, on the FMA units); ``U`` and
-    ``W`` ``2·C²·(V + K)``; kernel 2 ``2·C·K·V`` three times and ``2·C²·V``.
+    Per chunk and head, with ``p = s(s+1)/2`` tile pairs (``s = C / 16``): the output path
+    ``A_qk`` ``2·256·K·p``, ``Qg S`` ``2·C·K·V``, ``A_qk Δ`` ``2·C²·V``; the state path ``A_kk``
+    ``2·256·K·p``, the solve ``2·16³`` per ``[16, 16]`` dot: 6 per diagonal tile and ``Σ_{j<i}
+    (i − j + 1)`` off the diagonal (IEEE float32, on the FMA units; counted with the state path,
+    whatever its precision: a few percent), ``U`` and ``W`` ``2·C²·(V + K)``, ``W S`` and ``Kdᵀ Δ``
+    ``2·C·K·V`` each.
+
+    Raises:
+        ValueError: ``path`` not ``"all"``, ``"state"`` or ``"output"``.
     """
+    if path not in ("all", "state", "output"):
+        raise ValueError(f"path must be 'all', 'state' or 'output', got {path!r}")
     nc = _chunks(t, chunk)
     s = chunk // 16
     p = s * (s + 1) // 2
     solve_dots = 6 * s + sum(i - j + 1 for i in range(s) for j in range(i))
-    per_chunk = (4 * 256 * k_dim * p + 2 * 4096 * solve_dots
-                 + 2 * chunk * chunk * (v_dim + k_dim)
-                 + 3 * 2 * chunk * k_dim * v_dim + 2 * chunk * chunk * v_dim)
+    output = 2 * 256 * k_dim * p + 2 * chunk * k_dim * v_dim + 2 * chunk * chunk * v_dim
+    state = (2 * 256 * k_dim * p + 2 * 4096 * solve_dots + 2 * chunk * chunk * (v_dim + k_dim)
+             + 2 * 2 * chunk * k_dim * v_dim)
+    per_chunk = {"all": output + state, "state": state, "output": output}[path]
     return n * nc * per_chunk
+
+
+def dot_flops(*, n, t, k_dim, v_dim, chunk: int = 64, dots: str = "float32", state_precision: str,
+              output_precision: str) -> dict:
+    """The cost model's matrix-unit work of one :func:`forward`: ``{tflops key: FLOPs at that
+    rate}`` (keys of :func:`dot_rate`), every dot counted with its products: the state path's
+    :func:`flops` times the products of ``state_precision`` (3 for ``tf32x3``), the output path's
+    times those of ``output_precision`` (1 for ``tf32``). Ints, or sympy expressions for symbolic
+    sizes.
+
+    Raises:
+        ValueError: ``dots`` not in :data:`DOTS`.
+    """
+    out: dict = {}
+    for path, precision in (("state", state_precision), ("output", output_precision)):
+        kind, products = dot_rate(precision, dots)
+        work = products * flops(n=n, t=t, k_dim=k_dim, v_dim=v_dim, chunk=chunk, path=path)
+        out[kind] = out[kind] + work if kind in out else work
+    return out
 
 
 def exps(*, n, t, k_dim, chunk: int = 64, scalar_gate: bool = False, pairwise_diagonal: bool = False):
@@ -530,6 +691,7 @@ def forward(
     chunk: int = 64,
     save_for_backward: bool = False,
     dots: str = "float32",
+    output_precision: Optional[str] = None,
 ):
     """KDA forward in chunks of ``chunk`` tokens (the WY form; module docstring).
 
@@ -550,9 +712,16 @@ def forward(
         save_for_backward: also return what a backward can reuse (below).
         dots: the workspaces' dtype, which the tensor-core dots take their operands in
             (:data:`DOTS`): ``"float32"`` (default; the accuracy of a float32 loop also for
-            16-bit inputs, :func:`workspace_dtype`) or ``"bfloat16"`` (FLA's precision class:
-            ~2e-3 relative error on the final state; for speed comparisons). The dots'
+            16-bit inputs, :func:`workspace_dtype`) or ``"bfloat16"``: FLA's precision class, an
+            explicit opt-in that trades the state's accuracy for speed (H100, bf16 inputs: final
+            state ~2e-3 relative against ~1.2e-7 with float32 dots; B=1, T=4096, H=16, K=V=128
+            0.343 against 1.05 ms with ``tf32x3`` everywhere). The state-path dots'
             ``input_precision``: :func:`input_precision`.
+        output_precision: ``input_precision`` of the output-path dots (``A_qk``, ``Qg S``,
+            ``A_qk Δ``: each error enters o once), one of :data:`OUTPUT_PRECISIONS`, or None
+            (default): the rule of :func:`resolve_output_precision` (single-pass ``"tf32"`` for a
+            bfloat16 o on a GPU, else the state path's precision). Module docstring, "Precision
+            of the dots", has the error argument.
 
     Returns:
         ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state
@@ -568,13 +737,17 @@ def forward(
     Raises:
         ValueError: wrong ranks or shapes (messages name the expected shape), an unsupported
             dtype, inputs on several devices, K outside 1..256, a chunk not in
-            :data:`CHUNKS`, ``dots`` not in :data:`DOTS`, a bad config.
+            :data:`CHUNKS`, ``dots`` not in :data:`DOTS`, ``output_precision`` not in
+            :data:`OUTPUT_PRECISIONS` (or ``"tf32"``/``"tf32x3"`` with ``dots="bfloat16"``), a bad
+            config.
     """
     chunk = _check_chunk(chunk)
     dt = workspace_dtype(dots)
     n, nq, t, k_dim, v_dim = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
     device = v.device
     out_dtype = v.dtype if out_dtype is None else out_dtype
+    interpret = launch.interpreted(device)
+    out_prec = resolve_output_precision(output_precision, dots=dots, out_dtype=out_dtype, interpret=interpret)
     configs = _configs(config, k_dim, v_dim, dt, device)
     nc = launch.cdiv(t, chunk)
     tp = nc * chunk
@@ -594,13 +767,12 @@ def forward(
         if final is not None:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return _result(o, final, save_for_backward, states, ws, chunk)
-    interpret = launch.interpreted(device)
     precision = input_precision(dots, interpret=interpret)
-    _, prep = _prep_module(chunk, bool(scalar_gate), interpret)
+    _, prep = _prep_module(chunk, bool(scalar_gate), interpret, out_prec)
     group = n // nq
 
     def run(cfg):
-        _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret)
+        _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret, out_prec)
         with launch.launching(interpret):
             prep.launch_prep(q, k, v, g, beta, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
                              ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision)
@@ -608,7 +780,7 @@ def forward(
                              final, states, config=cfg, input_precision=precision)
 
     key = ("kda_chunk", chunk, bool(scalar_gate), k_dim, v_dim, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-           out_dtype, initial_state is not None, precision, str(device))
+           out_dtype, initial_state is not None, precision, out_prec, str(device))
     launch.launch_first_fitting(key, configs, run)
     return _result(o, final, save_for_backward, states, ws, chunk)
 

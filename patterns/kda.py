@@ -164,7 +164,12 @@ class KDAPattern(Pattern):
     """The unrolled KDA (gated delta rule) recurrence."""
 
     name = "kda"
-    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk", "parallel")}
+    # dots, output_precision: the chunk plan's dots (codegen/kda_chunk.forward): dots=bfloat16 is an explicit
+    # opt-in (FLA's precision class: faster, the state ~2e-3 off; never chosen by the cost model);
+    # output_precision forces the input_precision of the output-path dots (default: TF32 for a bfloat16 o, else
+    # the state path's, kda_chunk.resolve_output_precision)
+    plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk", "parallel"),
+                    "dots": ("float32", "bfloat16"), "output_precision": ("tf32", "tf32x3", "ieee")}
 
     # -- anchors: where a state enters a chain ----------------------------------------------
     def anchors(self, view: GraphView):

@@ -12,8 +12,9 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
     V]`` or None (zeros). The loop runs over time indices ``t0 .. t0 + steps − 1``. Returns ``o``
     ``[*L, V]`` with the time axis inserted at ``out_dim`` (``steps`` long), contiguous, in
     ``out_dtype``, and the final state ``[*L, K, V]`` in ``state_dtype`` (an empty tensor unless
-    ``want_state``). ``plan``: ``"plan=recurrent"``, ``"plan=chunk;chunk=64"`` or
-    ``"plan=parallel"`` (:func:`parse_plan`).
+    ``want_state``). ``plan``: ``"plan=recurrent"``, ``"plan=chunk;chunk=64"`` (optionally
+    ``;dots=bfloat16`` and ``;output_precision=tf32|tf32x3|ieee``, the chunked kernels' dots:
+    ``codegen/kda_chunk.forward``) or ``"plan=parallel"`` (:func:`parse_plan`).
 
 Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
 (a copy when the layout needs one: the time axis is not next to the feature axis), as the
@@ -36,27 +37,43 @@ from ..codegen import launch
 PLANS = ("recurrent", "chunk", "parallel")
 
 
-def plan_string(plan: str, chunk: int = 64) -> str:
-    """The op's ``plan`` argument for ``plan`` (:data:`PLANS`)."""
-    return f"plan={plan}" + (f";chunk={int(chunk)}" if plan == "chunk" else "")
+def plan_string(plan: str, chunk: int = 64, dots: Optional[str] = None, output_precision: Optional[str] = None) -> str:
+    """The op's ``plan`` argument for ``plan`` (:data:`PLANS`); for the chunk plan also ``dots``
+    and ``output_precision`` of ``codegen/kda_chunk.forward`` where given (None: its defaults,
+    ``dots="float32"`` and the output-path rule of ``kda_chunk.resolve_output_precision``, applied
+    when the op runs)."""
+    if plan != "chunk":
+        return f"plan={plan}"
+    return (f"plan=chunk;chunk={int(chunk)}" + (f";dots={dots}" if dots is not None else "")
+            + (f";output_precision={output_precision}" if output_precision is not None else ""))
 
 
 def parse_plan(plan: str) -> dict:
-    """``"plan=chunk;chunk=64"`` -> ``{"plan": "chunk", "chunk": 64}`` (defaults: recurrent, 64).
+    """``"plan=chunk;chunk=64;output_precision=tf32"`` -> ``{"plan": "chunk", "chunk": 64, "dots":
+    "float32", "output_precision": "tf32"}`` (defaults: recurrent, 64, ``"float32"``, None).
 
     Raises:
-        ValueError: an entry that is not ``key=value``, an unknown key or plan.
+        ValueError: an entry that is not ``key=value``, an unknown key or plan, a ``dots`` or
+            ``output_precision`` the chunked kernels do not take (the messages name the valid
+            values).
     """
-    out = {"plan": "recurrent", "chunk": 64}
+    from ..codegen.kda_chunk import DOTS, OUTPUT_PRECISIONS
+
+    out = {"plan": "recurrent", "chunk": 64, "dots": "float32", "output_precision": None}
     for part in plan.split(";"):
         if not part:
             continue
         key, eq, value = part.partition("=")
         if not eq or key not in out:
-            raise ValueError(f"fuser::kda plan entry {part!r}: expected plan= or chunk=")
+            raise ValueError(f"fuser::kda plan entry {part!r}: expected one of {', '.join(k + '=' for k in out)}")
         out[key] = int(value) if key == "chunk" else value
     if out["plan"] not in PLANS:
         raise ValueError(f"fuser::kda plan {out['plan']!r}: expected one of {PLANS}")
+    if out["dots"] not in DOTS:
+        raise ValueError(f"fuser::kda plan dots={out['dots']!r}: expected one of {DOTS}")
+    if out["output_precision"] is not None and out["output_precision"] not in OUTPUT_PRECISIONS:
+        raise ValueError(f"fuser::kda plan output_precision={out['output_precision']!r}: expected one of "
+                         f"{OUTPUT_PRECISIONS}")
     return out
 
 
@@ -110,7 +127,8 @@ def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_stat
         from ..codegen import kda_chunk as kernels
 
         return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
-                               scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"])
+                               scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"],
+                               dots=plan.get("dots", "float32"), output_precision=plan.get("output_precision"))
     if plan["plan"] == "parallel":
         from ..codegen import kda_parallel as kernels
     else:

@@ -14,7 +14,12 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     ``A_kk``, ``A_qk``, the triangular solve, ``U``, ``W`` into float32 workspaces), then a pass
     sequential over the chunks carrying the state in registers (K ≤ 256). The dependency chain
     is ``T / C`` long. Its dots take float32 operands also for 16-bit inputs (as accurate as the
-    float32 loop; ``tf32x3`` on the GPU: three TF32 products a dot, counted so).
+    float32 loop): the state path's as ``tf32x3`` on the GPU (three TF32 products a dot, counted
+    so), the output path's (``A_qk``, ``Qg S``, ``A_qk Δ``) as single-pass TF32 when o is
+    bfloat16, else as the state path's (``codegen/kda_chunk.resolve_output_precision``; one
+    product, counted so). ``fuser.plan`` forces ``kda.output_precision=tf32|tf32x3|ieee`` and
+    ``kda.dots=bfloat16`` (FLA's precision class: faster, the state ~2e-3 off; never chosen
+    otherwise). The note says which precisions run.
 ``fuser[parallel]``
     the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
     matrices split over K across programs, a per-head solve, and the final state written tile by
@@ -30,6 +35,8 @@ is NOT MEASURED it says so.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import sympy
 import torch
@@ -69,7 +76,10 @@ CHUNK_EFFICIENCY = 0.3
 #: K=V=64 0.316 ms against 0.195 ms modelled, K=V=128 0.343 against 0.243): kernel 1 spills
 #: registers. Applied to the chunk plan's estimate. Measured with bfloat16 workspaces and dots,
 #: before they became float32 (tf32x3 dots); with them the H100 ran K=V=64 in 0.615 ms against
-#: this model's 0.361 ms (benchmarks/results/kda_chunk_fp32dots.md): not re-fitted yet.
+#: this model's 0.361 ms (benchmarks/results/kda_chunk_fp32dots.md): not re-fitted yet. The
+#: model counts each dot with its products (``kda_chunk.dot_flops``): the state path's three a
+#: dot under tf32x3, the output path's one under TF32 (the default for a bfloat16 o; 23% fewer
+#: TF32 products at K=V=128 than tf32x3 everywhere). That split is NOT MEASURED either.
 CHUNK_CALIBRATION = 1.5
 #: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
 #: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
@@ -113,9 +123,13 @@ def _elt(node) -> int:
     return torch.finfo(dtype(node)).bits // 8
 
 
-def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
+def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
+               output_precision: Optional[str] = None) -> dict:
     """Symbolic cost terms of one plan: ``bytes`` (HBM), ``flops`` (and ``kind``: the units
-    they run on), ``chain_us`` (the sequential dependency chain), ``launches``."""
+    they run on), ``chain_us`` (the sequential dependency chain), ``launches``. The chunk plan
+    also: ``flops_by_kind`` (``{tflops key: FLOPs}``, each path's dots counted with their
+    products, ``kda_chunk.dot_flops``) for its ``dots`` and ``output_precision`` (None: the rule
+    of ``kda_chunk.resolve_output_precision``) as they run on a GPU."""
     b = m.bindings
     eq, ev, eg, eb = _elt(b["q"]), _elt(b["v"]), _elt(b["g"]), _elt(b["beta"])
     eo = torch.finfo(b["out_dtype"]).bits // 8
@@ -149,26 +163,71 @@ def cost_terms(m: Match, plan: str, chunk: int = 64) -> dict:
                 "chain_us": PARALLEL_SOLVE_ROW_US * T}
     from fuser.codegen import kda_chunk
 
-    # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype);
-    # the dots as they run on a GPU (tf32x3: three TF32 products per dot; kda_chunk.input_precision)
-    ws = torch.finfo(kda_chunk.workspace_dtype()).bits // 8
-    operand_kind, passes = kda_chunk.dot_rate(kda_chunk.input_precision(interpret=False))
+    # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype),
+    # bfloat16 only when forced; the dots as they run on a GPU: the state path's at kda_chunk.input_precision
+    # (tf32x3: three TF32 products a dot), the output path's at kda_chunk.resolve_output_precision (TF32 for a
+    # bfloat16 o: one)
+    ws = torch.finfo(kda_chunk.workspace_dtype(dots)).bits // 8
+    state_precision = kda_chunk.input_precision(dots, interpret=False)
+    out_precision = kda_chunk.resolve_output_precision(output_precision, dots=dots, out_dtype=b["out_dtype"],
+                                                       interpret=False)
+    by_kind = kda_chunk.dot_flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk, dots=dots,
+                                  state_precision=state_precision, output_precision=out_precision)
     nbytes = kda_chunk.hbm_bytes(n=N, nq=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk, in_bytes=eq, g_bytes=eg,
                                  out_bytes=eo, ws_bytes=ws, scalar_gate=b["scalar_gate"],
                                  initial_state=b["h0"] is not None, final_state=b["want_state"])
-    return {"bytes": nbytes, "flops": passes * kda_chunk.flops(n=N, t=T, k_dim=KD, v_dim=VD, chunk=chunk),
-            "kind": "mma", "operand_kind": operand_kind,
+    return {"bytes": nbytes, "flops": sum(by_kind.values()), "flops_by_kind": by_kind,
+            "kind": "mma", "operand_kind": kda_chunk.dot_rate(state_precision, dots)[0],
+            "state_precision": state_precision, "output_precision": out_precision,
             "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION}
+
+
+def chunk_precisions(m: Match, ctx: MatchContext) -> tuple:
+    """``(dots, requested, state precision, output precision)`` of the chunk plan on the match's
+    device: ``dots`` forced by ``fuser.plan`` ``kda.dots`` (else ``"float32"``), the output-path
+    precision ``kda.output_precision`` forces (``requested``; None where not forced, or moot:
+    bfloat16 dots), and the ``input_precision`` both paths' dots run at
+    (``kda_chunk.input_precision``, ``kda_chunk.resolve_output_precision``; IEEE in the
+    interpreter unless forced)."""
+    from fuser.codegen import kda_chunk
+
+    b = m.bindings
+    dots = ctx.options.forced("kda", "dots") or "float32"
+    requested = ctx.options.forced("kda", "output_precision") if dots == "float32" else None
+    interpret = launch.interpreted(_device(b))
+    return (dots, requested, kda_chunk.input_precision(dots, interpret=interpret),
+            kda_chunk.resolve_output_precision(requested, dots=dots, out_dtype=b["out_dtype"], interpret=interpret))
+
+
+def precision_note(m: Match, dots: str, requested: Optional[str], state_precision: str, out_precision: str) -> str:
+    """The chunk plan's dots in words, for its note (``explain()`` shows it)."""
+    if dots == "bfloat16":
+        return ("bfloat16 dots (forced: FLA's precision class, faster; the state ~2e-3 off where float32 dots keep "
+                "it ~1e-7)")
+    out = str(m.bindings["out_dtype"]).replace("torch.", "")
+    if requested is not None:
+        why = "forced"
+    elif launch.interpreted(_device(m.bindings)):
+        why = "Triton's interpreter: plain float32 products"
+    elif out_precision == "tf32" and state_precision != "tf32":
+        why = f"o is {out}: its rounding (2^-9) hides TF32's 2^-11, each error enters o once"
+    else:
+        why = f"o is {out}: as the state path"
+    return f"float32 dots: state path {state_precision}, output path {out_precision} ({why})"
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
     """Milliseconds: the larger of traffic and arithmetic, plus the dependency chain, plus
-    launches. Matrix-unit FLOPs run at the rate of ``terms["operand_kind"]`` where the plan
-    names one (the chunk plan's float32 dots), else of the inputs' ``in_kind``."""
+    launches. Matrix-unit FLOPs run at the rate of their kind in ``terms["flops_by_kind"]``
+    where the plan splits them (the chunk plan: its state and output paths' dots), else of
+    ``terms["operand_kind"]`` where the plan names one, else of the inputs' ``in_kind``."""
     nbytes = cm.evaluate(terms["bytes"], subs)
     flops = cm.evaluate(terms["flops"], subs)
     if terms["kind"] == "fp32":
         t_math = flops / (model.tflops["fp32"] * 1e12 * RECURRENT_EFFICIENCY)
+    elif "flops_by_kind" in terms:
+        t_math = sum(cm.evaluate(f, subs) / (model.tflops[kind] * 1e12 * CHUNK_EFFICIENCY)
+                     for kind, f in terms["flops_by_kind"].items())
     else:
         t_math = flops / (model.tflops[terms.get("operand_kind", in_kind)] * 1e12 * CHUNK_EFFICIENCY)
     bandwidth = model.bandwidth_gbs * 1e9
@@ -192,10 +251,10 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     kind = cm.operand_kind(str(dtype(b["q"])), launch.dot_precision(dtype(b["q"])) == "tf32")
     out: list[Candidate] = []
 
-    def add(name, plan, terms, note, chunk=64):
-        out.append(Candidate(name, {"impl": "fuser", "plan": plan, "chunk": chunk,
-                                    "plan_string": plan_string(plan, chunk)},
-                             terms, estimate(terms, subs, model, kind), note))
+    def add(name, plan, terms, note, chunk=64, **extra):
+        params = {"impl": "fuser", "plan": plan, "chunk": chunk, "plan_string": plan_string(plan, chunk)}
+        params.update(extra)
+        out.append(Candidate(name, params, terms, estimate(terms, subs, model, kind), note))
 
     add("fuser[recurrent]", "recurrent", cost_terms(m, "recurrent"),
         "token by token, each program keeping a [K, BLOCK_V] block of the state for the whole sequence")
@@ -206,9 +265,13 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
             "single-chunk parallel form: T x T Gram matrices split over K, a per-head solve, the final state "
             "written tile by tile")
     if subs[KD] <= CHUNK_MAX_K:
+        dots, requested, state_precision, out_precision = chunk_precisions(m, ctx)
         for c in (64,):
-            add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c),
-                f"chunked WY form (chunks of {c}): intra-chunk kernel, then the state across chunks", chunk=c)
+            add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c, dots, requested),
+                f"chunked WY form (chunks of {c}): intra-chunk kernel, then the state across chunks; "
+                + precision_note(m, dots, requested, state_precision, out_precision), chunk=c,
+                dots=dots, output_precision=out_precision,
+                plan_string=plan_string("chunk", c, ctx.options.forced("kda", "dots"), requested))
     if dev is not None and torch.device(dev).type != "cpu":
         terms = cost_terms(m, "inductor")
         out.append(Candidate("inductor", {"impl": "inductor"}, terms, estimate(terms, subs, model, kind),
@@ -231,7 +294,10 @@ def kernels_for(m: Match, plan: Candidate) -> list:
         from fuser.codegen import kda_chunk
 
         return list(kda_chunk.kernels_for(k_dim=kw["k_dim"], v_dim=kw["v_dim"], device=kw["device"],
-                                          chunk=plan.params["chunk"], scalar_gate=kw["scalar_gate"]))
+                                          chunk=plan.params["chunk"], scalar_gate=kw["scalar_gate"],
+                                          dots=plan.params.get("dots", "float32"),
+                                          output_precision=plan.params.get("output_precision"),
+                                          out_dtype=b["out_dtype"]))
     from fuser.codegen import kda_recurrent
 
     return list(kda_recurrent.kernels_for(**kw))

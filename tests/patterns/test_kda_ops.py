@@ -74,12 +74,40 @@ def test_gradients_of_a_window_are_zero_outside_it(dim):
 
 
 def test_plan_strings():
-    assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 32)) == {"plan": "chunk", "chunk": 32}
-    assert kda_ops.parse_plan("") == {"plan": "recurrent", "chunk": 64}
-    with pytest.raises(ValueError, match="expected plan= or chunk="):
+    defaults = {"dots": "float32", "output_precision": None}
+    assert kda_ops.plan_string("chunk", 32) == "plan=chunk;chunk=32"
+    assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 32)) == {"plan": "chunk", "chunk": 32, **defaults}
+    assert kda_ops.parse_plan("") == {"plan": "recurrent", "chunk": 64, **defaults}
+    # the chunked kernels' dots: workspaces' dtype and the output path's input_precision
+    text = kda_ops.plan_string("chunk", 64, dots="bfloat16", output_precision="ieee")
+    assert text == "plan=chunk;chunk=64;dots=bfloat16;output_precision=ieee"
+    assert kda_ops.parse_plan(text) == {"plan": "chunk", "chunk": 64, "dots": "bfloat16", "output_precision": "ieee"}
+    assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 64, output_precision="tf32"))["output_precision"] == "tf32"
+    assert kda_ops.plan_string("recurrent", 64, dots="bfloat16") == "plan=recurrent"  # the chunk plan's only
+    with pytest.raises(ValueError, match="expected one of plan=, chunk=, dots=, output_precision="):
         kda_ops.parse_plan("plan=chunk;block=4")
     with pytest.raises(ValueError, match="expected one of"):
         kda_ops.parse_plan("plan=scan")
+    with pytest.raises(ValueError, match=r"dots='float16': expected one of \('float32', 'bfloat16'\)"):
+        kda_ops.parse_plan("plan=chunk;dots=float16")
+    with pytest.raises(ValueError, match=r"output_precision='tf32x6': expected one of \('tf32', 'tf32x3', 'ieee'\)"):
+        kda_ops.parse_plan("plan=chunk;output_precision=tf32x6")
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "ieee"])
+def test_the_chunk_plans_output_precision_reaches_the_kernels(precision):
+    # the op passes the plan's output_precision to codegen/kda_chunk.forward: its kernel variant is
+    # rendered (the interpreter computes plain float32 products whatever it says: the same values)
+    from fuser.codegen.render import rendered_kernels
+
+    q, k, v, g, beta = _args(t=20)
+    o, s = _call(q, k, v, g, beta, plan=f"plan=chunk;chunk=16;output_precision={precision}")
+    names = {x.name for x in rendered_kernels()}
+    assert f"kda_chunk_prep_c16_o{precision}_interp" in names
+    assert any(n.startswith("kda_chunk_scan_c16_kb") and n.endswith(f"_o{precision}_interp") for n in names)
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16", "plan=parallel"])
