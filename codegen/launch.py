@@ -644,13 +644,13 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
 
     A default config can exceed shared memory for some variants (e.g. a full [M, N] additive
     bias tile per pipeline stage). Each config is first checked without launching anything
-    (:func:`fits`: ``run`` as a dry run, each kernel launch compiled and its ``metadata.shared``
+    (:func:`check_fit`: ``run`` as a dry run, each kernel launch compiled and its ``metadata.shared``
     bytes compared with the device's per-block opt-in limit, :func:`shared_memory_limit`), and
     the first that fits is run. This matters most while the op is traced for Inductor
     (:func:`tracing`): the launches are recorded, not compiled, and a config that does not fit
-    would fail only when the compiled program first runs. The config that fitted is remembered
-    per ``key`` (which must identify the kernels, their constexprs other than the config's, and
-    the device kind), so later calls with the same key neither check nor compile.
+    would fail only when the compiled program first runs. The config that ran (or was recorded)
+    is remembered per ``key`` (which must identify the kernels, their constexprs other than the
+    config's, and the device kind), so later calls with the same key neither check nor compile.
 
     Cost, once per key: a dry run of ``run`` per config tried (its tensor work is done, its
     launches are not) and one compile of each kernel checked. When the op runs, that compile is
@@ -668,7 +668,7 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
             replaced by another.
         run: launches the kernels with one config (through :func:`jit_call`); must be safe to call
             again (a dry run, a retry), and must not read what its kernels wrote.
-        need, limit: the compile step and the device limit (:func:`fits`); tests pass fakes.
+        need, limit: the compile step and the device limit (:func:`check_fit`); tests pass fakes.
 
     Raises:
         ConfigDoesNotFit: no config fits (an explicit config that does not fit included); the
@@ -676,6 +676,8 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
         OutOfResources: (from Triton, when the op runs) the last config does not fit in a way
             the check missed.
     """
+    if not configs:
+        raise ValueError(f"launch_first_fitting: no configs for {key}")
     known = _fitting.get(key)
     start = configs.index(known) if known is not None and known in configs else None
     if start is None:
@@ -691,9 +693,9 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
         if start is None:
             f0 = too_large[0][1]
             raise ConfigDoesNotFit(key, [(c, f.kernel, f.need) for c, f in too_large], f0.limit, f0.device)
-        _fitting[key] = configs[start]
     if tracing():  # recorded for Inductor: the check above is all there is
         run(configs[start])
+        _fitting[key] = configs[start]
         return
     for i in range(start, len(configs)):
         try:
@@ -703,16 +705,15 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
                 raise
             log.info("fuser: config %s of %s: %s; trying the next", configs[i], key, exc)
             continue
-        if i != start:
-            _fitting[key] = configs[i]
+        _fitting[key] = configs[i]
         return
 
 
 def tracing() -> bool:
     """True while tensors are fake or functional: a fused op's body is being traced (Dynamo's
     fake propagation, AOTAutograd's functionalisation that hands the kernels to Inductor), not
-    run. Launchers then choose configs without timing or retrying (:func:`autotune`,
-    :func:`launch_first_fitting`) and launch through ``torch.library.wrap_triton``."""
+    run. Launchers then choose configs without timing (:func:`autotune`) and without retrying,
+    by compiling (:func:`launch_first_fitting`), and launch through ``torch.library.wrap_triton``."""
     from torch._C import _get_dispatch_mode, _TorchDispatchModeKey
 
     return any(_get_dispatch_mode(k) is not None
