@@ -636,6 +636,24 @@ def check_fit(run: Callable[[dict], Any], config: dict, *, need: Callable | None
 
 
 _fitting: dict[tuple, dict] = {}
+_checked: dict[tuple, Fit] = {}
+
+
+def _checked_fit(key, run, cfg: dict, need, limit) -> Fit:
+    """:func:`check_fit`, remembered per (key, config) when something was checked (the launches
+    of a config that was checked once, e.g. while autotuning, are not compiled again when the
+    winner is traced)."""
+    try:
+        ckey = (key, tuple(sorted(cfg.items())), need, limit)
+        hash(ckey)
+    except TypeError:
+        ckey = None
+    fit = _checked.get(ckey) if ckey is not None else None
+    if fit is None:
+        fit = check_fit(run, cfg, need=need, limit=limit)
+        if fit.checked and ckey is not None:
+            _checked[ckey] = fit
+    return fit
 
 
 def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], Any], *,
@@ -650,7 +668,8 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
     (:func:`tracing`): the launches are recorded, not compiled, and a config that does not fit
     would fail only when the compiled program first runs. The config that ran (or was recorded)
     is remembered per ``key`` (which must identify the kernels, their constexprs other than the
-    config's, and the device kind), so later calls with the same key neither check nor compile.
+    config's, and the device kind), so later calls with the same key neither check nor compile;
+    so is each checked config's answer, per key and config.
 
     Cost, once per key: a dry run of ``run`` per config tried (its tensor work is done, its
     launches are not) and one compile of each kernel checked. When the op runs, that compile is
@@ -683,7 +702,7 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
     if start is None:
         too_large = []
         for i, cfg in enumerate(configs):
-            fit = check_fit(run, cfg, need=need, limit=limit)
+            fit = _checked_fit(key, run, cfg, need, limit)
             if fit.ok:
                 start = i
                 break

@@ -109,13 +109,18 @@ def _launches(gm):
 
 def test_first_fitting_config_is_recorded_under_tracing_and_remembered():
     configs = [_cfg(128, 3), _cfg(64, 3), _cfg(32, 2)]  # 98304, 24576, 4096 bytes
-    need = _Need()
-    got = _traced(("fit-trace",), configs, need, _limit(50_000))
+    need, limit = _Need(), _limit(50_000)
+    got = _traced(("fit-trace",), configs, need, limit)
     assert [(c["BLOCK"], c["num_stages"]) for c in got] == [(64, 3)]
     assert need.calls == [("_tiles", 128, 3), ("_tiles", 64, 3)]  # the third config never compiled
     need.calls.clear()
-    got = _traced(("fit-trace",), configs, need, _limit(50_000))  # same key: remembered
+    got = _traced(("fit-trace",), configs, need, limit)  # same key: remembered
     assert [(c["BLOCK"], c["num_stages"]) for c in got] == [(64, 3)] and need.calls == []
+    with pytest.raises(launch.ConfigDoesNotFit):  # each checked config's answer is remembered too
+        _traced(("fit-trace",), configs[:1], need, limit)
+    assert need.calls == []
+    got = _traced(("fit-trace",), configs[2:], need, limit)  # one never checked: compiled
+    assert [(c["BLOCK"], c["num_stages"]) for c in got] == [(32, 2)] and need.calls == [("_tiles", 32, 2)]
 
 
 def test_default_that_fits_is_compiled_once_and_recorded():
