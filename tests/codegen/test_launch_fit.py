@@ -348,8 +348,11 @@ def test_eager_and_traced_compiles_agree():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 256])
 def test_compiled_attention_with_additive_mask_matches_eager(d):
-    """The variant whose default config is the largest compiles through Inductor and matches
-    eager (it crashed at the compiled program's first call when the default was recorded as is)."""
+    """The variant whose default config is the largest (D=128 bf16 with an additive mask: its
+    default does not fit an H100) compiles through Inductor with a config that fits and matches
+    eager (it failed at the compiled program's first call when the default was recorded as is)."""
+    from fuser.report import collecting
+
     torch.manual_seed(0)
     b, h, n = 2, 8, 1024
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -360,7 +363,9 @@ def test_compiled_attention_with_additive_mask_matches_eager(d):
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
     torch._dynamo.reset()
-    out = torch.compile(f, backend="fuser", options={"fuser.plan": "attention.impl=fuser"})(q, k, v, bias)
+    with collecting() as rep:
+        out = torch.compile(f, backend="fuser", options={"fuser.plan": "attention.impl=fuser"})(q, k, v, bias)
+    assert len(rep.fused) == 1, str(rep)
     ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref = f(*ref_in, bias.double())
     rel = lambda a, r: ((a.double() - r).norm() / r.norm()).item()  # noqa: E731
@@ -368,3 +373,9 @@ def test_compiled_attention_with_additive_mask_matches_eager(d):
     g = torch.randn_like(ref)
     for a, r in zip(torch.autograd.grad(out, (q, k, v), g.to(out.dtype)), torch.autograd.grad(ref, ref_in, g)):
         assert not torch.isnan(a).any() and rel(a, r) < 3e-2
+    table = attention.candidate_configs(head_dim=d, head_dim_v=d, dtype=torch.bfloat16, device=q.device)
+    chosen = [cfg for key, cfg in launch._fitting.items()
+              if isinstance(key[0], str) and "attention_fwd_maskadd" in key[0] and key[1] == "fwd" and key[3] == d]
+    assert chosen and all(c in table for c in chosen)
+    if d == 128 and launch.device_kind(q.device) == "sm90" and launch.shared_memory_limit(q.device) <= H100_SHARED:
+        assert table[0] not in chosen  # the default needs 294912 bytes (compiled for sm90 with Triton 3.6 / 3.9)
