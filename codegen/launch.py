@@ -450,7 +450,8 @@ def _cuda_shared_limit(index: int) -> int:
     limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
     if limit:
         return int(limit)
-    from triton.runtime import driver  # an older torch: ask Triton's driver (the launcher's own limit)
+    # an older torch: ask Triton's driver (the launcher's own limit)
+    from triton.runtime import driver
 
     return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
@@ -496,7 +497,8 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
 
     Raises whatever Triton raises when the kernel does not compile.
     """
-    from triton.compiler import ASTSource, compile as triton_compile, make_backend
+    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import compile as triton_compile
     from triton.runtime.jit import create_function_from_signature
 
     tkey = (target.backend, target.arch, target.warp_size)

@@ -244,7 +244,7 @@ def test_compiled_shared_memory_grows_with_tiles_and_stages():
 
 def _attention_fwd_launch(d, dtype, mask_kind="additive"):
     """``run(config)`` of the attention forward's GPU kernel on meta tensors (B=2, H=4, N=1024)."""
-    kernel, module = attention._fwd_module("none", mask_kind, False, True, False)
+    _, module = attention._fwd_module("none", mask_kind, False, True, False)
     b, h, n = 2, 4, 1024
     q, k, v, out = (torch.empty(b, h, n, d, dtype=dtype, device="meta") for _ in range(4))
     stats = torch.empty(b, h, 2, n, device="meta")
