@@ -236,7 +236,7 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS] state tile per program:
 # N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
 # num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
-# fit in shared memory is retried with one stage fewer (Triton's OutOfResources).
+# fit in shared memory runs with fewer stages (checked before launching: _launch).
 # Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
@@ -277,30 +277,22 @@ def _config(config: Optional[dict], device) -> dict:
     return cfg
 
 
-# (kernel name, its constexpr key) -> the num_stages that fitted (OutOfResources retries)
-_stages_fit: dict = {}
-
-
 def _launch(kernel, grid, args, kwargs, stages: int) -> None:
-    """``kernel[grid](*args, **kwargs, num_stages=...)``, retried with one pipeline stage fewer
-    while Triton raises OutOfResources (shared memory; raised at compile time, before anything
-    runs); the stage count that fitted is remembered per kernel and constexpr values."""
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
-           tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper())), stages)
-    s = _stages_fit.get(key, stages)
-    if launch.tracing():  # recorded for Inductor, not compiled here
-        launch.jit_call(kernel)[grid](*args, **kwargs, num_stages=s)
-        return
-    while True:
-        try:
-            kernel[grid](*args, **kwargs, num_stages=s)
-        except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
-            if type(exc).__name__ != "OutOfResources" or s <= 1:
-                raise
-            s -= 1
-            continue
-        _stages_fit[key] = s
-        return
+    """``kernel[grid](*args, **kwargs, num_stages=s)`` with the largest ``s <= stages`` whose
+    pipelining fits the device's shared memory: the stage counts ``stages, stages - 1, ..., 1``
+    are the configs of :func:`launch.launch_first_fitting`, which checks them before launching
+    (compiling the kernel; also while traced for Inductor) and remembers the count that fitted
+    per kernel variant, keyword arguments (constexprs, warps), tensor dtypes and requested
+    ``stages``. Raises ``launch.ConfigDoesNotFit`` when not even one stage fits."""
+    fn = getattr(kernel, "fn", kernel)
+    key = ("kda_bwd", getattr(fn, "__module__", None), getattr(fn, "__qualname__", str(kernel)),
+           tuple(sorted(kwargs.items())),
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), stages)
+
+    def run(cfg):
+        launch.jit_call(kernel)[grid](*args, **kwargs, num_stages=cfg["num_stages"])
+
+    launch.launch_first_fitting(key, [{"num_stages": s} for s in range(stages, 0, -1)], run)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -405,20 +405,321 @@ def check_config(cfg: dict) -> dict:
     return cfg
 
 
-_working: dict[tuple, int] = {}
+# --------------------------------------------------------------------------------------------
+# Config fitting: does a config's kernel fit the device's shared memory? Decided by compiling
+# the launch (not running it), before it is made or recorded for Inductor.
+# --------------------------------------------------------------------------------------------
 
 
-def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], Any]) -> None:
-    """``run(config)`` with the first config that fits the device.
+class ConfigDoesNotFit(RuntimeError):
+    """No offered config of a launch fits the device's shared memory (:func:`launch_first_fitting`).
+
+    Attributes: ``key`` (the launch's key), ``needs`` (one ``(config, kernel name, bytes needed)``
+    per config, the first kernel of that config that does not fit), ``limit`` (bytes per block
+    on the device), ``device``.
+    """
+
+    def __init__(self, key, needs: list[tuple[dict, str, int]], limit: int, device) -> None:
+        self.key, self.needs, self.limit, self.device = key, needs, limit, device
+        explicit = len(needs) == 1
+        rows = "; ".join(f"{cfg}: kernel {name} needs {need} bytes" for cfg, name, need in needs)
+        super().__init__(
+            f"fuser: {'the given config does' if explicit else f'none of the {len(needs)} configs does'} not fit "
+            f"in the shared memory of {device} ({limit} bytes per block, CUDA's opt-in maximum): {rows}. "
+            f"Give a config with smaller BLOCK sizes or fewer num_stages (launch key {key}).")
+
+
+def shared_memory_limit(device: torch.device | str) -> int | None:
+    """Bytes of shared memory one program (thread block) may use on ``device``, or None where
+    nothing is checked (CPU tensors: Triton's interpreter; ``meta``).
+
+    CUDA: the opt-in per-block maximum (``cudaDevAttrMaxSharedMemoryPerBlockOptin``, torch's
+    ``get_device_properties(i).shared_memory_per_block_optin``; Triton's launcher compares a
+    kernel against the same attribute, its driver's ``max_shared_mem``, and raises
+    ``OutOfResources`` above it): 232448 bytes (227 KiB) on an H100.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_shared_limit(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_limit(index: int) -> int:
+    limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    if limit:
+        return int(limit)
+    # an older torch: ask Triton's driver (the launcher's own limit)
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def compile_target(device: torch.device | str):
+    """Triton's ``GPUTarget`` for CUDA ``device``: ``("cuda", 10 * major + minor, 32)`` (90 on an
+    H100), as Triton's CUDA driver reports the current device."""
+    from triton.backends.compiler import GPUTarget
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = device_properties(index)["capability"]
+    return GPUTarget("cuda", 10 * major + minor, 32)
+
+
+def _mock_args(values):
+    """Tensors (real, fake or functional) replaced by Triton's ``MockTensor`` of their dtype: a
+    pointer of that element type, 16-byte aligned (as Inductor assumes of its buffers)."""
+    from triton.runtime.jit import MockTensor
+
+    return [MockTensor(v.dtype) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+_binders: dict[tuple, tuple] = {}
+_shared_needs: dict[tuple, int] = {}
+_shared_lock = threading.Lock()
+
+
+def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) -> int:
+    """Bytes of shared memory ``kernel[grid](*args, **kwargs)`` needs per program, compiled for
+    Triton ``target`` (:func:`compile_target`) without a device: no launch, no GPU needed.
+
+    ``kernel``: a ``@triton.jit`` function (``JITFunction``); ``args``/``kwargs``: the launch's
+    arguments (tensors may be fake or functional: only their dtypes are read, pointers are taken
+    as 16-byte aligned), including the constexprs, ``num_warps`` and ``num_stages``. Triton's own
+    binder gives the signature and specialisation (as its launcher would), ``triton.compile``
+    compiles it, and the result is the compiled kernel's ``metadata.shared``: the bytes Triton's
+    launcher compares with the device's limit. Cached per (kernel source hash, specialisation,
+    options, target); a miss costs one full compile of the kernel (1-3 s for an attention kernel
+    on a 2-core CPU), which also fills Triton's on-disk cache. Uses Triton's
+    ``create_function_from_signature`` and ``JITFunction._pack_args`` (the same in Triton 3.6
+    and 3.9).
+
+    Raises whatever Triton raises when the kernel does not compile.
+    """
+    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import compile as triton_compile
+    from triton.runtime.jit import create_function_from_signature
+
+    tkey = (target.backend, target.arch, target.warp_size)
+    with _shared_lock:
+        entry = _binders.get((id(kernel), tkey))
+        if entry is None or entry[0] is not kernel:
+            backend = make_backend(target)
+            entry = _binders[(id(kernel), tkey)] = (kernel, backend,
+                                                    create_function_from_signature(kernel.signature, kernel.params, backend))
+    _, backend, binder = entry
+    margs, mkw = _mock_args(args), dict(zip(kwargs, _mock_args(kwargs.values())))
+    bound, specialization, options = binder(*margs, **mkw)
+    key = (kernel.cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
+    need = _shared_needs.get(key)
+    if need is None:
+        opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
+        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=opts.__dict__)
+        need = _shared_needs[key] = int(compiled.metadata.shared)
+    return need
+
+
+def shared_memory_need(kernel, grid, args: Sequence[Any], kwargs: dict, device: torch.device) -> int:
+    """Bytes of shared memory one launch of ``kernel`` needs per program on CUDA ``device``.
+
+    While traced (fake tensors): :func:`compiled_shared_memory` for the device's target. When
+    the op runs: Triton's ``kernel.warmup`` with the real arguments, which compiles the kernel
+    exactly as the launch that follows will (same specialisation, kept in Triton's kernel
+    cache, so that launch does not compile again) without launching it; its ``metadata.shared``.
+    """
+    if tracing():
+        return compiled_shared_memory(kernel, args, kwargs, compile_target(device))
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    return int(compiled.metadata.shared)
+
+
+class _Unchecked(BaseException):
+    """Ends a dry run (:func:`check_fit`) at a launch nothing can check: no limit on its device,
+    or its compile step failed. (A ``BaseException``, as :class:`_TooLarge`: control flow that an
+    ``except Exception`` in a launcher must not swallow.)"""
+
+
+class _TooLarge(BaseException):
+    """Ends a dry run at the first launch that does not fit."""
+
+    def __init__(self, name: str, need: int, limit: int, device) -> None:
+        super().__init__(name, need, limit, device)
+        self.name, self.need, self.limit, self.device = name, need, limit, device
+
+
+_dry = threading.local()
+_warned_unchecked: set = set()
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(getattr(kernel, "fn", None), "__name__", None) or repr(kernel)
+
+
+class _DryLaunch:
+    """What :func:`jit_call` gives during :func:`check_fit`'s dry run: checks the launch
+    (``need`` against ``limit``) instead of making or recording it."""
+
+    def __init__(self, kernel, need, limit) -> None:
+        self.kernel, self.need, self.limit = kernel, need, limit
+
+    def __getitem__(self, grid):
+        def check(*args, **kwargs):
+            first = _first_tensor(args, kwargs)
+            limit = None if first is None else self.limit(first.device)
+            name = _kernel_name(self.kernel)
+            if limit is None:
+                raise _Unchecked(name)
+            try:
+                need = self.need(self.kernel, grid, args, kwargs, first.device)
+            except Exception as exc:  # noqa: BLE001 - the real launch raises it again if it is real
+                if name not in _warned_unchecked:
+                    _warned_unchecked.add(name)
+                    log.warning("fuser: cannot tell how much shared memory kernel %s needs (%s: %s); its config "
+                                "is launched unchecked", name, type(exc).__name__, exc)
+                raise _Unchecked(name) from exc
+            if need > limit:
+                raise _TooLarge(name, need, limit, first.device)
+
+        return check
+
+
+class Fit(NamedTuple):
+    """:func:`check_fit`'s answer. ``ok``: every launch fits (or nothing could be checked:
+    ``checked`` false). When ``ok`` is false, ``kernel`` (name), ``need`` and ``limit`` (bytes of
+    shared memory per program) and ``device`` are those of the first launch that does not fit."""
+
+    ok: bool
+    checked: bool
+    kernel: str | None = None
+    need: int | None = None
+    limit: int | None = None
+    device: Any = None
+
+
+def check_fit(run: Callable[[dict], Any], config: dict, *, need: Callable | None = None,
+              limit: Callable | None = None) -> Fit:
+    """Whether every kernel ``run(config)`` launches fits the shared memory of its device,
+    decided without launching anything.
+
+    ``run(config)`` is called as a dry run: each launch through :func:`jit_call` is checked
+    instead of made (or recorded for Inductor), in order, and the run ends at the first that
+    does not fit. Tensor work in ``run`` between launches (allocations, zeroing) does happen, so
+    ``run`` must be safe to call again (as :func:`launch_first_fitting` requires).
+
+    Args:
+        need: ``need(kernel, grid, args, kwargs, device)``, the bytes of shared memory per program
+            of one launch; default :func:`shared_memory_need` (a compile, no launch).
+        limit: ``limit(device)``, the device's bytes per program, or None where nothing is
+            checked; default :func:`shared_memory_limit`.
+
+    Returns:
+        :class:`Fit`. Taken as fitting unchecked (``ok`` true, ``checked`` false) when the run
+        meets a launch whose device has no limit (CPU tensors), when the compile step fails
+        (logged once per kernel; the real launch will show the error), or when ``run`` itself
+        raises (the real run raises it again). Only shared memory is checked: registers are
+        known only once Triton loads the binary onto the GPU, and Blackwell's tensor memory is
+        not checked.
+    """
+    need = need or (lambda *a: shared_memory_need(*a))
+    limit = limit or (lambda device: shared_memory_limit(device))
+    old = getattr(_dry, "check", None)
+    _dry.check = (need, limit)
+    try:
+        run(config)
+    except _Unchecked:
+        return Fit(True, False)
+    except _TooLarge as e:
+        return Fit(False, True, e.name, e.need, e.limit, e.device)
+    except Exception as exc:  # noqa: BLE001 - inconclusive: the real run raises it again
+        log.debug("fuser: dry run of config %s raised %s: %s", config, type(exc).__name__, exc)
+        return Fit(True, False)
+    finally:
+        _dry.check = old
+    return Fit(True, True)
+
+
+_fitting: dict[tuple, dict] = {}
+_checked: dict[tuple, Fit] = {}
+
+
+def _checked_fit(key, run, cfg: dict, need, limit) -> Fit:
+    """:func:`check_fit`, remembered per (key, config) when something was checked (the launches
+    of a config that was checked once, e.g. while autotuning, are not compiled again when the
+    winner is traced)."""
+    try:
+        ckey = (key, tuple(sorted(cfg.items())), need, limit)
+        hash(ckey)
+    except TypeError:
+        ckey = None
+    fit = _checked.get(ckey) if ckey is not None else None
+    if fit is None:
+        fit = check_fit(run, cfg, need=need, limit=limit)
+        if fit.checked and ckey is not None:
+            _checked[ckey] = fit
+    return fit
+
+
+def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], Any], *,
+                         need: Callable | None = None, limit: Callable | None = None) -> None:
+    """``run(config)`` with the first of ``configs`` whose kernels fit the device's shared memory.
 
     A default config can exceed shared memory for some variants (e.g. a full [M, N] additive
-    bias tile per pipeline stage); Triton then raises OutOfResources at compile time, before
-    anything is written, and the next candidate is tried. The index that worked is remembered
-    per ``key``. An explicitly given config (a list of one) fails as is.
+    bias tile per pipeline stage). Each config is first checked without launching anything
+    (:func:`check_fit`: ``run`` as a dry run, each kernel launch compiled and its ``metadata.shared``
+    bytes compared with the device's per-block opt-in limit, :func:`shared_memory_limit`), and
+    the first that fits is run. This matters most while the op is traced for Inductor
+    (:func:`tracing`): the launches are recorded, not compiled, and a config that does not fit
+    would fail only when the compiled program first runs. The config that ran (or was recorded)
+    is remembered per ``key`` (which must identify the kernels, their constexprs other than the
+    config's, and the device kind), so later calls with the same key neither check nor compile;
+    so is each checked config's answer, per key and config.
+
+    Cost, once per key: a dry run of ``run`` per config tried (its tensor work is done, its
+    launches are not) and one compile of each kernel checked. When the op runs, that compile is
+    the launch's own (Triton's ``warmup``, kept in its cache); while traced it is a compile of the
+    kernel for the device's target in addition to Inductor's (1-3 s per attention kernel on a
+    2-core CPU; the second config is compiled only when the first does not fit), and the tensor
+    work of the dry runs is traced too (dead: Inductor removes it). Nothing is compiled for CPU
+    tensors (Triton's interpreter), whose dry run ends at its first launch.
+
+    When the op runs, Triton's ``OutOfResources`` (a resource the check does not cover, e.g.
+    threads or registers) still moves on to the next config, as a fallback.
+
+    Args:
+        key: identifies the problem (hashable); see above.
+        configs: configs in order of preference; a list of one is an explicit config, never
+            replaced by another.
+        run: launches the kernels with one config (through :func:`jit_call`); must be safe to call
+            again (a dry run, a retry), and must not read what its kernels wrote.
+        need, limit: the compile step and the device limit (:func:`check_fit`); tests pass fakes.
+
+    Raises:
+        ConfigDoesNotFit: no config fits (an explicit config that does not fit included); the
+            message names each config's first kernel that does not fit, its bytes and the limit.
+        OutOfResources: (from Triton, when the op runs) the last config does not fit in a way
+            the check missed.
     """
-    start = _working.get(key, 0) if len(configs) > 1 else 0  # an explicit config is tried as is
-    if tracing():  # the launch is recorded, not compiled: the config must fit as it stands
+    if not configs:
+        raise ValueError(f"launch_first_fitting: no configs for {key}")
+    known = _fitting.get(key)
+    start = configs.index(known) if known is not None and known in configs else None
+    if start is None:
+        too_large = []
+        for i, cfg in enumerate(configs):
+            fit = _checked_fit(key, run, cfg, need, limit)
+            if fit.ok:
+                start = i
+                break
+            log.info("fuser: config %s of %s does not fit: kernel %s needs %d bytes of shared memory, %s has %d",
+                     cfg, key, fit.kernel, fit.need, fit.device, fit.limit)
+            too_large.append((cfg, fit))
+        if start is None:
+            f0 = too_large[0][1]
+            raise ConfigDoesNotFit(key, [(c, f.kernel, f.need) for c, f in too_large], f0.limit, f0.device)
+    if tracing():  # recorded for Inductor: the check above is all there is
         run(configs[start])
+        _fitting[key] = configs[start]
         return
     for i in range(start, len(configs)):
         try:
@@ -426,17 +727,17 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
         except Exception as exc:  # noqa: BLE001 - only OutOfResources is retried
             if type(exc).__name__ != "OutOfResources" or i == len(configs) - 1:
                 raise
+            log.info("fuser: config %s of %s: %s; trying the next", configs[i], key, exc)
             continue
-        if i != start:
-            _working[key] = i
+        _fitting[key] = configs[i]
         return
 
 
 def tracing() -> bool:
     """True while tensors are fake or functional: a fused op's body is being traced (Dynamo's
     fake propagation, AOTAutograd's functionalisation that hands the kernels to Inductor), not
-    run. Launchers then choose configs without timing or retrying (:func:`autotune`,
-    :func:`launch_first_fitting`) and launch through ``torch.library.wrap_triton``."""
+    run. Launchers then choose configs without timing (:func:`autotune`) and without retrying,
+    by compiling (:func:`launch_first_fitting`), and launch through ``torch.library.wrap_triton``."""
     from torch._C import _get_dispatch_mode, _TorchDispatchModeKey
 
     return any(_get_dispatch_mode(k) is not None
@@ -588,7 +889,13 @@ def jit_call(kernel):
     Inductor types such arguments float64 where Triton types them float32, and a kernel that
     does not cast them computes in float64 (a loop-carried accumulator changes type: a compile
     error). The check turns a forgotten cast into an error at trace time.
+
+    Inside :func:`check_fit`'s dry run (:func:`launch_first_fitting`): a stand-in that checks
+    the launch's shared memory against the device's instead of making or recording it.
     """
+    check = getattr(_dry, "check", None)
+    if check is not None:  # a dry run of launch_first_fitting: check the launch, do not make it
+        return _DryLaunch(kernel, *check)
     if not tracing():
         return kernel
     return _TracedLaunch(kernel)
