@@ -289,7 +289,11 @@ _TABLE = {
                        _cfg(64, 16, 4, 2, 32, 64, 4, 2)],
     ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 32, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 1)],
     ("sm90", 128, 4): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(64, 16, 4, 2, 32, 32, 4, 1)],
-    ("sm90", 256, 4): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
+    # one stage last: with single-pass TF32 output-path dots the scan kernel stages its state
+    # blocks in shared memory per pipeline stage, 317-352 KB at two stages for K=256 (compiled
+    # for sm90; the H100 has 227 KB), 32 KB at one (launch.launch_first_fitting picks it)
+    ("sm90", 256, 4): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1),
+                       _cfg(64, 16, 4, 1, 32, 32, 4, 1)],
     ("cuda", 64, 2): [_cfg(64, 32, 4, 3, 32, 64, 4, 2), _cfg(32, 32, 4, 2, 32, 32, 4, 1)],
     ("cuda", 128, 2): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
     ("cuda", 256, 2): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],

@@ -379,3 +379,36 @@ def test_compiled_attention_with_additive_mask_matches_eager(d):
     assert chosen and all(c in table for c in chosen)
     if d == 128 and launch.device_kind(q.device) == "sm90" and launch.shared_memory_limit(q.device) <= H100_SHARED:
         assert table[0] not in chosen  # the default needs 294912 bytes (compiled for sm90 with Triton 3.6 / 3.9)
+
+
+@pytest.mark.parametrize("k_dim", [64, 128, 256])
+@pytest.mark.parametrize("output_precision", ["tf32", "tf32x3"])
+def test_kda_chunk_table_has_a_config_that_fits_an_h100(k_dim, output_precision, monkeypatch):
+    """The chunked KDA forward's sm90 table, float32 dots, bf16 inputs: some config of each K
+    bucket fits an H100 with either output-path precision (single-pass TF32 at K=256 needs the
+    table's one-stage config: two stages stage 317-352 KB of state blocks), compiled for sm90."""
+    from fuser.codegen import kda_chunk
+
+    offered = []
+
+    def first_fitting(key, configs, run, **kw):  # as launch_first_fitting: in order, to the first that fits
+        fits = []
+        for c in configs:
+            fits.append(launch.check_fit(run, c, need=_sm90_need, limit=_limit(H100_SHARED)))
+            if fits[-1].ok:
+                break
+        offered.append(fits)
+
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(launch, "interpreted", lambda device: False)
+    monkeypatch.setattr(launch, "launch_first_fitting", first_fitting)
+    n, t = 2, 128
+    q, k = (torch.empty(n, t, k_dim, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    v = torch.empty(n, t, k_dim, dtype=torch.bfloat16, device="meta")
+    g, beta = torch.empty(n, t, k_dim, device="meta"), torch.empty(n, t, dtype=torch.bfloat16, device="meta")
+    kda_chunk.forward(q, k, v, g, beta, scale=k_dim ** -0.5, output_final_state=True,
+                      output_precision=output_precision)
+    fits, = offered
+    assert all(f.checked for f in fits)
+    assert any(f.ok for f in fits), fits
