@@ -593,7 +593,7 @@ class H2OBenchmark(common.Benchmark):
             f"B={a.batch}, H={a.heads}, D={a.dim}, dtype={a.dtype}, do_bench warmup={a.warmup} ms rep={a.rep} ms "
             "(median). Times in ms. plans = h2o.PLANS forced through fuser.codegen.h2o.forward: "
             f"{', '.join(plans())}, timed by {a.plan_timing} (cudagraph: GPU time, no host launch cost; "
-            "the other rows: do_bench, launched from Python). Floor = max(FLOPs / {a.peak_tflops:g} TFLOP/s, bytes / {a.peak_tbps:g} TB/s) "
+            f"the other rows: do_bench, launched from Python). Floor = max(FLOPs / {a.peak_tflops:g} TFLOP/s, bytes / {a.peak_tbps:g} TB/s) "
             "(H100 SXM datasheet peaks: dense fp16 tensor cores, HBM3); FLOPs = the two-kernel plan's "
             "(2 Q Kᵀ + P V, 6·D per visible pair), bytes = q, k, v read + O, score written. "
             "regret = time of the planner's choice (forced row) / best of the forced plans and Inductor. "

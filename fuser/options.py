@@ -9,8 +9,8 @@ option             environment             meaning
 =================  ======================  ==========================================================
 fuser.enabled      FUSER_ENABLED           ``False``: match nothing, compile exactly as Inductor would.
 fuser.patterns     FUSER_PATTERNS          patterns to fuse: a list or comma-separated string out of
-                                           the implemented patterns (``attention``, ``attention_kl``;
-                                           default: all of them).
+                                           the implemented patterns (``attention``, ``attention_kl``,
+                                           ``h2o``, ``kda``; default: all of them).
 fuser.autotune     FUSER_AUTOTUNE          time candidate kernel configs (and backward plans) on the
                                            GPU on first use of each shape and cache the winner on disk.
                                            Default off; ``mode="max-autotune"`` turns it on.
