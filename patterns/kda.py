@@ -36,8 +36,9 @@ before the loop); the update reading the state before its decay. Intermediate pr
 program computes in bfloat16/float16 are computed in float32 by the kernels, and the state is
 carried in float32 whatever its dtype in the program (the final state is cast back). A state the
 program keeps in float16/bfloat16 (rounded every step in eager) is fused only with the plans that
-carry it and every product in float32 (recurrent, parallel: their result is closer to the exact one
-than eager's); the chunked plan, whose dots take bfloat16 operands, is not offered for it.
+carry it in float32 and whose products are float32-class (recurrent, parallel, and chunk with its
+default float32 dots: their results are closer to the exact one than eager's, measured in
+tests/patterns/test_kda.py); the chunk plan with ``kda.dots=bfloat16`` is not offered for it.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ from . import kda_plans
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
 #: why a state the program keeps in float16/bfloat16 has fewer plans (the summary's ``state``)
-HALF_STATE_NOTE = ("the chunk plan is not offered: its bfloat16 dots would round the state more than the program "
-                   "does")
+HALF_STATE_NOTE = ("the chunk plan with kda.dots=bfloat16 is not offered: its bfloat16 dots would round the state "
+                   "more than the program does")
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
@@ -553,10 +554,11 @@ class KDAPattern(Pattern):
         if m.bindings["state_dtype"] in HALF:
             # the program rounds its state to float16/bfloat16 every step; fuser's result must be at
             # least as close to the exact one: the recurrent and parallel kernels carry the state and
-            # every product in float32 (closer, measured in tests/patterns/test_kda.py), the chunked
-            # kernels round the state and the intra-chunk products to bfloat16 for their dots (for
-            # float16 inputs ~30x eager's error at T = 64)
-            cands = [c for c in cands if c.params.get("plan") != "chunk"]
+            # every product in float32, the chunked kernels' default float32 dots too (tf32x3 on the
+            # state path on a GPU; closer than eager, measured in tests/patterns/test_kda.py); with
+            # kda.dots=bfloat16 they round the state's dot operands to bfloat16 (for float16 inputs
+            # ~30x eager's error at T = 64)
+            cands = [c for c in cands if c.params.get("plan") != "chunk" or c.params.get("dots") == "float32"]
         return cands
 
     def kernels(self, m: Match, plan: Candidate) -> list:

@@ -573,21 +573,19 @@ def _rel(got, want):
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("t_len,plan", [(8, None), (64, None), (64, "parallel")])
+@pytest.mark.parametrize("t_len,plan", [(8, None), (64, None), (64, "parallel"), (8, "chunk"), (100, "chunk")])
 def test_a_half_precision_state_is_fused_closer_to_the_exact_result_than_eager(t_len, plan):
     # fuser carries the state in float32 where eager rounds it every step: the fused result may
     # differ from eager's, so it must be at least as close as eager's to the same program in float64
-    # (o and the final state, several seeds). patterns/kda.py does not offer the chunk plan here, for
-    # its former bfloat16 dots (float16 inputs, T=64: o 1.6e-2 against eager's 5.7e-4); with its float32
-    # dots now the chunk kernels are closer than eager too (interpreter, T=8-100: o 2.1e-4, state
-    # 2e-4 against eager's 6e-4 and 5e-4), so patterns/kda.py could offer it again
+    # (o and the final state, several seeds). The chunk plan with its float32 dots is offered (with
+    # bfloat16 dots it was not: float16 inputs, T=64, o 1.6e-2 against eager's 5.7e-4)
     options = {"fuser.plan": f"kda.plan={plan}"} if plan else None
     for seed in range(3):
         args = _inputs("bhtk", dtype=torch.float16, t=t_len, seed=seed)
         ms = assert_fuses(half_state_loop, *args, pattern="kda", options=options)
-        assert "chunk plan is not offered" in ms[0].summary["state"]
-        assert "chunk" not in {c.params.get("plan") for c in ms[0].alternatives}
-        assert ms[0].plan.params["plan"] in ("recurrent", "parallel")
+        assert "carried in float32" in ms[0].summary["state"]
+        assert "chunk" in {c.params.get("plan") for c in ms[0].alternatives}
+        assert ms[0].plan.params["plan"] == (plan or ms[0].plan.params["plan"])
         (o, s), _ = _run_with(half_state_loop, args, options)
         eo, es = half_state_loop(*args)
         wo, ws = half_state_loop(*(x.double() for x in args))
@@ -601,11 +599,12 @@ def _run_with(fn, args, options):
     return run_rewritten(graphs, *args), result
 
 
-def test_forcing_the_chunk_plan_on_a_half_precision_state_names_the_plans_offered():
+def test_forcing_bfloat16_chunk_dots_on_a_half_precision_state_names_the_plans_offered():
     from fuser import FuserOptionError
 
     with pytest.raises(FuserOptionError, match="recurrent"):
-        fuse(half_state_loop, *_inputs("bhtk", dtype=torch.float16, t=8), options={"fuser.plan": "kda.plan=chunk"})
+        fuse(half_state_loop, *_inputs("bhtk", dtype=torch.float16, t=8),
+             options={"fuser.plan": "kda.plan=chunk,kda.dots=bfloat16"})
 
 
 def fp32_state_loop(q, k, v, g, beta):
