@@ -709,3 +709,26 @@ def test_negative_time_indices_into_a_buffer_are_fused():
         return o
 
     _check(loop, *_inputs("bthk"), steps=T, assembly="index writes into a buffer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("t_len", [64, 200])
+def test_a_half_precision_state_with_the_chunk_plan_on_gpu(dtype, t_len):
+    """The chunk plan (tf32x3 state path; single-pass TF32 output path for a bfloat16 o) on a
+    loop that keeps its state in the inputs' half dtype: compiled on the GPU, o and the final
+    state at least as close to the float64 recurrence as eager's (which rounds the state every
+    step)."""
+    import fuser
+
+    options = {"fuser.plan": "kda.plan=chunk"}
+    for seed in range(2):
+        args = tuple(x.cuda() for x in _inputs("bhtk", dtype=dtype, t=t_len, k=64, v=64, seed=seed))
+        torch._dynamo.reset()
+        with fuser.report.collecting() as rep:
+            o, s = torch.compile(half_state_loop, backend="fuser", options=options)(*args)
+        assert [m.plan.params["plan"] for m in rep.matches if m.pattern == "kda" and m.fused] == ["chunk"]
+        eo, es = half_state_loop(*args)
+        wo, ws = half_state_loop(*(x.double() for x in args))
+        for got, own, want in ((o, eo, wo), (s, es, ws)):
+            assert _rel(got, want) <= _rel(own, want), (seed, _rel(got, want), _rel(own, want))
