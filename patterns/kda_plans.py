@@ -72,15 +72,15 @@ CHUNK_MAX_K = 256
 RECURRENT_EFFICIENCY = 0.5
 #: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED on its own.
 CHUNK_EFFICIENCY = 0.3
-#: Measured over modelled time of the chunked forward on the H100 (B=1, T=4096, H=16, bf16:
-#: K=V=64 0.316 ms against 0.195 ms modelled, K=V=128 0.343 against 0.243): kernel 1 spills
-#: registers. Applied to the chunk plan's estimate. Measured with bfloat16 workspaces and dots,
-#: before they became float32 (tf32x3 dots); with them the H100 ran K=V=64 in 0.615 ms against
-#: this model's 0.361 ms (benchmarks/results/kda_chunk_fp32dots.md): not re-fitted yet. The
-#: model counts each dot with its products (``kda_chunk.dot_flops``): the state path's three a
-#: dot under tf32x3, the output path's one under TF32 (the default for a bfloat16 o; 23% fewer
-#: TF32 products at K=V=128 than tf32x3 everywhere). That split is NOT MEASURED either.
-CHUNK_CALIBRATION = 1.5
+#: Measured over modelled time of the chunked forward, by the dots' dtype, applied to the chunk
+#: plan's estimate (the model counts each dot with its products, ``kda_chunk.dot_flops``: three a
+#: dot under tf32x3, one under TF32). MEASURED on the H100 (torch 2.11, Triton 3.6; B=1, T=4096,
+#: H=16, bf16; benchmarks/results/kda_chunk_output_tf32*.md, 2026-11-24): float32 dots, K=V =
+#: 64/128/256, output path TF32: 0.551/0.854/1.73 ms against 0.229/0.357/0.824 modelled (2.41,
+#: 2.39, 2.10), tf32x3 everywhere: 0.617/1.04/2.35 against 0.243/0.423/1.03 (2.54, 2.46, 2.29):
+#: geometric mean 2.35; bfloat16 dots, K=V = 64/128: 0.210/0.341 against 0.195/0.243 (1.08,
+#: 1.40): 1.25. (Kernel 1 spills registers; the float32 tiles double its shared-memory traffic.)
+CHUNK_CALIBRATION = {"float32": 2.35, "bfloat16": 1.25}
 #: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
 #: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
 #: 256×8192 0.247 ms, 8192×1024 0.798 ms, 16384×1024 1.497 ms (model: 0.28, 0.82, 1.53 ms with
@@ -179,7 +179,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     return {"bytes": nbytes, "flops": sum(by_kind.values()), "flops_by_kind": by_kind,
             "kind": "mma", "operand_kind": kda_chunk.dot_rate(state_precision, dots)[0],
             "state_precision": state_precision, "output_precision": out_precision,
-            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION}
+            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots]}
 
 
 def chunk_precisions(m: Match, ctx: MatchContext) -> tuple:
