@@ -111,7 +111,7 @@ by where their rounding errors go:
   their operands themselves), so each error enters o once and nothing downstream. These run at
   ``output_precision`` (:data:`OUTPUT_PRECISIONS`; the rule is :func:`resolve_output_precision`).
 
-Error of one dot (a derivation; the GPU numbers it predicts are NOT MEASURED yet): ``tl.dot``
+Error of one dot (a derivation; the H100's numbers below it): ``tl.dot``
 rounds both operands to its ``input_precision`` and accumulates in float32 (``2^-24`` per add,
 ``~2^-24·√K`` relative over K terms, negligible below). TF32 keeps 10 explicit mantissa bits:
 unit roundoff ``u = 2^-11 ≈ 4.9e-4`` (round-to-nearest conversion; ``2^-10`` where the operands
@@ -141,7 +141,11 @@ A float64 model of the output path (the operands the kernels pass, ``q e^{G−c}
 K=V=64 and 128, softplus and mild gates, bfloat16/float16 inputs) agrees: TF32 alone
 4.1-4.2e-4 relative on o (0.85u); then rounded to bfloat16 1.70-1.71e-3 against 1.65-1.66e-3
 for the exact o rounded (1.03x), to float16 4.5-4.7e-4 against 2.1e-4 (2.2x). On the GPU it
-is a prediction until measured (``tests/codegen/test_kda_chunk.py``'s GPU tests check it).
+is a prediction; measured on the H100 (torch 2.11, Triton 3.6; B=1, T=4096, H=16, bfloat16
+inputs and o, K=V = 64/128/256; ``benchmarks/results/kda_chunk_output_tf32*.md``): o off by
+2.2e-3 with TF32 on the output path against 1.7e-3 with ``tf32x3`` on both, 1.3x rather than the
+predicted 1.03-1.1x (Triton's TF32 conversion may truncate; not checked), within the GPU tests'
+1.5x of eager's; the final state unchanged (1.4e-6: the state path is the same).
 
 Into S, compounding (why the state path keeps ``tf32x3``): an error ``δ`` of ``S`` at one chunk
 stays in ``S`` (decayed by ``e^{G_C}``, which forgets it only under strong gates), so the errors
@@ -158,7 +162,8 @@ interpreter does not emulate TF32 anyway, and computes plain float32 products wh
 precision). Speed: the output path is ``A_qk`` (``2·256·K`` per tile pair), ``Qg S`` (``2·C·K·V``)
 and ``A_qk Δ`` (``2·C²·V``) per chunk (:func:`flops` with ``path="output"``): at K=V=128, C=64
 3.8 of 11.1 MFLOP per chunk and head, so TF32 there cuts the TF32 products of ``tf32x3``
-everywhere by ~23% (:func:`dot_flops`); what that buys on the GPU is NOT MEASURED.
+everywhere by ~23% (:func:`dot_flops`); on the H100 (same runs) the forward took 0.551 / 0.854 /
+1.73 ms at K=V = 64/128/256 against 0.617 / 1.04 / 2.35 ms with ``tf32x3`` everywhere.
 
 Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
 ``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
@@ -372,8 +377,9 @@ def workspace_dtype(dots: str = "float32") -> torch.dtype:
     clamped at e^30, beyond float16's range (NaN), and the state would overflow at 65504.
     ``"bfloat16"`` is FLA's ``chunk_kda`` precision class (its state, ``W``, ``U`` and ``Δ``
     operands are 16-bit too): an explicit opt-in that trades the state's accuracy (~2e-3 against
-    float32's ~1e-7 on the H100) for speed (B=1, T=4096, H=16, bf16 inputs, H100: K=V=64 0.316
-    ms, K=V=128 0.343 ms against 0.615 / 1.05 ms with float32 ``tf32x3`` dots everywhere); the
+    float32's ~1e-7 on the H100) for speed (B=1, T=4096, H=16, bf16 inputs, H100, K=V = 64 / 128:
+    0.210 / 0.341 ms against 0.551 / 0.854 ms with float32 dots and the default TF32 output path,
+    0.617 / 1.04 ms with ``tf32x3`` everywhere); the
     planner never picks it, ``fuser.plan`` ``kda.dots=bfloat16`` forces it.
 
     Raises:
@@ -719,7 +725,7 @@ def forward(
             16-bit inputs, :func:`workspace_dtype`) or ``"bfloat16"``: FLA's precision class, an
             explicit opt-in that trades the state's accuracy for speed (H100, bf16 inputs: final
             state ~2e-3 relative against ~1.2e-7 with float32 dots; B=1, T=4096, H=16, K=V=128
-            0.343 against 1.05 ms with ``tf32x3`` everywhere). The state-path dots'
+            0.341 against 0.854 ms with float32 dots and the default output path). The state-path dots'
             ``input_precision``: :func:`input_precision`.
         output_precision: ``input_precision`` of the output-path dots (``A_qk``, ``Qg S``,
             ``A_qk Δ``: each error enters o once), one of :data:`OUTPUT_PRECISIONS`, or None
