@@ -177,8 +177,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
                                  out_bytes=eo, ws_bytes=ws, scalar_gate=b["scalar_gate"],
                                  initial_state=b["h0"] is not None, final_state=b["want_state"])
     return {"bytes": nbytes, "flops": sum(by_kind.values()), "flops_by_kind": by_kind,
-            "kind": "mma", "operand_kind": kda_chunk.dot_rate(state_precision, dots)[0],
-            "state_precision": state_precision, "output_precision": out_precision,
+            "kind": "mma", "state_precision": state_precision, "output_precision": out_precision,
             "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots]}
 
 
@@ -219,8 +218,8 @@ def precision_note(m: Match, dots: str, requested: Optional[str], state_precisio
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
     """Milliseconds: the larger of traffic and arithmetic, plus the dependency chain, plus
     launches. Matrix-unit FLOPs run at the rate of their kind in ``terms["flops_by_kind"]``
-    where the plan splits them (the chunk plan: its state and output paths' dots), else of
-    ``terms["operand_kind"]`` where the plan names one, else of the inputs' ``in_kind``."""
+    where the plan splits them (the chunk plan: its state and output paths' dots), else at the
+    inputs' ``in_kind``."""
     nbytes = cm.evaluate(terms["bytes"], subs)
     flops = cm.evaluate(terms["flops"], subs)
     if terms["kind"] == "fp32":
@@ -229,7 +228,7 @@ def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> fl
         t_math = sum(cm.evaluate(f, subs) / (model.tflops[kind] * 1e12 * CHUNK_EFFICIENCY)
                      for kind, f in terms["flops_by_kind"].items())
     else:
-        t_math = flops / (model.tflops[terms.get("operand_kind", in_kind)] * 1e12 * CHUNK_EFFICIENCY)
+        t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
     bandwidth = model.bandwidth_gbs * 1e9
     if "state_bytes" in terms and cm.evaluate(terms["state_bytes"], subs) > STREAMED_FAST_BYTES:
         bandwidth *= STREAMED_SLOW_EFFICIENCY
