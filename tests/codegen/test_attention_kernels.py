@@ -1170,34 +1170,3 @@ def test_gpu_one_compile_for_many_lengths():
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}: {compiled()}"
 
 
-def test_default_config_falls_back_when_out_of_resources():
-    """Triton's OutOfResources at launch (what the up-front shared-memory check cannot see; CPU
-    tensors: nothing is checked up front) moves on to the next config."""
-    class OutOfResources(Exception):
-        pass
-
-    tried = []
-
-    class Kernel:  # stands for a @triton.jit kernel launched through launch.jit_call
-        def __getitem__(self, grid):
-            def go(x, n):
-                tried.append(n)
-                if n < 2:
-                    raise OutOfResources("shared memory")
-            return go
-
-    kernel, x = Kernel(), torch.zeros(1)
-
-    def run(cfg):
-        launch.jit_call(kernel)[(1,)](x, n=cfg["n"])
-
-    configs = [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}]
-    launch.launch_first_fitting(("test-key",), configs, run)
-    assert tried == [0, 1, 2]
-    tried.clear()
-    launch.launch_first_fitting(("test-key",), configs, run)  # remembered
-    assert tried == [2]
-    with pytest.raises(OutOfResources):  # an explicit config is not replaced
-        launch.launch_first_fitting(("other-key",), [{"n": 0}], run)
-    with pytest.raises(ValueError):  # other errors are not retried
-        launch.launch_first_fitting(("third-key",), configs, lambda cfg: (_ for _ in ()).throw(ValueError()))

@@ -197,23 +197,23 @@ def test_a_failing_compile_step_leaves_the_config_unchecked(caplog):
     assert "cannot tell how much shared memory kernel _tiles needs" in caplog.text
 
 
-def test_out_of_resources_at_launch_still_moves_on():
-    """A resource the check does not cover (threads, registers): Triton's OutOfResources when
-    the op runs moves on to the next config, remembered for the key."""
+class OutOfResources(Exception):
+    """Stands for Triton's (matched by name, as launch_first_fitting does)."""
 
-    class OutOfResources(Exception):
-        pass
 
+def _failing_below(n_fit: int, what: str):
+    """``(run, tried)``: ``run(cfg)`` launches a stand-in kernel through ``launch.jit_call`` that
+    raises OutOfResources(``what``) when ``cfg["n"] < n_fit``; ``tried`` lists the ``n`` launched."""
     tried = []
 
-    class Kernel:
+    class Kernel:  # stands for a @triton.jit kernel
         fn = _tiles.fn
 
         def __getitem__(self, grid):
             def go(x, n):
                 tried.append(n)
-                if n < 2:
-                    raise OutOfResources("registers")
+                if n < n_fit:
+                    raise OutOfResources(what)
             return go
 
     kernel, x = Kernel(), torch.zeros(1)
@@ -221,9 +221,32 @@ def test_out_of_resources_at_launch_still_moves_on():
     def run(cfg):
         launch.jit_call(kernel)[(1,)](x, n=cfg["n"])
 
+    return run, tried
+
+
+def test_out_of_resources_at_launch_still_moves_on():
+    """A resource the check does not cover (threads, registers): Triton's OutOfResources when
+    the op runs moves on to the next config, remembered for the key."""
+    run, tried = _failing_below(2, "registers")
     configs = [{"n": 0}, {"n": 1}, {"n": 2}]
     launch.launch_first_fitting(("fit-oor",), configs, run, need=lambda *a: 0, limit=_limit(1))
     assert tried == [0, 1, 2] and launch._fitting[("fit-oor",)] == {"n": 2}
+
+
+def test_default_config_falls_back_when_out_of_resources():
+    """Triton's OutOfResources at launch (what the up-front shared-memory check cannot see; CPU
+    tensors: nothing is checked up front) moves on to the next config."""
+    run, tried = _failing_below(2, "shared memory")
+    configs = [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}]
+    launch.launch_first_fitting(("test-key",), configs, run)
+    assert tried == [0, 1, 2]
+    tried.clear()
+    launch.launch_first_fitting(("test-key",), configs, run)  # remembered
+    assert tried == [2]
+    with pytest.raises(OutOfResources):  # an explicit config is not replaced
+        launch.launch_first_fitting(("other-key",), [{"n": 0}], run)
+    with pytest.raises(ValueError):  # other errors are not retried
+        launch.launch_first_fitting(("third-key",), configs, lambda cfg: (_ for _ in ()).throw(ValueError()))
 
 
 # ---------------------------------------------------------------------------------------------
