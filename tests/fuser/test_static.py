@@ -131,3 +131,29 @@ def test_empty_like_is_not_static():
     triu = next(n for n in gm.graph.nodes if "triu" in str(n.target))
     with pytest.raises(NotStatic, match="input tensor"):
         ev.slice(triu)
+
+
+def test_like_factory_written_in_place_before_the_reader():
+    """A write into ``ones_like(a)``'s result before it is read is part of its value: a constant
+    write is evaluated with it, a write of data makes it data."""
+    def const_write(a):
+        m = torch.ones_like(a)
+        m[:, :2] = 0.0
+        return a + m
+
+    gm, ev = _evaluator(const_write, torch.randn(4, 4))
+    add = next(n for n in gm.graph.nodes if n.target is operator.add)
+    m = add.args[1]
+    want = torch.ones(4, 4)
+    want[:, :2] = 0.0
+    assert torch.equal(ev.evaluate(m, at=add), want)
+
+    def data_write(a, b):
+        m = torch.ones_like(a)
+        m[:, :2] = b
+        return a + m
+
+    gm, ev = _evaluator(data_write, torch.randn(4, 4), torch.randn(4, 2))
+    add = next(n for n in gm.graph.nodes if n.target is operator.add)
+    with pytest.raises(NotStatic, match="input tensor"):
+        ev.slice(add.args[1], at=add)

@@ -1127,6 +1127,34 @@ def kvpress_mask_from_data(q, k, w):
     return p[..., :-w].sum(-2)
 
 
+def kvpress_mask_written_with_data(q, k, w, first_key):
+    """kvpress' window mask, then its first key's column overwritten with an input tensor in
+    place: no longer a function of the sizes."""
+    bsz, h_kv, q_len, _ = k.shape
+    attn_weights = torch.matmul(q[:, :, -w:], _rep_kv(k, q.shape[1] // h_kv).transpose(2, 3)) / math.sqrt(q.shape[-1])
+    attention_mask = torch.triu(torch.ones_like(attn_weights) * float("-inf"), diagonal=q_len - w + 1)
+    attention_mask[..., 0] = first_key
+    attn_weights = attn_weights + attention_mask
+    p = F.softmax(attn_weights, dim=-1, dtype=torch.float32)
+    return p[..., :-w].sum(-2)
+
+
+def test_kvpress_mask_written_with_data_is_not_taken_as_causal(qkv2):
+    """The write of data into the ones_like mask is part of its value: not causal, equal to
+    float64 eager (the first key's column hidden for some rows by the input)."""
+    q, k, _ = qkv2
+    first_key = torch.where(torch.rand(q.shape[0], q.shape[1], 6, generator=torch.Generator().manual_seed(3)) < 0.5,
+                            float("-inf"), 0.0)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(kvpress_mask_written_with_data, q, k[:, :2], 6, first_key)
+        want = kvpress_mask_written_with_data(*_to64((q, k[:, :2])), 6, first_key.double())
+    torch.testing.assert_close(rep.output.double(), want.double(), rtol=2e-5, atol=2e-5)
+    for m in rep.matches:
+        if m.pattern == "h2o" and m.fused:
+            assert m.summary["mask"] != "none", m.summary
+
+
 def test_mask_reading_score_values_is_not_static(qkv2):
     """``x * 0 - inf`` is NaN where x is ±inf: unlike ``ones_like(x)`` it reads x's values, so the
     mask is not static (the region is declined: the scores escape to the mask)."""
