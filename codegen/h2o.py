@@ -74,7 +74,7 @@ from . import attention, launch, variants
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "colsum_kernel", "fwd_kernel", "kernels_for", "candidate_configs", "alloc_score",
+    "forward", "colsum_kernel", "fwd_kernel", "kernels_for", "candidate_configs", "column_pass_config", "alloc_score",
     "cached_tiles", "diagonal_count", "workspace_bytes", "program_tiles", "empty_rows_possible", "PLANS",
     "CACHE_LAYOUTS", "SUPPORTED",
 ]
@@ -350,6 +350,14 @@ def _configs(config: Optional[dict], q: torch.Tensor, plan: str = "two_kernel") 
 #: sweep of 2026-11-23).
 SHORT_N = 2048
 _SHORT = _cfg(64, 64, 4, 3)
+
+
+def column_pass_config(*, head_dim: int, dtype: torch.dtype, device, n: int) -> dict:
+    """The config two_kernel's column pass (kernel 1) launches with by default for sequences of
+    ``n = max(Nq, Nk)`` tokens: :func:`candidate_configs`' first, or the short-sequence config
+    when ``n <= SHORT_N`` on a device whose table starts with 128-wide tiles (the planner's cost
+    model reads its tile size: the short config's 64 x 64 tiles run at a lower efficiency)."""
+    return _short_first(candidate_configs(head_dim=head_dim, dtype=dtype, device=device), None, n)[0]
 
 
 def _short_first(configs: list[dict], given: Optional[dict], n: int) -> list[dict]:

@@ -525,10 +525,6 @@ def _rows(e: Emitter, q_rows: fx.Node) -> fx.Node:
     return e.node("call_method", "size", (q_rows, 2))
 
 
-# The plans' efficiencies (NOT MEASURED) and cost terms live in patterns/h2o_plans.py.
-from .h2o_plans import EFFICIENCY  # noqa: E402,F401
-
-
 def _int(x) -> int:
     return int(symint_value(x))
 

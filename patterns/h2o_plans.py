@@ -38,17 +38,31 @@ from fuser.static import symint_value
 #: the nominal query-block height for tile and atomic counts (the GPU tables' usual BLOCK_M)
 BLOCK_M = 128
 
-# Fraction of the matrix-unit peak the H2O kernels reach, by head-dim bucket (<=64, <=128, <=256),
-# counted on the FLOPs of cost_terms (Q Kᵀ twice, P V once). The <=128 entries are MEASURED on the
-# H100 (benchmarks/results/h2o.md, 2026-11-23, B=1, H=32, D=128, fp16, N 2048..16384, causal and
-# not): two_kernel reached 0.44-0.55 of the 790 TFLOP/s model peak (0.52 taken), one_kernel
-# 0.34-0.48 (0.43). The <=64 and <=256 entries are NOT MEASURED: the attention forward's
-# (patterns/attention_plans.py) scaled by the same ratio.
-EFFICIENCY = {
-    "two_kernel": (0.43, 0.52, 0.33),
-    "one_kernel": (0.36, 0.43, 0.27),
-    "diag_cache": (0.43, 0.52, 0.33),
-}
+# Fraction of the matrix-unit peak each H2O kernel reaches, by head-dim bucket (<=64, <=128,
+# <=256), counted on that kernel's own FLOPs over the (query, key) pairs of the tiles it visits
+# (cost_terms). The <=128 entries are MEASURED on the H100 (B=1, H=32, D=128, fp16, N 1024..16384,
+# causal and not; benchmarks/results/h2o.md of 2026-11-24, forced plans timed as CUDA-graph
+# replays, and the attention forward alone from scratch/att_tma.py's run of the same day):
+#   - kernel 0 of two_kernel is the attention forward (Q Kᵀ and P V): 0.49 (N=1024) to 0.60
+#     (N=4096) of the 790 TFLOP/s model peak -> 0.55;
+#   - kernel 1, the column pass (Q Kᵀ again), is two_kernel's time minus kernel 0's: 0.44-0.46
+#     with its 128-wide tiles (N >= 4096), but 0.23-0.28 with the 64 x 64 tiles it takes for
+#     N <= codegen.h2o.SHORT_N (more programs, each too short to keep its pipeline full) -> a
+#     table per column tile width, read from codegen.h2o.column_pass_config;
+#   - one_kernel (two passes, Q Kᵀ twice and P V once): 0.40-0.47 unmasked -> 0.45.
+# Under a causal mask one_kernel measured a further ~19 us per program on top of its tiles at
+# every N (6-11 tile passes of 2.3 us each, fitted on N = 1024..16384; its cause is not found):
+# ONE_KERNEL_CAUSAL_PROGRAM_US. With these the planner's choice is the faster measured plan at
+# every one of the ten shapes (tests/patterns/test_h2o_costmodel.py replays them). The <=64 and
+# <=256 entries are NOT MEASURED: the <=128 entry scaled by the attention forward's ratios
+# (patterns/attention_plans.py: 0.50 / 0.60 and 0.38 / 0.60).
+ROW_EFFICIENCY = (0.46, 0.55, 0.35)
+COLUMN_EFFICIENCY = {"wide": (0.38, 0.46, 0.29), "narrow": (0.21, 0.25, 0.16)}
+ONE_KERNEL_EFFICIENCY = (0.375, 0.45, 0.285)
+#: the column pass's tiles counted as "wide" (COLUMN_EFFICIENCY) from this many keys per program
+WIDE_COLUMN_TILE = 128
+#: one_kernel under a causal mask: measured time per program (us) on top of its tiles (above)
+ONE_KERNEL_CAUSAL_PROGRAM_US = 19.0
 
 #: diag_cache with K >= 1, measured against two_kernel on the H100 (same run): kernel 0 is then
 #: the H2O row kernel (templates/h2o_fwd.py.jinja, which writes the cached tiles) instead of the
@@ -95,45 +109,75 @@ def diag_options(m: Match, subs: dict) -> list[tuple[int, str, int, int]]:
 
 
 def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: int = 0,
-               cache: str = "balanced") -> dict:
+               cache: str = "balanced", col_tile: int = BLOCK_M) -> dict:
     """Symbolic cost terms of one plan (see the module docstring); ``cached`` tiles of ``tile²``
-    per head for diag_cache (a number at the example shapes)."""
+    per head for diag_cache (a number at the example shapes); ``col_tile`` the keys per program
+    of two_kernel's column pass (:func:`fuser.codegen.h2o.column_pass_config`).
+
+    Totals in ``flops``, ``exps``, ``bytes`` (what explain shows); for the plans with a column
+    pass its share also in ``col_flops``, ``col_exps``, ``col_bytes``, ``col_tiles`` and its tile
+    in ``col_tile``, so that :func:`estimate` times the two kernels at their own efficiencies.
+    Under a causal mask a kernel visits whole tiles: the pairs it computes are the visible ones
+    plus the hidden part of each tile on the diagonal (``N · (tile − 1) / 2`` per head: exact
+    for a square top-left mask with tile dividing N)."""
     b = m.bindings
-    pairs = cm.NQ * cm.NK
+    dense = cm.NQ * cm.NK
     # a finite causal fill with a data mask visits every tile (no bound proves the entries above
     # the diagonal weigh 0); without one the run-time bound usually lets the kernels skip them
     visits_all = b.get("causal_fill", float("-inf")) != float("-inf") and b["mask_kind"] != "none"
-    if b["causal"] != "none" and not visits_all:
+    causal = b["causal"] != "none" and not visits_all
+
+    def visited(n_edge, t):  # pairs of the tiles a kernel with t-wide blocks along n_edge visits
+        if not causal:
+            return dense
         offset = 0 if b["causal"] == "top_left" else cm.NK - cm.NQ
-        pairs = cm.pairs_causal(cm.NQ, cm.NK, offset)
+        return sympy.Min(cm.pairs_causal(cm.NQ, cm.NK, offset) + n_edge * (t - 1) / 2, dense)
+
+    pairs = visited(cm.NQ, BLOCK_M)
     bh = cm.B * cm.H
     elt = torch.finfo(b["in_dtype"]).bits // 8
     if plan == "inductor":
         return {
-            "flops": bh * pairs * (2 * cm.D + 2 * dv),
+            "flops": bh * visited(cm.NQ, 1) * (2 * cm.D + 2 * dv),  # the visible pairs
             "exps": bh * cm.NQ * cm.NK,
             # scores written, read by the softmax, P written, read by the sum and by P V
             "bytes": bh * cm.NQ * cm.NK * (4 + 4 + 4 + 4 + elt),
             "launches": 5,
         }
     io = elt * bh * (cm.NQ * cm.D + cm.NK * cm.D + cm.NQ * dv + cm.NK * dv) + 4 * bh * cm.NK
-    terms = {
-        # Q Kᵀ twice (both passes or both kernels), P V once
-        "flops": bh * pairs * (4 * cm.D + 2 * dv),
-        "exps": 2 * bh * pairs,
-        "tiles": sympy.ceiling(cm.NQ / BLOCK_M) * bh,
-    }
+    tiles = sympy.ceiling(cm.NQ / BLOCK_M) * bh
     if plan == "one_kernel":
-        terms["bytes"] = io + elt * bh * cm.NK * cm.D  # k streamed twice; no statistics
-        terms["atomics"] = bh * cm.NK * sympy.ceiling(cm.NQ / BLOCK_M)
-        terms["launches"] = 1
-        return terms
-    # two kernels: q and k read again by the column pass, the statistics written and read
-    terms["bytes"] = io + elt * bh * (cm.NQ * cm.D + cm.NK * cm.D) + 8 * bh * cm.NQ
-    terms["launches"] = 2
+        return {
+            # Q Kᵀ in both passes, P V once
+            "flops": bh * pairs * (4 * cm.D + 2 * dv),
+            "exps": 2 * bh * pairs,
+            "tiles": tiles,
+            "bytes": io + elt * bh * cm.NK * cm.D,  # k streamed twice; no statistics
+            "atomics": bh * cm.NK * sympy.ceiling(cm.NQ / BLOCK_M),
+            "launches": 1,
+            # under a causal mask: the programs that pay ONE_KERNEL_CAUSAL_PROGRAM_US (estimate)
+            **({"causal_programs": tiles} if causal else {}),
+        }
+    # two kernels: kernel 0 (Q Kᵀ, P V) writes the statistics; the column pass reads q and k
+    # again and the statistics, recomputes Q Kᵀ and writes the score
+    col_pairs = visited(cm.NK, col_tile)
+    terms = {
+        "col_flops": bh * col_pairs * 2 * cm.D,
+        "col_exps": bh * col_pairs,
+        "col_bytes": elt * bh * (cm.NQ * cm.D + cm.NK * cm.D) + 4 * bh * cm.NQ + 4 * bh * cm.NK,
+        "col_tiles": sympy.ceiling(cm.NK / col_tile) * bh,
+        "col_tile": col_tile,
+        "tiles": tiles,
+        "launches": 2,
+    }
+    terms["flops"] = bh * pairs * (2 * cm.D + 2 * dv) + terms["col_flops"]
+    terms["exps"] = bh * pairs + terms["col_exps"]
+    terms["bytes"] = io + 4 * bh * cm.NQ + terms["col_bytes"] - 4 * bh * cm.NK
     if plan == "diag_cache" and cached:
         area = tile * tile
-        terms["flops"] = terms["flops"] - bh * cached * 2 * area * cm.D
+        saved = bh * cached * 2 * area * cm.D
+        terms["flops"] = terms["flops"] - saved
+        terms["col_flops"] = terms["col_flops"] - saved
         terms["workspace"] = bh * cached * area * 4
         terms["overhead"] = DIAG_CACHE_OVERHEAD[cache]  # measured factor over two_kernel
         terms["bytes"] = terms["bytes"] + 2 * terms["workspace"]  # written by kernel 0, read by kernel 1
@@ -141,18 +185,33 @@ def cost_terms(m: Match, plan: str, subs: dict, dv: int, cached: int = 0, tile: 
 
 
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, kind: str, plan: str) -> float:
-    """Milliseconds of one plan: :func:`fuser.costmodel.estimate_ms` plus the atomics; for
-    diag_cache with cached tiles, times :data:`DIAG_CACHE_OVERHEAD` plus the workspace traffic."""
+    """Milliseconds of one plan: :func:`fuser.costmodel.estimate_ms` per kernel at its own
+    efficiency (:data:`ROW_EFFICIENCY` and :data:`COLUMN_EFFICIENCY` by the column pass's tile,
+    :data:`ONE_KERNEL_EFFICIENCY` plus :data:`ONE_KERNEL_CAUSAL_PROGRAM_US` per program and SM
+    under a causal mask), plus the atomics; for diag_cache with cached tiles, times
+    :data:`DIAG_CACHE_OVERHEAD` plus the workspace traffic."""
     d = subs[cm.D]
-    table = cm.EAGER_MATMUL if plan == "inductor" else EFFICIENCY[plan]
-    base = {k: v for k, v in terms.items() if k in ("flops", "bytes", "exps", "tiles", "launches")}
+    keys = ("flops", "bytes", "exps", "tiles", "launches")
+    if plan == "inductor":
+        return cm.estimate_ms({k: v for k, v in terms.items() if k in keys}, subs, model, kind,
+                              cm.efficiency(cm.EAGER_MATMUL, d))
+    if plan == "one_kernel":
+        t = cm.estimate_ms({k: v for k, v in terms.items() if k in keys}, subs, model, kind,
+                           cm.efficiency(ONE_KERNEL_EFFICIENCY, d))
+        if terms.get("causal_programs"):
+            t += cm.evaluate(terms["causal_programs"], subs) * ONE_KERNEL_CAUSAL_PROGRAM_US * 1e-3 / model.sm_count
+        return t + cm.atomics_ms(terms, subs, model)
     workspace = cm.evaluate(terms.get("workspace", 0), subs)
-    if workspace:
-        base["bytes"] = terms["bytes"] - 2 * terms["workspace"]
-    t = cm.estimate_ms(base, subs, model, kind, cm.efficiency(table, d))
+    col = {"flops": terms["col_flops"], "bytes": terms["col_bytes"], "exps": terms["col_exps"],
+           "tiles": terms["col_tiles"], "launches": 1}
+    row = {"flops": terms["flops"] - terms["col_flops"], "bytes": terms["bytes"] - terms["col_bytes"]
+           - 2 * terms.get("workspace", 0), "exps": terms["exps"] - terms["col_exps"], "tiles": terms["tiles"],
+           "launches": 1}
+    width = "wide" if terms["col_tile"] >= WIDE_COLUMN_TILE else "narrow"
+    t = (cm.estimate_ms(row, subs, model, kind, cm.efficiency(ROW_EFFICIENCY, d))
+         + cm.estimate_ms(col, subs, model, kind, cm.efficiency(COLUMN_EFFICIENCY[width], d)))
     if workspace:
         t = t * terms["overhead"] + 2 * workspace / (model.bandwidth_gbs * 1e9) * 1e3
-    t += cm.atomics_ms(terms, subs, model)
     return t
 
 
@@ -170,7 +229,10 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
                              deterministic=deterministic))
 
     base = {"diagonals": 0, "cache": "balanced"}
-    add("fuser[two_kernel]", {"plan": "two_kernel", **base}, cost_terms(m, "two_kernel", subs, dv), "two_kernel",
+    col_tile = kernels.column_pass_config(head_dim=subs[cm.D], dtype=b["in_dtype"], device=dev,
+                                          n=max(subs[cm.NQ], subs[cm.NK]))["BLOCK_N"]
+    add("fuser[two_kernel]", {"plan": "two_kernel", **base}, cost_terms(m, "two_kernel", subs, dv, col_tile=col_tile),
+        "two_kernel",
         "attention forward (O, LSE), then a column-parallel pass recomputing P from the LSE")
     if b.get("causal_fill", float("-inf")) != float("-inf"):
         # a finite causal fill: only two_kernel's kernels take it (codegen/h2o.py)
@@ -184,7 +246,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         "(score not bitwise deterministic)", deterministic=False)
     for kk, cache, tiles, t in diag_options(m, subs):
         add(f"fuser[diag_cache K={kk} {cache}]", {"plan": "diag_cache", "diagonals": kk, "cache": cache},
-            cost_terms(m, "diag_cache", subs, dv, tiles, t, cache), "diag_cache",
+            cost_terms(m, "diag_cache", subs, dv, tiles, t, cache, col_tile=t), "diag_cache",
             f"two kernels; kernel 0 caches the float32 scores of {tiles} tiles of {t}x{t} per head "
             f"({cache} layout, K={kk}) for the column pass")
     if ctx.options.autotune:

@@ -7,6 +7,10 @@ what placements the outputs get, and that the local outputs are the op's own on 
 shards — forward, and backward through each op's autograd formula (the backward op). The
 values of the ops themselves are checked against float64 references in tests/codegen and
 tests/patterns; tests/distributed/test_training_stacks.py runs real ranks.
+
+The tensors live on :data:`DEVICE`: the CPU (Triton's interpreter) where no GPU is present, the
+GPU otherwise — so that the rules are exercised on the GPU machine's torch as well (its Triton's
+interpreter cannot run these kernels: ``pytest -m gpu`` selects the GPU copies).
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ from fuser import distributed  # noqa: E402
 from fuser.patterns import h2o_ops  # noqa: E402
 
 NEG_INF = float("-inf")
+#: where the tests' tensors are made (module docstring)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: on a GPU machine every test here is a GPU test
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +50,7 @@ def mesh():
         pytest.skip("a process group already exists in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        yield init_device_mesh("cpu", (2,))
+        yield init_device_mesh(DEVICE, (2,))
     finally:
         dist.destroy_process_group()
 
