@@ -13,11 +13,12 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 
 ``kda_bwd_prep``, grid ``(n_chunks, N)``
     the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
-    ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row between sub-blocks,
-    exact pairwise decays inside the 16 × 16 diagonal sub-blocks), ``M`` (forward substitution,
-    held transposed so that each step reduces inside a warp), ``W``, ``U``, and the decayed
-    operands of the sequential passes ``KG = K∘e^{γ−G}``, ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those
-    passes take no exponential).
+    ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row, the 16 × 16 diagonal
+    sub-blocks included; pairwise there when the gates are strong, see Numerics), ``M`` (block
+    forward substitution over the 16-row sub-blocks: each diagonal block ``(I + L_bb)⁻¹`` by six
+    16 × 16 dots, each row block's off-diagonal part by two dots against the rows of ``M`` already
+    stored), ``W``, ``U``, and the decayed operands of the sequential passes ``KG = K∘e^{γ−G}``,
+    ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those passes take no exponential).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
     chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
@@ -31,7 +32,9 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 ``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
 gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
-    sub-block; ``dg`` (a reverse cumulative sum of ``dG`` inside the chunk, plus ``dγ``).
+    sub-block (four tensor-core dots per sub-block: its rows against the columns up to its end, its
+    columns against the rows from its start); ``dg`` (a reverse cumulative sum of ``dG`` inside the
+    chunk, plus ``dγ``).
 
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
@@ -39,18 +42,31 @@ the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk whe
 (:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×2 (the states, their
 gradients; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ, dΔ).
 
-Numerics: every exponential is of a difference of cumulative gates that is ≤ 0 when ``g ≤ 0``
-(``e^{G}·e^{−G}`` over a chunk would overflow with gates near −30); rows past ``T`` contribute 0.
+Numerics: no exponential of a cumulative gate over a whole chunk (``e^{G}·e^{−G}`` would overflow
+with gates near −30); rows past ``T`` contribute 0. A pairwise decay ``e^{G_r − G_s}`` between
+16-row sub-blocks splits through a reference row into two factors ≤ 1 when ``g ≤ 0`` (row 16b for
+the rows of sub-block b, row 16b + 15 for its columns). Inside a 16 × 16 diagonal sub-block the
+same reference is used with the factor ≥ 1 clamped to ``e^30``: exact while every
+``|G_r − G_ref|`` of the sub-block (per K block in ``kda_bwd_intra2``, over all K in
+``kda_bwd_prep``) is ≤ 30, so neither factor leaves ``[e^−30, e^30]``; a sub-block that spans more
+(strong gates, checked at run time) is left out of those dots and computed pairwise instead, a
+``[16, 16, BLOCK_K]`` tile ``e^{G_r − G_s}`` with exponent ``−∞`` above the diagonal before the
+exponential. ``M``'s dots are ``"ieee"`` float32.
 Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` under
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
 
-Performance: NOT MEASURED on a GPU (written without one; the sm90 configs are guesses checked
-only by compiling offline with Triton 3.6 at K = V = 128, chunk 64: shared memory within 228 KB
-after the one-stage retry; no register spills except kda_bwd_dstates with bfloat16 scratch, about
-0.3 KB, and the scalar-gate kda_bwd_intra2, 40 B). The traffic is dominated by the scratch (about 1.6 GB at
-B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
-the first knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
-first).
+Performance: measured on an H100 (torch 2.11, Triton 3.6) before the current kda_bwd_prep and
+kda_bwd_intra2 (B=1, T=4096, H=16, bf16, chunk 64, the default config): 4.50 ms at K = V = 128
+(intra2 2.35, prep 1.23, dstates 0.39, intra1 0.34, states 0.19), 2.54 ms at K = V = 64; intra2
+then ran a 16-step serial loop per diagonal sub-block, prep one per sub-block and ``C − 1``
+dependent row steps for ``M``. The current version is NOT MEASURED (``scratch/kda_bwd_bench.py``
+times it and sweeps configs). Compiled offline for sm90 with Triton 3.6 at K = V = 128, chunk 64,
+the default config: kda_bwd_prep 36 KB shared memory, 255 registers, ~160 B spilled (was 20 KB,
+186, none); kda_bwd_intra2 35 KB, 255 registers, 24 B spilled (was 32 KB, 254, none; none with
+``num_stages`` 1); kda_bwd_dstates spills ~0.4 KB (bfloat16 scratch). The traffic is dominated
+by the scratch (about 1.6 GB at B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it
+with bfloat16), so ``scratch`` is a knob; the two sequential passes run ``n_chunks`` dependent
+steps each (``saved`` removes the first).
 """
 
 from __future__ import annotations
@@ -240,11 +256,14 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
-# GPUs: NOT MEASURED on a GPU (guesses). Compiled offline for sm90 with Triton 3.6 at K = V = 128,
-# chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch: kda_bwd_states 172 KB shared memory,
-# kda_bwd_dstates 266 KB (so it falls back to 1 stage, 139 KB), no spills; bfloat16 scratch:
-# 66 KB / 102 KB, kda_bwd_dstates spills ~0.3 KB; the parallel kernels <= 82 KB, 186-254
-# registers. BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+# GPUs: the sm90 default was measured on an H100 before the current kda_bwd_prep / kda_bwd_intra2
+# (module docstring, Performance); the current kernels with it are NOT MEASURED, nor are the other
+# rows (guesses; scratch/kda_bwd_bench.py sweeps the parallel kernels' knobs). Compiled offline for
+# sm90 with Triton 3.6 at K = V = 128, chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch:
+# kda_bwd_states 172 KB shared memory, kda_bwd_dstates 266 KB (so it falls back to 1 stage,
+# 139 KB), no spills; bfloat16 scratch: 66 KB / 102 KB, kda_bwd_dstates spills ~0.4 KB; the
+# parallel kernels <= 82 KB, 202-255 registers (kda_bwd_prep spills ~160 B, kda_bwd_intra2 24 B;
+# with 1 stage 128 B and none). BLOCK_VS 32 gives 4 · N programs for the sequential passes.
 _TABLE = {
     "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
     "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],

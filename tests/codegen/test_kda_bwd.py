@@ -21,10 +21,10 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def _inputs(seed, nq, group, t, kd, vd, *, scalar_gate=False, h0=True, dht=True, strong=False, raw_k=False,
-            device="cpu"):
+            gscale=1.0, device="cpu"):
     """Float32 inputs of the kernel interface (q, k [NQ, T, K]; v, do [N, T, V]; g; beta [N, T];
-    the states [N, K, V] or None): l2-normalised k unless ``raw_k``, gates -softplus(randn), with
-    ``strong`` about a fifth of them lowered by 30."""
+    the states [N, K, V] or None): l2-normalised k unless ``raw_k``, gates -softplus(randn) times
+    ``gscale``, with ``strong`` about a fifth of them lowered by 30."""
     gen = torch.Generator().manual_seed(seed)
     n = nq * group
     q = torch.randn(nq, t, kd, generator=gen)
@@ -32,7 +32,7 @@ def _inputs(seed, nq, group, t, kd, vd, *, scalar_gate=False, h0=True, dht=True,
     k = k * 0.4 if raw_k else F.normalize(k, dim=-1)
     v = torch.randn(n, t, vd, generator=gen)
     gshape = (n, t) if scalar_gate else (n, t, kd)
-    g = -F.softplus(torch.randn(*gshape, generator=gen))
+    g = -F.softplus(torch.randn(*gshape, generator=gen)) * gscale
     if strong:
         g = g - 30.0 * (torch.rand(*gshape, generator=gen) < 0.2)
     beta = torch.rand(n, t, generator=gen)
@@ -110,7 +110,27 @@ CASES = [
     ("chunk64_partial_strong", 1, 2, 37, 24, 40, 64, dict(h0=True, dht=True, strong=True)),
     ("chunk32_raw_k", 1, 1, 37, 24, 40, 32, dict(h0=False, dht=True, raw_k=True)),
     ("scalar_gate_gva_strong", 1, 2, 21, 16, 16, 16, dict(scalar_gate=True, h0=True, dht=True, strong=True)),
+    # sub-blocks whose cumulative gate spans a little less than 30 (the diagonal through the
+    # reference rows, factors up to ~e^30) next to ones that span more (pairwise): see below
+    ("decay_near_30", 1, 2, 37, 24, 40, 16, dict(h0=True, dht=True, gscale=2.0)),
 ]
+
+
+def test_decay_near_30_mixes_both_diagonal_paths():
+    """The case decay_near_30 has 16-row sub-blocks on both sides of the span 30 at which the
+    kernels' diagonal sub-blocks switch from the reference-row dots to the pairwise tile (per K
+    block of 16, as kda_bwd_intra2 decides with the interpreter's BLOCK_K; reference row 16 b)."""
+    case = next(c for c in CASES if c[0] == "decay_near_30")
+    _, nq, group, t, kd, vd, chunk, opts = case
+    g = _inputs(hash(case[0]) % 1000, nq, group, t, kd, vd, **opts)[3]
+    spans = []
+    for c0 in range(0, t, 16):
+        cg = g[:, c0:c0 + 16].cumsum(1)
+        for kb in range(0, kd, 16):
+            blk = cg[..., kb:kb + 16]
+            spans += torch.maximum((blk - blk[:, :1]).abs().amax(dim=(1, 2)),
+                                   (blk - blk[:, -1:]).abs().amax(dim=(1, 2))).tolist()
+    assert any(s <= 30 for s in spans) and any(s > 30 for s in spans), spans
 
 
 def _run(q, k, v, g, beta, do, s0, ds, *, scalar_gate, chunk, **kw):
