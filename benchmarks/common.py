@@ -410,7 +410,9 @@ def write_outputs(md_path: Path, markdown: str, data: dict, copy_dir: Optional[s
     json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     png = _plot(json_path) if data.get("complete", True) else None  # plotted once, at the end
     if png is not None:
-        markdown += f"\n\n![median ms against N]({png.name})"
+        from plot import caption
+
+        markdown += f"\n\n![{caption(json_path)}]({png.name})"
     md_path.write_text(markdown + "\n")
     written = [md_path, json_path] + ([png] if png is not None else [])
     if copy_dir:

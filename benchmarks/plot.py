@@ -50,13 +50,31 @@ def _title(fig, json_path: Path, meta: dict) -> None:
                  f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}", fontsize=9)
 
 
+def _swept(c: dict, spec: dict) -> list:
+    """The records of configuration ``c`` that a ``"sweep"`` plot draws."""
+    return [r for r in c["results"].values() if isinstance(r, dict) and r.get("plan") == spec.get("plan")
+            and r.get("ms") and r.get(spec.get("x")) is not None]
+
+
+def _configs(data: dict) -> list:
+    return [c for c in data.get("configs", []) if isinstance(c, dict) and "N" in c and "results" in c]
+
+
+def caption(json_path: Path) -> str:
+    """What :func:`plot_results` draws for a results file, in words (the markdown's image text)."""
+    data = json.loads(Path(json_path).read_text())
+    spec = data.get("plot") or {}
+    if spec.get("kind") == "sweep" and any(_swept(c, spec) for c in _configs(data)):
+        return f"median ms against {spec.get('xlabel') or spec.get('x')}, one line per {spec.get('series')}"
+    return "median ms against N"
+
+
 def _sweep_plot(plt, configs: list, spec: dict, json_path: Path, meta: dict, out: Path) -> Optional[Path]:
     """The ``"sweep"`` plot (see the module docstring); None when no record of the swept plan ran."""
     plan, x, series = spec.get("plan"), spec.get("x"), spec.get("series")
 
     def swept(c):
-        return [r for r in c["results"].values() if isinstance(r, dict) and r.get("plan") == plan
-                and r.get("ms") and r.get(x) is not None]
+        return _swept(c, spec)
 
     panels = [c for c in configs if swept(c)]
     if not panels:
@@ -112,7 +130,7 @@ def plot_results(json_path: Path, out: Optional[Path] = None) -> Optional[Path]:
 
     json_path = Path(json_path)
     data = json.loads(json_path.read_text())
-    configs = [c for c in data.get("configs", []) if isinstance(c, dict) and "N" in c and "results" in c]
+    configs = _configs(data)
     if not configs:
         return None
     out = Path(out) if out is not None else json_path.with_suffix(".png")
