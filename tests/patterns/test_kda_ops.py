@@ -239,3 +239,67 @@ def test_plan_strings_are_parsed_once():
         kda_ops._parsed_plan("plan=scan")
     with pytest.raises(ValueError, match="expected one of"):  # errors are not cached away
         _call(*_args(), plan="plan=scan")
+
+
+# --------------------------------------------------------------------------------------------
+# As Inductor sees the op on the GPU (launch.inline_into_inductor), traced on the CPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_on_an_h100(monkeypatch):
+    """Trace the op as on an H100 with "meta" tensors standing for CUDA ones (as
+    tests/patterns/test_inline_ops.py does): config tables answer as on the H100, the op is
+    inlined, Triton's analysis of the kernels compiles them to TTIR for sm90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from fuser.codegen import launch
+
+    class _H100Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", True)
+    monkeypatch.setattr(launch, "INLINE_DEVICE_TYPES", ("cuda", "meta"))
+    monkeypatch.setattr(triton.runtime.driver, "_active", _H100Driver())
+
+
+VIEWS = {"aten.permute.default", "aten.view.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+         "aten._unsafe_view.default", "aten.reshape.default", "aten.as_strided.default", "aten.alias.default"}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("b,out_dim", [(1, 1), (2, 1), (2, 2)], ids=["B1_bthv", "B2_bthv", "B2_bhtv"])
+def test_inlined_op_writes_o_in_place(as_on_an_h100, plan, b, out_dim):
+    # the kernels write o where the op returns it: between the last kernel launch and the graph's
+    # output o passes through views only (no clone, no copy), and no clamp_min runs before them
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    t, h, kd, vd = 40, 2, 32, 48
+    real = [torch.empty(b, t, h, kd, dtype=torch.bfloat16), torch.empty(b, t, h, kd, dtype=torch.bfloat16),
+            torch.empty(b, t, h, vd, dtype=torch.bfloat16), torch.empty(b, t, h, kd), torch.empty(b, t, h)]
+    mode = FakeTensorMode()
+    with mode:
+        fake = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in real]
+    rest = (None, [1] * 5, 0, t, kd ** -0.5, False, out_dim, torch.bfloat16, False, torch.float32, plan)
+    op = torch.ops.fuser.kda.default
+    with mode:
+        gm = make_fx(dispatch_functionalize(lambda *xs: op(*xs, *rest)))(*fake)
+        got, expect = gm(*fake), op(*fake, *rest)
+    assert got[0].shape == expect[0].shape and got[0].stride() == expect[0].stride()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("triton_kernel_wrapper_functional" in x for x in targets), targets
+    assert not any("clamp" in x or x.startswith("fuser.") for x in targets), targets
+    if b == 1:  # the inputs are views too: nothing but the kernels and allocations
+        assert not any("clone" in x or "copy" in x for x in targets), targets
+    node = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    while not (node.op == "call_function" and str(node.target) == "<built-in function getitem>"):
+        assert node.op == "call_function" and str(node.target) in VIEWS, (node.target, targets)
+        node = node.args[0]
+    assert "triton_kernel_wrapper_functional" in str(node.args[0].target)
