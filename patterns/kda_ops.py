@@ -17,9 +17,12 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
     ``codegen/kda_chunk.forward``) or ``"plan=parallel"`` (:func:`parse_plan`).
 
 Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
-(a copy when the layout needs one: the time axis is not next to the feature axis), as the
-kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py`` and ``codegen/kda_parallel.py``
-take them.
+(a copy when the layout needs one: the ``L`` dims do not merge into one stride, e.g. ``[B, T, H,
+K]`` with ``B > 1``), as the kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py``
+and ``codegen/kda_parallel.py`` take them. ``o`` is allocated in its final layout and the kernels
+write it in place (the launchers' ``out=``, its rows addressed as two stride groups): no copy
+follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` as they load
+them: no kernel runs before them either.
 
 Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
 :data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
