@@ -179,6 +179,7 @@ from typing import Optional
 import torch
 
 from . import launch
+from .kda_recurrent import finish_out, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -201,6 +202,16 @@ MAX_K = 256
 # --------------------------------------------------------------------------------------------
 
 
+#: The chunked and parallel kernels (this module's and ``codegen/kda_parallel.py``'s) raise every
+#: gate below this to it where they load it (``tl.where(g < GATE_FLOOR, GATE_FLOOR, g)``, no extra
+#: kernel before them): ``e^g`` of either is exactly 0 in float32 (below about −104), so a step's
+#: decay is unchanged, while a gate of −inf (a hard reset, e.g. ``log(0)``) would make their
+#: differences of cumulative sums ``−inf − (−inf) = NaN``. A NaN gate stays NaN (as torch's
+#: ``clamp_min`` keeps it; ``tl.maximum`` on the GPU would return the floor). The recurrent kernel
+#: multiplies step by step and needs no floor. ``patterns/kda_ops.GATE_FLOOR`` is this value.
+GATE_FLOOR = -200.0
+
+
 def _check_chunk(chunk) -> int:
     if isinstance(chunk, bool) or chunk not in CHUNKS:
         raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk!r}")
@@ -221,7 +232,7 @@ def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool, output_precis
     name = (f"kda_chunk_prep_c{chunk}" + ("_scalar" if scalar_gate else "") + f"_o{output_precision}"
             + ("_interp" if interpret else ""))
     return render(PREP_TEMPLATE, name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret),
-                  output_precision=output_precision)
+                  output_precision=output_precision, gate_floor=GATE_FLOOR)
 
 
 def scan_kernel(*, chunk: int, k_blocks: int, interpret: bool, output_precision: str) -> RenderedKernel:
@@ -702,13 +713,16 @@ def forward(
     save_for_backward: bool = False,
     dots: str = "float32",
     output_precision: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
 ):
     """KDA forward in chunks of ``chunk`` tokens (the WY form; module docstring).
 
     Args:
         q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value head ``n`` reads q/k
             row ``n // group``. g: log-space decay ``[N, T, K]`` (``[N, T]`` with
-            ``scalar_gate``); ``g ≤ 0`` in practice (positive values: module docstring).
+            ``scalar_gate``); ``g ≤ 0`` in practice (positive values: module docstring); gates
+            below :data:`GATE_FLOOR` are raised to it in the kernels (−inf: a hard reset; NaN
+            stays NaN).
             beta: ``[N, T]``. Any of float32 / float16 / bfloat16 each (they may differ), any
             strides (never copied). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
         scale: multiplies q (e.g. ``K ** -0.5``).
@@ -732,9 +746,16 @@ def forward(
             (default): the rule of :func:`resolve_output_precision` (single-pass ``"tf32"`` for a
             bfloat16 o on a GPU, else the state path's precision). Module docstring, "Precision
             of the dots", has the error argument.
+        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
+            ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major
+            index over ``lead``, e.g. ``o.movedim(1, 2)`` of a ``[B, T, H, V]`` o), any strides,
+            in o's dtype (``out_dtype``, else v's), on the inputs' device
+            (:func:`fuser.codegen.kda_recurrent.check_out`). Written directly when its lead dims
+            merge into at most two stride groups, else through a contiguous temporary and a copy.
 
     Returns:
-        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when
+        given, in its own shape); final_state
         ``[N, K, V]`` float32 contiguous, or None unless ``output_final_state``.
         With ``save_for_backward``: ``(o, final_state, saved)``, ``saved`` a dict of
         contiguous tensors: ``"states"`` ``[N, n_chunks, K, V]`` float32, the state before
@@ -749,7 +770,7 @@ def forward(
             dtype, inputs on several devices, K outside 1..256, a chunk not in
             :data:`CHUNKS`, ``dots`` not in :data:`DOTS`, ``output_precision`` not in
             :data:`OUTPUT_PRECISIONS` (or ``"tf32"``/``"tf32x3"`` with ``dots="bfloat16"``), a bad
-            config.
+            config, an ``out`` of the wrong shape, dtype or device, or overlapping itself.
     """
     chunk = _check_chunk(chunk)
     dt = workspace_dtype(dots)
@@ -761,7 +782,7 @@ def forward(
     configs = _configs(config, k_dim, v_dim, dt, device)
     nc = launch.cdiv(t, chunk)
     tp = nc * chunk
-    o = launch.empty((n, t, v_dim), out_dtype, device)
+    o, o_arg, o_rows = out_buffer(out, n, t, v_dim, out_dtype, device)
     final = launch.empty((n, k_dim, v_dim), torch.float32, device) if output_final_state else None
     states = launch.empty((n, nc, k_dim, v_dim), torch.float32, device) if save_for_backward else None
     ws = {
@@ -786,13 +807,13 @@ def forward(
         with launch.launching(interpret):
             prep.launch_prep(q, k, v, g, beta, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
                              ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision)
-            scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o, initial_state,
-                             final, states, config=cfg, input_precision=precision)
+            scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o_arg, initial_state,
+                             final, states, config=cfg, input_precision=precision, o_rows=o_rows)
 
     key = ("kda_chunk", chunk, bool(scalar_gate), k_dim, v_dim, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
            out_dtype, initial_state is not None, precision, out_prec, str(device))
     launch.launch_first_fitting(key, configs, run)
-    return _result(o, final, save_for_backward, states, ws, chunk)
+    return _result(finish_out(o, o_arg), final, save_for_backward, states, ws, chunk)
 
 
 def _result(o, final, save_for_backward, states, ws, chunk):

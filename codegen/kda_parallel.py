@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 
 from . import launch
+from .kda_recurrent import finish_out, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -94,7 +95,10 @@ def kernel(*, has_h0: bool, store_final: bool, interpret: bool) -> RenderedKerne
     """
     name = ("kda_parallel" + ("_h0" if has_h0 else "") + ("_ht" if store_final else "")
             + ("_interp" if interpret else ""))
-    return render(TEMPLATE, name, has_h0=bool(has_h0), store_final=bool(store_final), interpret=bool(interpret))
+    from .kda_chunk import GATE_FLOOR
+
+    return render(TEMPLATE, name, has_h0=bool(has_h0), store_final=bool(store_final), interpret=bool(interpret),
+                  gate_floor=GATE_FLOOR)
 
 
 @functools.lru_cache(maxsize=None)
@@ -387,7 +391,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
             scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
             scalar_gate: bool = False, out_dtype: Optional[torch.dtype] = None,
-            config: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            config: Optional[dict] = None,
+            out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """KDA forward of a short sequence (at most :data:`MAX_T` tokens) as one chunk of the WY form
     (module docstring): 2 to 4 kernel launches, no pass over the tokens through the state.
 
@@ -395,7 +400,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row
             ``n // group`` (grouped value heads; batch and heads flattened batch-major).
         g: log-space decay, ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``); ``g ≤ 0`` in practice
-            (finite values; the decays are formed so that none overflows when ``g ≤ 0``).
+            (the decays are formed so that none overflows when ``g ≤ 0``); gates below
+            ``kda_chunk.GATE_FLOOR`` are raised to it in the kernels (−inf: a hard reset; NaN
+            stays NaN).
         beta: ``[N, T]``, the delta-rule step size.
         scale: multiplies q (float; typically ``K ** -0.5``).
         initial_state: ``[N, K, V]`` or None (zeros: then the state is never read).
@@ -404,18 +411,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         out_dtype: o's dtype (default v's).
         config: a launch config (keys of :func:`candidate_configs`, missing keys from the table's
             first row, see :func:`choose_config`); None: the table's default for this device.
+        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
+            ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major
+            index over ``lead``, e.g. ``o.movedim(1, 2)`` of a ``[B, T, H, V]`` o), any strides,
+            in o's dtype (``out_dtype``, else v's), on the inputs' device
+            (:func:`fuser.codegen.kda_recurrent.check_out`). Written directly when its lead dims
+            merge into at most two stride groups, else through a contiguous temporary and a copy.
         Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never copied),
         one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
 
     Returns:
-        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state ``[N, K, V]``
-        float32 contiguous when ``output_final_state``, else None.
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when given,
+        in its own shape); final_state ``[N, K, V]`` float32 contiguous when ``output_final_state``,
+        else None.
 
     Raises:
         ValueError: ``T > MAX_T`` (use the recurrent or chunked kernels), wrong ranks or shapes
             (q/k ``[NQ, T, K]``, v ``[N, T, V]`` with ``N % NQ == 0``, g, beta, initial_state), an
-            unsupported dtype, tensors on different devices, a non-finite scale, or a config that
-            cannot work (:func:`choose_config`).
+            unsupported dtype, tensors on different devices, a non-finite scale, a config that
+            cannot work (:func:`choose_config`), or an ``out`` of the wrong shape, dtype or device,
+            or overlapping itself.
     """
     nq, n, t, kd, vd = _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
     scale = float(scale)
@@ -424,7 +439,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     device = q.device
     has_h0 = initial_state is not None
     plan = _resolve(launch.device_kind(device), kd, vd, n, t, has_h0, bool(output_final_state), config)
-    o = launch.empty((n, t, vd), out_dtype or v.dtype, device)
+    o, o_arg, o_rows = out_buffer(out, n, t, vd, out_dtype or v.dtype, device)
     final = launch.empty((n, kd, vd), torch.float32, device) if output_final_state else None
     if n == 0:  # no rows: nothing to launch
         return o, final
@@ -439,7 +454,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     interpret = launch.interpreted(device)
     _, module = _module(has_h0, bool(output_final_state), interpret)
     work = torch.empty(plan["WORK"], dtype=torch.float32, device=device)
-    args = [q, k, v, g, beta, o, work] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
+    args = [q, k, v, g, beta, o_arg, work] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
     with launch.launching(interpret):
-        module.launch_kda_parallel(*args, scale=scale, plan=plan)
-    return o, final
+        module.launch_kda_parallel(*args, scale=scale, plan=plan, o_rows=o_rows)
+    return finish_out(o, o_arg), final

@@ -58,7 +58,7 @@ from . import launch
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes",
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "check_out",
     "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
 ]
 
@@ -353,10 +353,100 @@ def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     return nq, n, t, kd, vd
 
 
+def row_groups(shape, strides) -> Optional[tuple[int, int, int]]:
+    """The rows of a tensor's lead dims (``shape``, ``strides``: the dims before ``[T, V]``; row
+    ``n`` is their row-major index) as at most two stride groups: ``(n_inner, stride_outer,
+    stride_inner)`` with row ``n`` at ``(n // n_inner) · stride_outer + (n % n_inner) ·
+    stride_inner`` elements, or None when the dims do not merge into two groups (dims of size 1
+    are dropped; neighbours merge when the outer stride is the inner one times the inner size).
+
+    Examples: ``[B, H]`` contiguous -> ``(1, s_H, 0)`` (one group); ``[B, H]`` of a ``[B, T, H, V]``
+    tensor (strides ``T·H·V, V``) -> ``(H, T·H·V, V)``; three dims none of which merge -> None.
+    """
+    groups: list[list[int]] = []  # [size, stride], outermost first
+    for size, stride in zip(shape, strides):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == stride * size:
+            groups[-1] = [groups[-1][0] * size, stride]
+        else:
+            groups.append([size, stride])
+    if not groups:
+        return 1, 0, 0
+    if len(groups) == 1:
+        return 1, groups[0][1], 0
+    if len(groups) == 2:
+        return groups[1][0], groups[0][1], groups[1][1]
+    return None
+
+
+def check_out(out, *, n: int, t: int, v_dim: int, dtype: torch.dtype, device) -> Optional[tuple[int, int, int]]:
+    """Check a preallocated ``out=`` of the KDA forward launchers and say how the kernels address
+    it.
+
+    ``out``: ``[*lead, T, V]`` with ``prod(lead) == N`` (at least one lead dim; ``[N, T, V]`` is
+    the plain case), row ``n`` the row-major index over ``lead``; any strides, but no stride 0
+    on a dim longer than 1 (the rows would overlap); dtype ``dtype`` (o's: ``out_dtype``, else
+    v's), on ``device``.
+
+    Returns:
+        ``(n_inner, stride_outer, stride_inner)`` of :func:`row_groups` (the kernels address row
+        ``n`` as ``(n // n_inner) · stride_outer + (n % n_inner) · stride_inner``), or None when
+        the lead dims do not fit two stride groups: the launcher then writes a contiguous
+        temporary and copies it into ``out``.
+
+    Raises:
+        ValueError: ``out`` not a tensor, of the wrong shape, dtype or device, or overlapping.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor [*lead, T, V] or None, got {type(out).__name__}")
+    shape = out.shape
+    lead = shape[:-2]
+    rows = 1
+    for size in lead:
+        rows *= size
+    if out.dim() < 3 or tuple(shape[-2:]) != (t, v_dim) or rows != n:
+        raise ValueError(f"out must be [N, T, V] = {(n, t, v_dim)} (or [*lead, T, V] with prod(lead) = N = {n}), "
+                         f"got {tuple(shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype}, o's is {dtype} (out_dtype, else v's dtype): pass an out of "
+                         f"that dtype or out_dtype={out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the inputs on {device}")
+    strides = out.stride()
+    if any(st == 0 and size > 1 for size, st in zip(shape, strides)):
+        raise ValueError(f"out overlaps itself (stride 0 in {tuple(strides)}, shape {tuple(shape)}): pass a "
+                         "tensor with its own memory per element")
+    return row_groups(lead, strides[:-2])
+
+
+def out_buffer(out, n: int, t: int, v_dim: int, dtype: torch.dtype, device):
+    """What a launcher's kernels write o to: ``(o, o_arg, o_rows)``, ``o`` the tensor it returns
+    (``out``, or a new contiguous ``[N, T, V]``), ``o_arg`` the tensor the kernels write (``o``
+    itself, or a contiguous ``[N, T, V]`` temporary when ``out``'s rows do not fit two stride
+    groups: :func:`finish_out` copies it), ``o_rows`` the kernels' row addressing
+    ``(n_inner, stride_outer, stride_inner)`` of ``o_arg``. Raises ValueError as
+    :func:`check_out`."""
+    if out is not None:
+        rows = check_out(out, n=n, t=t, v_dim=v_dim, dtype=dtype, device=device)
+        if rows is not None:
+            return out, out, rows
+    o_arg = launch.empty((n, t, v_dim), dtype, device)
+    return (o_arg if out is None else out), o_arg, (1, o_arg.stride(0), 0)
+
+
+def finish_out(o: torch.Tensor, o_arg: torch.Tensor) -> torch.Tensor:
+    """``o`` after the kernels wrote ``o_arg`` (:func:`out_buffer`): the temporary copied in."""
+    if o_arg is not o:
+        o.copy_(o_arg.view(o.shape))
+    return o
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
             scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
             scalar_gate: bool = False, out_dtype: Optional[torch.dtype] = None,
-            config: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            config: Optional[dict] = None,
+            out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """KDA forward by the token recurrence (module docstring), one kernel launch.
 
     Args:
@@ -373,17 +463,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         config: a launch config (keys of :func:`candidate_configs`; missing keys from the
             table's first row of its variant, see :func:`choose_config`); None: the table's
             default for this device, K, V and N.
+        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
+            ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major
+            index over ``lead``, e.g. ``o.movedim(1, 2)`` of a ``[B, T, H, V]`` o), any strides,
+            in o's dtype (``out_dtype``, else v's), on the inputs' device (:func:`check_out`).
+            The kernel writes it directly when its lead dims merge into at most two stride
+            groups (always for a contiguous tensor with the time axis moved anywhere), else
+            through a contiguous temporary and a copy.
         Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never
         copied), one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
 
     Returns:
-        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous; final_state ``[N, K,
-        V]`` float32 contiguous when ``output_final_state``, else None.
+        ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when
+        given, in its own shape); final_state ``[N, K, V]`` float32 contiguous when
+        ``output_final_state``, else None.
 
     Raises:
         ValueError: wrong ranks or shapes (q/k ``[NQ, T, K]``, v ``[N, T, V]`` with ``N % NQ ==
             0``, g, beta, initial_state), an unsupported dtype, tensors on different devices, a
-            non-finite scale, or a config that cannot work (:func:`choose_config`).
+            non-finite scale, a config that cannot work (:func:`choose_config`), or an ``out``
+            of the wrong shape, dtype or device, or overlapping itself (:func:`check_out`).
     """
     nq, n, t, kd, vd = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
     scale = float(scale)
@@ -391,7 +490,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         raise ValueError(f"scale must be a finite float, got {scale}")
     cfg = choose_config(k_dim=kd, v_dim=vd, dtype=q.dtype, device=q.device, n_rows=n, config=config)
     device = q.device
-    o = launch.empty((n, t, vd), out_dtype or v.dtype, device)
+    o, o_arg, o_rows = out_buffer(out, n, t, vd, out_dtype or v.dtype, device)
     streamed = cfg["VARIANT"] == "streamed"
     final = launch.empty((n, kd, vd), torch.float32, device) if output_final_state else None
     # the streamed variant keeps the state in the final-state buffer, or in a scratch one
@@ -401,7 +500,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     interpret = launch.interpreted(device)
     has_h0 = initial_state is not None
     _, module = _module(cfg["VARIANT"], bool(scalar_gate), has_h0, bool(output_final_state), interpret)
-    args = [q, k, v, g, beta, o] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
+    args = [q, k, v, g, beta, o_arg] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
     with launch.launching(interpret):
-        module.launch_kda_recurrent(*args, scale=scale, config=cfg)
-    return o, final
+        module.launch_kda_recurrent(*args, scale=scale, config=cfg, o_rows=o_rows)
+    return finish_out(o, o_arg), final

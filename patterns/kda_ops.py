@@ -17,9 +17,12 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
     ``codegen/kda_chunk.forward``) or ``"plan=parallel"`` (:func:`parse_plan`).
 
 Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
-(a copy when the layout needs one: the time axis is not next to the feature axis), as the
-kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py`` and ``codegen/kda_parallel.py``
-take them.
+(a copy when the layout needs one: the ``L`` dims do not merge into one stride, e.g. ``[B, T, H,
+K]`` with ``B > 1``), as the kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py``
+and ``codegen/kda_parallel.py`` take them. ``o`` is allocated in its final layout and the kernels
+write it in place (the launchers' ``out=``, its rows addressed as two stride groups): no copy
+follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` as they load
+them: no kernel runs before them either.
 
 Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
 :data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
@@ -28,11 +31,13 @@ Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from ..codegen import launch
+from ..codegen import kda_chunk as _kda_chunk
 
 PLANS = ("recurrent", "chunk", "parallel")
 
@@ -77,6 +82,13 @@ def parse_plan(plan: str) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed_plan(plan: str) -> dict:
+    """:func:`parse_plan`, parsed once per plan string (the op's calls repeat a few strings);
+    the dict is shared: read it, never change it."""
+    return parse_plan(plan)
+
+
 def _lead(q: torch.Tensor, time_dim: int) -> list:
     dims = list(q.shape)
     del dims[time_dim]
@@ -111,30 +123,47 @@ def _assemble(o_flat: torch.Tensor, lead: list, steps: int, out_dim: int) -> tor
     return o.movedim(len(lead), out_dim).contiguous()
 
 
-#: Gates below this are raised to it before the chunked and parallel kernels see them: exp of
-#: either is exactly 0 in float32 (below about −104), so a step's decay is unchanged, while a gate
-#: of −inf (a hard reset, e.g. ``log(0)``) would make those kernels' differences of cumulative sums
-#: ``−inf − (−inf) = NaN``. The recurrent kernel multiplies step by step and needs no floor.
-GATE_FLOOR = -200.0
+def _output(lead: list, steps: int, v_dim: int, out_dim: int, dtype: torch.dtype, device):
+    """The op's o, allocated in its final layout (``[*L, V]`` with the time axis inserted at
+    ``out_dim``, contiguous: what the fake implementation promises), and the view of it the
+    kernels write (``out=`` of the launchers): ``[*L, T, V]`` (``[1, T, V]`` without lead dims),
+    whose lead dims are at most two stride groups (those before ``out_dim`` and those after), so
+    the kernels address it directly: no copy after them."""
+    shape = list(lead) + [v_dim]
+    shape.insert(out_dim, steps)
+    o = launch.empty(shape, dtype, device)
+    view = o.movedim(out_dim, len(lead))
+    return o, (view if lead else view.unsqueeze(0))
 
 
-def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict):
-    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``): ``(o [N, T, V], state [N, K, V]
-    float32 or None)``."""
-    if plan["plan"] in ("chunk", "parallel"):
-        g = g.clamp_min(GATE_FLOOR)
+#: Gates below this are raised to it by the chunked and parallel kernels where they load them (no
+#: kernel runs before them): exp of either is exactly 0 in float32 (below about −104), so a step's
+#: decay is unchanged, while a gate of −inf (a hard reset, e.g. ``log(0)``) would make those
+#: kernels' differences of cumulative sums ``−inf − (−inf) = NaN``; a NaN gate stays NaN, as with
+#: ``clamp_min``. The recurrent kernel multiplies step by step and needs no floor. Defined in
+#: ``codegen/kda_chunk.py`` (the kernels render it in); the backward clamps with it
+#: (:func:`backward_kernels`).
+GATE_FLOOR = _kda_chunk.GATE_FLOOR
+
+
+def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict,
+                out: Optional[torch.Tensor] = None):
+    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``): ``(o, state [N, K, V] float32
+    or None)``, o ``[N, T, V]``, or ``out`` written in place (``[*lead, T, V]``, the launchers'
+    ``out=``). The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` themselves."""
     if plan["plan"] == "chunk":
         from ..codegen import kda_chunk as kernels
 
         return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
                                scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"],
-                               dots=plan.get("dots", "float32"), output_precision=plan.get("output_precision"))
+                               dots=plan.get("dots", "float32"), output_precision=plan.get("output_precision"),
+                               out=out)
     if plan["plan"] == "parallel":
         from ..codegen import kda_parallel as kernels
     else:
         from ..codegen import kda_recurrent as kernels
     return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
-                           scalar_gate=scalar_gate, out_dtype=out_dtype)
+                           scalar_gate=scalar_gate, out_dtype=out_dtype, out=out)
 
 
 @launch.fused_op("fuser::kda")
@@ -146,8 +175,10 @@ def kda(
     lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
     kd, vd = q.shape[-1], v.shape[-1]
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
-    o, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parse_plan(plan))
-    o = _assemble(o, lead, steps, out_dim)
+    # o in its final layout, written by the kernels through a view: no copy after them
+    o, o_view = _output(lead, steps, vd, out_dim, out_dtype, q.device)
+    _, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, _parsed_plan(plan),
+                           out=o_view)
     if not want_state:
         return o, torch.empty(0, dtype=state_dtype, device=q.device)
     return o, state.reshape(*lead, kd, vd).to(state_dtype)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.codegen import kda_chunk, launch
+from fuser.codegen import kda_recurrent as kr
 from fuser.patterns import kda_reference
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -239,6 +240,127 @@ def test_bad_inputs():
     big = torch.zeros(1, 5, 300)
     with pytest.raises(ValueError, match="1..256"):
         f(big, big, v, torch.zeros(2, 5, 300), beta, scale=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# out=: o preallocated in the caller's layout
+# --------------------------------------------------------------------------------------------
+
+NAN = float("nan")
+
+
+def _out_layouts(t, vd, dtype):
+    """``out=`` tensors for N = 8 rows (b, h) = (2, 4), poisoned (NaN): (name, out, lead groups
+    the kernels address, i.e. how many stride groups; 0: the copy fallback)."""
+    b, h = 2, 4
+    wide = torch.full((b, t, h, vd + 3), NAN, dtype=dtype)
+    return [
+        ("contiguous", torch.full((b * h, t, vd), NAN, dtype=dtype), 1),
+        ("b_t_h_v", torch.full((b, t, h, vd), NAN, dtype=dtype).movedim(1, 2), 2),     # the op's o, out_dim=1
+        ("b_h_t_v", torch.full((b, h, t, vd), NAN, dtype=dtype), 1),                     # out_dim=2
+        ("t_b_h_v", torch.full((t, b, h, vd), NAN, dtype=dtype).movedim(0, 2), 1),     # out_dim=0
+        ("padded_rows", wide[..., :vd].movedim(1, 2), 2),                               # columns past V untouched
+        ("value_stride_2", torch.full((b, t, h, 2 * vd), NAN, dtype=dtype)[..., ::2].movedim(1, 2), 2),
+        # lead dims [2, 2, 2] none of which merge: written through a temporary and copied
+        ("three_groups", torch.full((2, 2, 2, t, vd), NAN, dtype=dtype).permute(2, 1, 0, 3, 4), 0),
+    ]
+
+
+def _check_out(forward, q, k, v, g, beta, h0, *, tol, **kw):
+    """``forward(..., out=out)`` for every layout of :func:`_out_layouts`: writes ``out`` in place
+    (returns it), every element of it, as the float64 reference says; nothing outside it."""
+    n, t, vd = v.shape
+    scale = 0.3
+    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, kw.get("scalar_gate", False))
+    for name, out, groups in _out_layouts(t, vd, kw.pop("out_dtype", v.dtype)):
+        assert (kr.row_groups(out.shape[:-2], out.stride()[:-2]) is None) == (groups == 0), name
+        base = out._base if out._base is not None else out
+        before = base.clone()
+        with launch.poison_outputs():
+            o, s = forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                           out_dtype=out.dtype, out=out, **kw)
+        assert o is out, name
+        assert not o.isnan().any(), f"{name}: an element of out was never written"
+        rows = o.reshape(n, t, vd)
+        err = rel_err(rows, ref_o)
+        assert err < tol, f"{name}: o relative error {err:.3g} >= {tol}"
+        assert rel_err(s, ref_s) < tol, name
+        # the memory of the base outside out is as it was (NaN)
+        written = torch.zeros(base.shape, dtype=torch.bool)
+        written.as_strided(out.shape, out.stride(), out.storage_offset()).fill_(True)
+        assert base[~written].isnan().all() and before[~written].isnan().all(), name
+
+
+def _check_bad_out(forward, q, k, v, g, beta, **kw):
+    n, t, vd = v.shape
+    cases = [
+        (torch.empty(n, t + 1, vd), r"out must be \[N, T, V\]"),
+        (torch.empty(n, t, vd + 1), r"out must be \[N, T, V\]"),
+        (torch.empty(n + 1, t, vd), r"prod\(lead\) = N"),
+        (torch.empty(t, vd), r"out must be \[N, T, V\]"),
+        (torch.empty(n, t, vd, dtype=torch.float16), r"out has dtype torch.float16"),
+        (torch.empty(n, t, vd, device="meta"), r"out is on meta"),
+        (torch.empty(1, t, vd).expand(n, t, vd), r"out overlaps itself"),
+        (torch.empty(n, t, vd).tolist(), r"out must be a torch.Tensor"),
+    ]
+    for out, match in cases:
+        with pytest.raises(ValueError, match=match):
+            forward(q, k, v, g, beta, scale=0.5, out=out, **kw)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_out_layouts(chunk):
+    # N = 8 rows as (b, h) = (2, 4), T = 21 (not a multiple of the chunk): the op's [B, T, H, V] and
+    # [B, H, T, V] outputs and the copy fallback
+    q, k, v, g, beta, s0 = _inputs(30, 4, 2, 21, 24, 20)
+    _check_out(kda_chunk.forward, q, k, v, g, beta, s0, tol=TOL[torch.float32], chunk=chunk)
+
+
+def test_out_scalar_gate_float16_and_no_tokens():
+    q, k, v, g, beta, s0 = _inputs(31, 4, 2, 19, 24, 20, scalar_gate=True)
+    _check_out(kda_chunk.forward, q, k, v, g, beta, s0, tol=TOL[torch.float16], chunk=16, scalar_gate=True,
+               out_dtype=torch.float16)
+    q, k, v, g, beta, _ = _inputs(31, 4, 2, 0, 24, 20, init=False)
+    out = torch.empty(2, 0, 4, 20).movedim(1, 2)
+    o, _ = kda_chunk.forward(q, k, v, g, beta, scale=0.5, out=out, chunk=16)
+    assert o is out
+
+
+def test_bad_out():
+    q, k, v, g, beta, _ = _inputs(32, 2, 2, 5, 24, 20, init=False)
+    _check_bad_out(kda_chunk.forward, q, k, v, g, beta, chunk=16)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
+def test_gates_are_floored_in_the_kernels(scalar):
+    # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
+    # way), no NaN from -inf - (-inf); the saved chunk sums G_C are those of the floored gates
+    q, k, v, g, beta, s0 = _inputs(33, 2, 1, 37, 24, 20, scalar_gate=scalar)
+    g[:, 5] = float("-inf")
+    g[:, 20] = -1e30
+    g[0, 33] = -250.0
+    with launch.poison_outputs():
+        o, s, saved = kda_chunk.forward(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True,
+                                        scalar_gate=scalar, chunk=16, save_for_backward=True)
+    floored = g.clamp_min(kda_chunk.GATE_FLOOR)
+    ro, rs = _reference(q, k, v, floored, beta, 0.5, s0, scalar)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
+    want_gc = floored.double().reshape(2, 37, -1)
+    want_gc = torch.stack([want_gc[:, c * 16:(c + 1) * 16].sum(1) for c in range(3)], 1)
+    torch.testing.assert_close(saved["g_last"].double(), want_gc.expand_as(saved["g_last"]), rtol=1e-5, atol=1e-3)
+
+
+def test_a_nan_gate_stays_nan():
+    # the floor keeps NaN (torch's clamp_min does; a maximum might return the floor): the row of the
+    # NaN gate is NaN from its chunk on, the other row is untouched
+    q, k, v, g, beta, s0 = _inputs(34, 2, 1, 37, 24, 20)
+    g[1, 21, 3] = float("nan")
+    o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True, chunk=16)
+    ro, rs = _reference(q, k, v, g, beta, 0.5, s0, False)
+    assert ro[1, 21:].isnan().all() and o[1, 21:].isnan().all() and s[1].isnan().any()
+    assert rel_err(o[1, :16], ro[1, :16]) < 1e-4
+    assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
 
 
 def test_configs_kernels_and_costs():

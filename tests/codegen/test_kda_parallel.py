@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.codegen import kda_parallel as kp
+from fuser.codegen import kda_recurrent as kr
 from fuser.codegen import launch
 from fuser.patterns.kda_reference import recurrent
 
@@ -124,6 +125,124 @@ def test_kernels_for():
         assert f"def {fn}(" in source
     assert "def kda_parallel_state_kernel(" not in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32,
                                                                    device=CPU)[0].source
+
+
+# --------------------------------------------------------------------------------------------
+# out=: o preallocated in the caller's layout
+# --------------------------------------------------------------------------------------------
+
+NAN = float("nan")
+
+
+def _out_layouts(t, vd, dtype):
+    """``out=`` tensors for N = 8 rows (b, h) = (2, 4), poisoned (NaN): (name, out, lead groups
+    the kernels address, i.e. how many stride groups; 0: the copy fallback)."""
+    b, h = 2, 4
+    wide = torch.full((b, t, h, vd + 3), NAN, dtype=dtype)
+    return [
+        ("contiguous", torch.full((b * h, t, vd), NAN, dtype=dtype), 1),
+        ("b_t_h_v", torch.full((b, t, h, vd), NAN, dtype=dtype).movedim(1, 2), 2),     # the op's o, out_dim=1
+        ("b_h_t_v", torch.full((b, h, t, vd), NAN, dtype=dtype), 1),                     # out_dim=2
+        ("t_b_h_v", torch.full((t, b, h, vd), NAN, dtype=dtype).movedim(0, 2), 1),     # out_dim=0
+        ("padded_rows", wide[..., :vd].movedim(1, 2), 2),                               # columns past V untouched
+        ("value_stride_2", torch.full((b, t, h, 2 * vd), NAN, dtype=dtype)[..., ::2].movedim(1, 2), 2),
+        # lead dims [2, 2, 2] none of which merge: written through a temporary and copied
+        ("three_groups", torch.full((2, 2, 2, t, vd), NAN, dtype=dtype).permute(2, 1, 0, 3, 4), 0),
+    ]
+
+
+def _check_out(forward, q, k, v, g, beta, h0, *, tol, **kw):
+    """``forward(..., out=out)`` for every layout of :func:`_out_layouts`: writes ``out`` in place
+    (returns it), every element of it, as the float64 reference says; nothing outside it."""
+    n, t, vd = v.shape
+    scale = 0.3
+    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, kw.get("scalar_gate", False))
+    for name, out, groups in _out_layouts(t, vd, kw.pop("out_dtype", v.dtype)):
+        assert (kr.row_groups(out.shape[:-2], out.stride()[:-2]) is None) == (groups == 0), name
+        base = out._base if out._base is not None else out
+        before = base.clone()
+        with launch.poison_outputs():
+            o, s = forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                           out_dtype=out.dtype, out=out, **kw)
+        assert o is out, name
+        assert not o.isnan().any(), f"{name}: an element of out was never written"
+        rows = o.reshape(n, t, vd)
+        err = rel_err(rows, ref_o)
+        assert err < tol, f"{name}: o relative error {err:.3g} >= {tol}"
+        assert rel_err(s, ref_s) < tol, name
+        # the memory of the base outside out is as it was (NaN)
+        written = torch.zeros(base.shape, dtype=torch.bool)
+        written.as_strided(out.shape, out.stride(), out.storage_offset()).fill_(True)
+        assert base[~written].isnan().all() and before[~written].isnan().all(), name
+
+
+def _check_bad_out(forward, q, k, v, g, beta, **kw):
+    n, t, vd = v.shape
+    cases = [
+        (torch.empty(n, t + 1, vd), r"out must be \[N, T, V\]"),
+        (torch.empty(n, t, vd + 1), r"out must be \[N, T, V\]"),
+        (torch.empty(n + 1, t, vd), r"prod\(lead\) = N"),
+        (torch.empty(t, vd), r"out must be \[N, T, V\]"),
+        (torch.empty(n, t, vd, dtype=torch.float16), r"out has dtype torch.float16"),
+        (torch.empty(n, t, vd, device="meta"), r"out is on meta"),
+        (torch.empty(1, t, vd).expand(n, t, vd), r"out overlaps itself"),
+        (torch.empty(n, t, vd).tolist(), r"out must be a torch.Tensor"),
+    ]
+    for out, match in cases:
+        with pytest.raises(ValueError, match=match):
+            forward(q, k, v, g, beta, scale=0.5, out=out, **kw)
+
+
+@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+def test_out_layouts(config):
+    # N = 8 rows as (b, h) = (2, 4): the op's [B, T, H, V] and [B, H, T, V] outputs, the fallback
+    q, k, v, g, beta, h0 = _inputs(40, 4, 2, 13, 24, 20, h0=True)
+    _check_out(kp.forward, q, k, v, g, beta, h0, tol=TOL[torch.float32], config=config)
+
+
+def test_out_scalar_gate_float16_and_no_tokens():
+    q, k, v, g, beta, _ = _inputs(41, 4, 2, 9, 24, 20, scalar_gate=True)
+    _check_out(kp.forward, q, k, v, g, beta, None, tol=TOL[torch.float16], scalar_gate=True, out_dtype=torch.float16)
+    q, k, v, g, beta, _ = _inputs(41, 4, 2, 0, 24, 20)
+    out = torch.empty(2, 0, 4, 20).movedim(1, 2)
+    o, _ = kp.forward(q, k, v, g, beta, scale=0.5, out=out)
+    assert o is out
+
+
+def test_bad_out():
+    q, k, v, g, beta, _ = _inputs(42, 2, 2, 5, 24, 20)
+    _check_bad_out(kp.forward, q, k, v, g, beta)
+
+
+@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+@pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
+def test_gates_are_floored_in_the_kernels(config, scalar):
+    # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
+    # way), no NaN from -inf - (-inf), with and without h0 (the projection and the state kernel)
+    from fuser.codegen.kda_chunk import GATE_FLOOR
+
+    for with_h0 in (False, True):
+        q, k, v, g, beta, h0 = _inputs(43, 2, 1, 29, 24, 20, scalar_gate=scalar, h0=with_h0)
+        g[:, 4] = float("-inf")
+        g[:, 17] = -1e30
+        g[0, 25] = -250.0
+        with launch.poison_outputs():
+            o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
+                              scalar_gate=scalar, config=config)
+        ro, rs = _reference(q, k, v, g.clamp_min(GATE_FLOOR), beta, 0.5, h0, scalar)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
+
+
+def test_a_nan_gate_stays_nan():
+    # the floor keeps NaN (torch's clamp_min does; a maximum might return the floor): the row of the
+    # NaN gate is NaN from that token on (one chunk: maybe before it too), the other row untouched
+    q, k, v, g, beta, h0 = _inputs(44, 2, 1, 29, 24, 20, h0=True)
+    g[1, 11, 3] = float("nan")
+    o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True)
+    ro, rs = _reference(q, k, v, g, beta, 0.5, h0, False)
+    assert ro[1, 11:].isnan().all() and o[1, 11:].isnan().all() and s[1].isnan().any()
+    assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
 
 
 def _bad(**change):

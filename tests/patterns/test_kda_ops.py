@@ -125,3 +125,181 @@ def test_a_gate_of_minus_infinity_resets_the_state(plan):
     if plan != "plan=parallel":
         (o.square().sum() + s.sum()).backward()
         assert all(torch.isfinite(x.grad).all() for x in (q, k, v, g, beta))
+
+
+# --------------------------------------------------------------------------------------------
+# The op's output: allocated in its final layout, written by the kernels in place
+# --------------------------------------------------------------------------------------------
+
+PLANS = ["plan=recurrent", "plan=chunk;chunk=16", "plan=parallel"]
+
+
+def _layout(x: torch.Tensor, time_dim: int) -> torch.Tensor:
+    """``x`` ``[B, T, H, *]`` with its time axis moved to ``time_dim`` (a copy: contiguous)."""
+    return x.movedim(1, time_dim).contiguous()
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("in_dim,out_dim", [(1, 1), (1, 2), (2, 1), (2, 0), (0, 2)],
+                         ids=["bthv_to_bthv", "bthv_to_bhtv", "bhtv_to_bthv", "bhtv_to_tbhv", "tbhv_to_bhtv"])
+def test_outputs_in_every_layout(plan, in_dim, out_dim):
+    # B = 2, H = 3: o [B, T, H, V] has rows b H + h in two stride groups; T = 21 is no multiple of
+    # the chunk; o poisoned (NaN) when allocated, so an element the kernels miss shows up
+    from fuser.codegen import launch
+
+    q, k, v, g, beta = _args(t=21, b=2, h=3, k=8, v=12, seed=3)
+    ins = [_layout(x, in_dim) for x in (q, k, v, g, beta)]
+    h0 = torch.randn(2, 3, 8, 12)
+    with launch.poison_outputs():
+        o, s = torch.ops.fuser.kda(*ins, h0, [in_dim] * 5, 0, 21, 0.5, False, out_dim, torch.float32, True,
+                                   torch.float32, plan)
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True)
+    assert o.shape == want_o.movedim(1, out_dim).shape and o.is_contiguous() and o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want_o.movedim(1, out_dim), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_half_outputs_and_a_window(plan):
+    # o in float16 from float32 inputs, of steps 2..17 of 20, [B, H, T, V] out of [B, T, H, *]
+    q, k, v, g, beta = _args(t=20, b=2, h=2, k=8, v=12, seed=4)
+    o, s = torch.ops.fuser.kda(q, k, v, g, beta, None, [1] * 5, 2, 15, 0.5, False, 2, torch.float16, False,
+                               torch.float32, plan)
+    want_o, _ = kda_reference.recurrent(*(x[:, 2:17] for x in (q, k, v, g, beta)), scale=0.5)
+    assert o.dtype == torch.float16 and o.shape == (2, 2, 15, 12) and o.is_contiguous() and s.numel() == 0
+    torch.testing.assert_close(o.double(), want_o.movedim(1, 2), rtol=5e-3, atol=5e-3)
+
+
+def test_inputs_without_lead_dims():
+    # q [T, K]: one row, no batch or head dims
+    q, k, v, g, beta = (x[0, :, 0] for x in _args(t=9, b=1, h=1, seed=5))
+    for plan in PLANS:
+        o, s = torch.ops.fuser.kda(q, k, v, g, beta, None, [0] * 5, 0, 9, 0.5, False, 0, torch.float32, True,
+                                   torch.float32, plan)
+        want_o, want_s = kda_reference.recurrent(q[None, :, None], k[None, :, None], v[None, :, None],
+                                                 g[None, :, None], beta[None, :, None], scale=0.5,
+                                                 output_final_state=True)
+        assert o.shape == (9, 12) and s.shape == (8, 12)
+        torch.testing.assert_close(o.double(), want_o[0, :, 0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(s.double(), want_s[0, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_forward_in_a_heads_first_layout():
+    q, k, v, g, beta = (_layout(x, 2) for x in _args(t=6, b=2, h=2))
+    torch.library.opcheck(torch.ops.fuser.kda.default,
+                          (q, k, v, g, beta, None, [2] * 5, 0, 6, 0.5, False, 1, torch.float32, False,
+                           torch.float32, "plan=chunk;chunk=16"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("plan", ["plan=chunk;chunk=16", "plan=parallel"])
+def test_the_gates_are_floored_by_the_kernels_not_before_them(plan, monkeypatch):
+    # no clamp_min (an extra kernel on the GPU) on the forward path; -inf gates still reset
+    q, k, v, g, beta = _args(t=20, b=2, seed=6)
+    g[:, 5, :, :3] = float("-inf")
+    g[:, 11] = float("-inf")
+
+    def no_clamp(*args, **kwargs):
+        raise AssertionError("clamp_min called on the forward path")
+
+    monkeypatch.setattr(torch.Tensor, "clamp_min", no_clamp)
+    monkeypatch.setattr(torch, "clamp_min", no_clamp)
+    o, s = _call(q, k, v, g, beta, plan=plan)
+    monkeypatch.undo()
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.double(), want_s, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_nan_gate_is_nan_where_eagers_is(plan):
+    # as torch's clamp_min keeps NaN, the kernels' floor does: o is NaN wherever eager's is (the
+    # head of the NaN gate from its step on), and the other heads equal eager's
+    q, k, v, g, beta = _args(t=20, b=1, h=2, seed=7)
+    g[0, 9, 1, 2] = float("nan")
+    o, s = _call(q, k, v, g, beta, plan=plan)
+    want_o, want_s = kda_reference.recurrent(q, k, v, g, beta, scale=0.5, output_final_state=True)
+    assert want_o[0, 9:, 1].isnan().all() and o[0, 9:, 1].isnan().all() and s[0, 1].isnan().any()
+    assert not o[:, :, 0].isnan().any()
+    torch.testing.assert_close(o[:, :, 0].double(), want_o[:, :, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s[:, 0].double(), want_s[:, 0], rtol=1e-4, atol=1e-5)
+    if plan == "plan=recurrent":  # step by step: the steps before the NaN are eager's too
+        torch.testing.assert_close(o[0, :9, 1].double(), want_o[0, :9, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_plan_strings_are_parsed_once():
+    text = "plan=chunk;chunk=32;dots=bfloat16"
+    assert kda_ops._parsed_plan(text) is kda_ops._parsed_plan(text)
+    assert kda_ops._parsed_plan(text) == kda_ops.parse_plan(text)
+    mine = kda_ops.parse_plan(text)
+    mine["chunk"] = 7  # parse_plan's dicts are the caller's: the cached one is untouched
+    assert kda_ops._parsed_plan(text)["chunk"] == 32
+    with pytest.raises(ValueError, match="expected one of"):
+        kda_ops._parsed_plan("plan=scan")
+    with pytest.raises(ValueError, match="expected one of"):  # errors are not cached away
+        _call(*_args(), plan="plan=scan")
+
+
+# --------------------------------------------------------------------------------------------
+# As Inductor sees the op on the GPU (launch.inline_into_inductor), traced on the CPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_on_an_h100(monkeypatch):
+    """Trace the op as on an H100 with "meta" tensors standing for CUDA ones (as
+    tests/patterns/test_inline_ops.py does): config tables answer as on the H100, the op is
+    inlined, Triton's analysis of the kernels compiles them to TTIR for sm90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from fuser.codegen import launch
+
+    class _H100Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", True)
+    monkeypatch.setattr(launch, "INLINE_DEVICE_TYPES", ("cuda", "meta"))
+    monkeypatch.setattr(triton.runtime.driver, "_active", _H100Driver())
+
+
+VIEWS = {"aten.permute.default", "aten.view.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+         "aten._unsafe_view.default", "aten.reshape.default", "aten.as_strided.default", "aten.alias.default"}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("b,out_dim", [(1, 1), (2, 1), (2, 2)], ids=["B1_bthv", "B2_bthv", "B2_bhtv"])
+def test_inlined_op_writes_o_in_place(as_on_an_h100, plan, b, out_dim):
+    # the kernels write o where the op returns it: between the last kernel launch and the graph's
+    # output o passes through views only (no clone, no copy), and no clamp_min runs before them
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    t, h, kd, vd = 40, 2, 32, 48
+    real = [torch.empty(b, t, h, kd, dtype=torch.bfloat16), torch.empty(b, t, h, kd, dtype=torch.bfloat16),
+            torch.empty(b, t, h, vd, dtype=torch.bfloat16), torch.empty(b, t, h, kd), torch.empty(b, t, h)]
+    mode = FakeTensorMode()
+    with mode:
+        fake = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in real]
+    rest = (None, [1] * 5, 0, t, kd ** -0.5, False, out_dim, torch.bfloat16, False, torch.float32, plan)
+    op = torch.ops.fuser.kda.default
+    with mode:
+        gm = make_fx(dispatch_functionalize(lambda *xs: op(*xs, *rest)))(*fake)
+        got, expect = gm(*fake), op(*fake, *rest)
+    assert got[0].shape == expect[0].shape and got[0].stride() == expect[0].stride()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("triton_kernel_wrapper_functional" in x for x in targets), targets
+    assert not any("clamp" in x or x.startswith("fuser.") for x in targets), targets
+    if b == 1:  # the inputs are views too: nothing but the kernels and allocations
+        assert not any("clone" in x or "copy" in x for x in targets), targets
+    node = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    while not (node.op == "call_function" and str(node.target) == "<built-in function getitem>"):
+        assert node.op == "call_function" and str(node.target) in VIEWS, (node.target, targets)
+        node = node.args[0]
+    assert "triton_kernel_wrapper_functional" in str(node.args[0].target)
