@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -102,6 +103,19 @@ DTYPES = launch.DTYPES
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 FWD_TEMPLATE = "attention_fwd.py.jinja"
+
+#: How the forward kernel moves Q, K, V and O (:func:`fwd_kernel`'s ``desc``): ``"none"``
+#: pointer loads and stores (every layout and head dim); ``"host"`` 4-D tensor descriptors built
+#: on the host (``TensorDescriptor.from_tensor`` of q, k, v, out as they are); ``"device"`` 2-D
+#: descriptors per (batch, head) built in the kernel (``tl.make_tensor_descriptor``; its global
+#: scratch comes from Triton's allocator). See :func:`desc_mode` for which one a call takes.
+DESC_MODES = ("none", "host", "device")
+_DESC_SUFFIX = {"none": "", "host": "_tmahost", "device": "_tmadev"}
+
+#: ``FUSER_ATTN_TMA`` (read at import): ``"auto"`` (default, :func:`desc_mode`), ``"off"``
+#: (pointers always), ``"host"`` or ``"device"`` (that mode wherever the layout allows it, on
+#: any GPU path; for measurements).
+TMA_SETTING = os.environ.get("FUSER_ATTN_TMA", "auto").strip().lower() or "auto"
 BWD_TEMPLATE = "attention_bwd.py.jinja"
 
 
@@ -206,23 +220,27 @@ def _pred_params(pred: Optional[tuple], pred_fill_k: str, backward: bool) -> dic
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool,
                mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
                causal_fill_mode: str = "replace", mask_pred=None, pred_consts: Sequence[int] = (),
-               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace") -> RenderedKernel:
+               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace", desc: str = "none") -> RenderedKernel:
     """Render the forward kernel module of one static variant (``causal``: a mode or a bool).
 
     The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments);
     ``mask_pred`` (see :func:`as_predicate`) renders its formula, ``pred_consts`` are runtime
-    (only their number is checked, when given)."""
+    (only their number is checked, when given). ``desc``: how Q, K, V, O move (see
+    :data:`DESC_MODES`): ``"none"`` pointers, ``"host"`` host tensor descriptors, ``"device"``
+    descriptors built in the kernel; names carry ``_tmahost`` / ``_tmadev``."""
+    if desc not in DESC_MODES:
+        raise ValueError(f"desc must be one of {DESC_MODES}, got {desc!r}")
     variants.check_variant(causal, mask_kind)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
     causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
-    name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
+    name = "attention_fwd" + head + ("" if need_lse else "_nolse") + _DESC_SUFFIX[desc] + tail
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
-        need_lse=bool(need_lse), interpret=bool(interpret),
+        need_lse=bool(need_lse), interpret=bool(interpret), desc=desc,
         causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
         **_pred_params(pred, pred_fill_k, backward=False),
     )
@@ -494,11 +512,12 @@ def _pred_key(pred: Optional[tuple], pred_fill_k: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool,
                 mask_fill_k: str = "hide", causal_fill_k: str = "hide", pred: Optional[tuple] = None,
-                pred_fill_k: str = "hide"):
+                pred_fill_k: str = "hide", desc: str = "none"):
     """The imported forward module of one static variant (rendered once per process; keeps
     rendering and imports off the per-call path)."""
     kernel = fwd_kernel(
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret,
+        desc=desc,
         mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
         causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
         **_pred_key(pred, pred_fill_k),
@@ -589,6 +608,88 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
     return {"skip_hidden": flag}
 
 
+def _desc_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether q, k, v, out can move through tensor descriptors: head dims powers of two in
+    16..256 (no padding), a contiguous last dim, every other stride a positive multiple of 16
+    bytes, and 16-byte aligned data (a fake tensor: its storage offset; Inductor's buffers are
+    aligned)."""
+    for dim in (q.shape[-1], v.shape[-1]):
+        if dim < 16 or dim > 256 or dim & (dim - 1):
+            return False
+    for t in (q, k, v, out):
+        size = t.element_size()
+        if t.stride(-1) != 1 or any(st <= 0 or (st * size) % 16 for st in t.stride()[:-1]):
+            return False
+        try:
+            ptr = t.data_ptr()
+        except Exception:  # noqa: BLE001 - fake / functional tensors have no data pointer
+            ptr = t.storage_offset() * size
+        if ptr % 16:
+            return False
+    return True
+
+
+def desc_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, tma: Optional[str] = None) -> str:
+    """How the forward moves Q, K, V and O for these tensors (:data:`DESC_MODES`).
+
+    ``tma``: ``None`` follows :data:`TMA_SETTING` (``FUSER_ATTN_TMA``, default ``"auto"``);
+    ``"none"``/``"off"`` pointers; ``"host"``/``"device"`` that descriptor mode wherever the
+    layout allows it (:func:`_desc_layout_ok`), in the interpreter too (tests).
+
+    ``"auto"``: pointers on CPU (the interpreter), for float32, before Hopper (sm < 90) or where
+    the layout does not allow descriptors; otherwise ``"host"`` when the op runs (eager, opaque
+    op) and ``"device"`` while it is traced for Inductor (:func:`launch.tracing`): torch's
+    ``wrap_triton`` outside Dynamo records a host ``TensorDescriptor`` argument as an opaque
+    constant (``triton_kernel_wrap.py``'s non-Dynamo ``call_HOP`` passes
+    ``tma_descriptor_metadata={}``: "TMA descriptor capturing not yet supported in non-dynamo
+    tracing", torch 2.13), while a descriptor the kernel builds needs only plain pointers and
+    Inductor's launcher supplies its global scratch (``triton.set_allocator`` in
+    ``CachingAutotuner.run``). A ``"host"`` request while traced gives ``"device"`` for the same
+    reason.
+    """
+    want = TMA_SETTING if tma is None else str(tma).lower()
+    if want in ("none", "off"):
+        return "none"
+    if want not in ("auto", "host", "device"):
+        raise ValueError(f"tma must be None, 'none', 'off', 'auto', 'host' or 'device', got {tma!r}")
+    if not _desc_layout_ok(q, k, v, out):
+        return "none"
+    if want == "auto":
+        if launch.interpreted(q.device) or q.device.type != "cuda" or q.dtype == torch.float32:
+            return "none"
+        if launch.device_kind(q.device) != "sm90" and _capability_major(q.device) < 9:
+            return "none"
+        want = "host"
+    if want == "host" and launch.tracing():
+        return "device"
+    return want
+
+
+def _capability_major(device) -> int:
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return launch.device_properties(index)["capability"][0]
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator for the device-built descriptors' global scratch when none is
+    set (a user's or Inductor's own is kept); while traced nothing is needed here (Inductor
+    sets its own when it launches the kernel)."""
+    if launch.tracing():
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator
+    current = current.get() if hasattr(current, "get") else current
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -610,6 +711,7 @@ def forward(
     pred_fill: float = NEG_INF,
     pred_fill_mode: str = "replace",
     skip_hidden: Optional[torch.Tensor] = None,
+    tma: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill/predicate
     semantics (those of :func:`fuser.patterns.attention.reference`).
@@ -624,6 +726,11 @@ def forward(
     (``"add"``), ``-inf`` hiding it (key tiles dropped by a whole query block are then skipped).
     Applied after the masks (additive, then boolean); not with ``causal`` (fold it into the
     predicate).
+
+    ``tma``: ``None`` (default) lets :func:`desc_mode` choose how Q, K, V, O move (pointers or
+    tensor descriptors); ``"none"``, ``"host"`` or ``"device"`` asks for that mode (tests force
+    descriptors in the interpreter); a descriptor mode the layout does not allow falls back to
+    pointers.
 
     Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer); ``lse`` the
     softmax statistics from :func:`alloc_lse` (or the given buffer) — ``[B, Hq, Nq]`` float32
@@ -657,8 +764,11 @@ def forward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     configs = _configs(config, q, v, causal, "fwd")
+    desc = desc_mode(q, k, v, out, tma)
+    if desc == "device" and not interpret:
+        _ensure_allocator()
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
-                                 mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
+                                 mask_fill_k, causal_fill_k, pred, pred_fill_k, desc)
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     args = [q, k, v, out]
