@@ -1,0 +1,223 @@
+"""The attention forward's tensor-descriptor paths (``desc="host"``: 4-D host
+``TensorDescriptor``s; ``desc="device"``: per-head ``tl.make_tensor_descriptor``) against the
+float64 reference, forced in Triton's interpreter (``FUSER_ATTN_TMA`` / ``tma=``), and the
+launcher's choice of path (:func:`fuser.codegen.attention.desc_mode`).
+
+Outputs are allocated poisoned (NaN): a row a descriptor store misses shows up; rows past a
+ragged N must not be written (a descriptor over the whole [B, H, N, D] tensor zero-fills and
+clips per head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_attention_kernels import _check, _qkv
+
+from fuser.codegen import attention, launch
+from fuser.patterns.attention import reference
+
+DESC = ("host", "device")
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """Force a forward path for every call (as ``FUSER_ATTN_TMA`` does)."""
+
+    def set_mode(mode):
+        monkeypatch.setattr(attention, "TMA_SETTING", mode)
+
+    return set_mode
+
+
+SHAPES = [
+    # id, B, Hq, Hkv, Nq, Nk, D, Dv, causal (Nq, Nk ragged against the interpreter's 16/32 tiles)
+    ("ragged", 2, 2, 2, 37, 50, 32, 32, "none"),
+    ("dv_differs", 1, 2, 2, 45, 33, 32, 16, "none"),
+    ("top_left_q<k", 1, 2, 2, 50, 67, 32, 32, "top_left"),
+    ("top_left_q>k", 1, 2, 2, 67, 37, 16, 32, "top_left"),
+    ("bottom_right_q<k", 2, 2, 2, 37, 67, 32, 32, "bottom_right"),
+    ("bottom_right_q>k_empty_rows", 1, 2, 2, 67, 37, 32, 16, "bottom_right"),
+    ("gqa_4_2_top_left", 2, 4, 2, 37, 50, 32, 32, "top_left"),
+    ("mqa_4_1_bottom_right", 1, 4, 1, 45, 45, 16, 16, "bottom_right"),
+    ("single_query", 2, 2, 1, 1, 67, 32, 32, "bottom_right"),
+    ("d64", 1, 2, 2, 40, 33, 64, 64, "none"),
+]
+
+
+@pytest.mark.parametrize("desc", DESC)
+@pytest.mark.parametrize("case", SHAPES, ids=[c[0] for c in SHAPES])
+def test_fp32(force, desc, case):
+    force(desc)
+    _, b, hq, hkv, n_q, n_k, d, dv, causal = case
+    q, k, v = _qkv(100 + SHAPES.index(case), b, hq, hkv, n_q, n_k, d, dv)
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == desc
+    out, lse, _ = _check(q, k, v, causal=causal, grad=False)
+    if case[0] == "bottom_right_q>k_empty_rows":
+        assert (out[:, :, : n_q - n_k] == 0).all() and torch.isposinf(lse[:, :, : n_q - n_k]).all()
+
+
+@pytest.mark.parametrize("desc", DESC)
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_fp16(force, desc, causal):
+    force(desc)
+    q, k, v = _qkv(120, 2, 4, 2, 67, 53, 64, 32, dtype=torch.float16)
+    _check(q, k, v, causal=causal, grad=False)
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_training_uses_descriptor_forward(force, desc):
+    # the forward's out and LSE feed the (pointer) backward unchanged
+    force(desc)
+    q, k, v = _qkv(121, 1, 4, 2, 37, 45, 32, 32)
+    _check(q, k, v, causal="bottom_right", modes=("two_kernel",))
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_strided_views_of_fused_qkv(force, desc):
+    # [B, N, 3, H, D] memory: q, k, v are [B, H, N, D] views with strides (N*3*H*D, D, 3*H*D, 1)
+    force(desc)
+    b, n, h, d = 2, 45, 2, 32
+    gen = torch.Generator().manual_seed(122)
+    qkv = torch.randn(b, n, 3, h, d, generator=gen)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == desc
+    _check(q, k, v, causal="top_left", grad=False)
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_given_poisoned_strided_output(force, desc):
+    # a caller's output buffer, strided ([B, H, N, D] memory behind a [B, N, H, D] view is the
+    # default; here [B, H, N, D] contiguous), NaN-filled: every row is written, nothing past Nq
+    force(desc)
+    q, k, v = _qkv(123, 2, 2, 2, 37, 29, 32, 32)
+    big = torch.full((2, 2, 48, 32), float("nan"))
+    out = big[:, :, :37]
+    got, _ = attention.forward(q, k, v, scale=0.3, causal="bottom_right", out=out)
+    assert got is out
+    ref, _ = reference(q, k, v, scale=0.3, causal="bottom_right")
+    assert (got - ref).abs().max().item() < 1e-4
+    assert big[:, :, 37:].isnan().all(), "rows past Nq must not be written"
+
+
+@pytest.mark.parametrize("desc", DESC)
+@pytest.mark.parametrize("kind", ["bool_keep", "additive"])
+def test_masks_unchanged(force, desc, kind):
+    force(desc)
+    q, k, v = _qkv(124, 2, 2, 2, 37, 50, 32, 32)
+    gen = torch.Generator().manual_seed(125)
+    if kind == "bool_keep":
+        mask = torch.rand(2, 1, 37, 50, generator=gen) > 0.3
+        mask[..., 0] = True
+    else:
+        mask = torch.randn(2, 2, 37, 50, generator=gen)
+        mask[..., 3] = -math.inf
+    _check(q, k, v, mask=mask, mask_kind=kind, causal="top_left", grad=False)
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_predicate_and_fills(force, desc):
+    force(desc)
+    q, k, v = _qkv(126, 1, 2, 1, 45, 61, 32, 32)
+    window = ("and", ("atom", 1, -1, 0), ("atom", -1, 1, 1))  # i - C1 <= j <= i + C0
+    _check(q, k, v, mask_pred=window, pred_consts=(16, 8), grad=False)
+    _check(q, k, v, mask_pred=window, pred_consts=(3, 20), pred_fill=-50.0, grad=False)
+    _check(q, k, v, causal="top_left", causal_fill=-1e4, causal_fill_mode="add", grad=False)
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_need_lse_false(force, desc):
+    force(desc)
+    q, k, v = _qkv(127, 2, 2, 2, 37, 50, 32, 32)
+    _, lse, _ = _check(q, k, v, causal="bottom_right", need_lse=False, grad=False)
+    assert lse is None
+
+
+# --- the launcher's choice ------------------------------------------------------------------
+
+
+def test_auto_is_pointers_in_the_interpreter():
+    q, k, v = _qkv(130, 1, 2, 2, 16, 16, 32, 32)
+    out = attention.alloc_out(q, v)
+    assert attention.TMA_SETTING == "auto" or pytest.skip("FUSER_ATTN_TMA is set")
+    assert attention.desc_mode(q, k, v, out) == "none"
+    assert attention.desc_mode(q, k, v, out, "host") == "host"
+    assert attention.desc_mode(q, k, v, out, "device") == "device"
+    assert attention.desc_mode(q, k, v, out, "off") == "none"
+    with pytest.raises(ValueError):
+        attention.desc_mode(q, k, v, out, "tma")
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_layouts_descriptors_cannot_take_use_pointers(force, desc):
+    force(desc)
+    # head dim not a power of two (padded inside the kernel)
+    q, k, v = _qkv(131, 1, 2, 2, 20, 30, 24, 24)
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == "none"
+    # a stride that is not a multiple of 16 bytes (fp16 rows of 36 elements, 72 bytes)
+    wide = torch.randn(1, 2, 20, 36).half()
+    q = wide[..., :32]
+    k, v = torch.randn(1, 2, 30, 32).half(), torch.randn(1, 2, 30, 32).half()
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == "none"
+    # a base that is not 16-byte aligned (one fp32 element in)
+    flat = torch.randn(1 * 2 * 20 * 32 + 1)
+    q = flat[1:].view(1, 2, 20, 32)
+    k, v = torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == "none"
+    with launch.poison_outputs():
+        out, _ = attention.forward(q, k, v, scale=0.2, causal="top_left")
+    ref, _ = reference(q, k, v, scale=0.2, causal="top_left")
+    assert (out - ref).abs().max().item() < 1e-4
+    # a non-contiguous last dim
+    q = torch.randn(1, 2, 32, 20).transpose(2, 3)
+    k, v = torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == "none"
+
+
+def test_host_request_while_traced_is_device(monkeypatch):
+    # wrap_triton outside Dynamo cannot carry host descriptors (see desc_mode)
+    q, k, v = _qkv(132, 1, 2, 2, 16, 16, 32, 32)
+    out = attention.alloc_out(q, v)
+    monkeypatch.setattr(launch, "tracing", lambda: True)
+    assert attention.desc_mode(q, k, v, out, "host") == "device"
+    assert attention.desc_mode(q, k, v, out, "device") == "device"
+    assert attention.desc_mode(q, k, v, out, "none") == "none"
+
+
+def test_rendered_variants_are_distinct():
+    kw = dict(causal="top_left", mask_kind="none", mask_row_broadcast=False, need_lse=True, interpret=False)
+    srcs = {d: attention.fwd_kernel(desc=d, **kw) for d in attention.DESC_MODES}
+    assert len({s.path for s in srcs.values()}) == 3
+    assert "TensorDescriptor.from_tensor" in srcs["host"].source
+    assert "tl.make_tensor_descriptor" in srcs["device"].source
+    assert "make_tensor_descriptor" not in srcs["none"].source and "TensorDescriptor" not in srcs["none"].source
+    with pytest.raises(ValueError):
+        attention.fwd_kernel(desc="tma", **kw)
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 777, 1029, 64), (2, 4, 1, 513, 300, 128)])
+def test_gpu_paths_match_sdpa(causal, shape):
+    b, hq, hkv, n_q, n_k, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b, hq, n_q, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, n_k, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, n_k, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ref, _ = reference(q, k, v, scale=d ** -0.5, causal=causal)
+    outs = {}
+    for tma in attention.DESC_MODES:
+        with launch.poison_outputs():
+            out, lse = attention.forward(q, k, v, scale=d ** -0.5, causal=causal, tma=tma)
+        assert not out.isnan().any(), tma
+        err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+        assert err < 3e-2, (tma, err)
+        outs[tma] = out
+    torch.testing.assert_close(outs["host"], outs["none"], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["device"], outs["none"], atol=2e-2, rtol=2e-2)
