@@ -221,3 +221,54 @@ def test_gpu_paths_match_sdpa(causal, shape):
         outs[tma] = out
     torch.testing.assert_close(outs["host"], outs["none"], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["device"], outs["none"], atol=2e-2, rtol=2e-2)
+
+
+# --- traced for Inductor (fake GPU tensors; no GPU needed) ---------------------------------
+
+
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_device_descriptors_traced_for_inductor(monkeypatch, causal):
+    """The op's body traced as AOTAutograd hands it to Inductor (``meta`` tensors standing for CUDA
+    ones, an H100 target named, as tests/patterns/test_inline_ops.py does), with the device
+    descriptors forced: one ``triton_kernel_wrapper_functional`` launch whose mutation analysis
+    (torch's TTIR walk, through ``tt.make_tensor_descriptor`` and ``tt.descriptor_store``) finds
+    that the kernel writes ``Out`` (and the LSE) and no input."""
+    import triton
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from triton.backends.compiler import GPUTarget
+
+    import fuser  # noqa: F401  (registers torch.ops.fuser.*)
+
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", True)
+    monkeypatch.setattr(launch, "INLINE_DEVICE_TYPES", ("cuda", "meta"))
+
+    class _H100Driver:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _H100Driver())
+    monkeypatch.setattr(attention, "TMA_SETTING", "host")  # traced: becomes "device"
+    seen = []
+    real = attention.desc_mode
+    monkeypatch.setattr(attention, "desc_mode", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(2, 4, 40, 64, dtype=torch.float16, device="meta")
+        k = torch.empty(2, 2, 40, 64, dtype=torch.float16, device="meta")
+        v = torch.empty(2, 2, 40, 64, dtype=torch.float16, device="meta")
+        args = (q, k, v, None, 0.125, causal, "none", True, "backward=two_kernel;autotune=0",
+                -math.inf, -math.inf, "replace", "", [], -math.inf, "replace")
+        gm = make_fx(dispatch_functionalize(lambda *xs: torch.ops.fuser.attention.default(*xs)))(*args)
+    assert seen == ["device"]
+    launches = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
+    assert len(launches) == 1, [str(n.target) for n in gm.graph.nodes]
+    node = launches[0]
+    written = set(node.kwargs["tensors_to_clone"])
+    assert "Out" in written and "LSE" in written, written
+    assert not {"Q", "K", "V"} & written, written
