@@ -355,6 +355,21 @@ _FWD_CAUSAL_TABLE = {
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4), _fwd(128, 64, 4, 3), _fwd(64, 128, 4, 3)],
 }
 
+# Tensor-descriptor forward (desc "host"/"device", 16-bit, sm90). Measured on an H100 this session
+# (torch 2.11, Triton 3.6, bf16, B=4, H=16, D=128, GPU time under CUDA graphs) with a minimal
+# FA2 kernel loading through host descriptors (scratch/att_tma.py's _fa_desc, the same loop as
+# the template's full tiles), best of 15 configs: non-causal 128x64/4 warps/2 stages at N=1024,
+# 2048 and 4096 (0.0767, 0.2817, 1.0798 ms; SDPA 0.0645, 0.2299, 0.9092); causal 64x64/4/3 at
+# N=1024 and 2048 (0.0560, 0.1808 ms), 128x64/4/2 at 4096 (0.6283 ms). The template itself with
+# these configs: NOT MEASURED (scratch/att_desc_bench.py measures it). Other keys, and D=64/256:
+# the pointer tables below (not measured with descriptors).
+_FWD_DESC_TABLE = {
+    ("sm90", 128, 2): [_fwd(128, 64, 4, 2), _fwd(128, 128, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3)],
+}
+_FWD_DESC_CAUSAL_TABLE = {
+    ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 4, 2), _fwd(64, 64, 4, 4), _fwd(128, 128, 8, 3)],
+}
+
 _BWD_TABLE = {
     # H100 (bf16, B=4, H=16, N=4096, two_kernel): D=64 32/128/128/32 4 warps ~274 TFLOP/s
     # (causal 272); D=128 64/128/128/64 8 warps 3 stages ~331 (causal 330).
@@ -383,13 +398,16 @@ def _dim_bucket(head_dim: int, head_dim_v: int) -> int:
     return 64 if width <= 64 else 128 if width <= 128 else 256
 
 
-def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd") -> list[dict]:
+def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd",
+                      desc: str = "none") -> list[dict]:
     """Launch configs for one problem kind, best first (the first is the default).
 
     Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages``; bwd ``BLOCK_M1, BLOCK_N1`` (dK/dV
     kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per step), ``BLOCK_M2, BLOCK_N2`` (dQ
     kernel), ``PRE_BLOCK_M`` (delta preprocess), ``num_warps, num_stages``. ``causal`` (a mode
     or a bool) picks the causal forward ordering where one is measured (:data:`_FWD_CAUSAL_TABLE`).
+    ``desc`` (the forward's path, :func:`desc_mode`): a descriptor path takes
+    :data:`_FWD_DESC_TABLE` / :data:`_FWD_DESC_CAUSAL_TABLE` where they have the key.
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
@@ -401,25 +419,32 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     key = (dev, _dim_bucket(head_dim, head_dim_v), size)
     if kind == "bwd":
         return [dict(c) for c in _BWD_TABLE[key]]
-    if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
+    causal_fwd = causal not in ("none", False)
+    if desc != "none":
+        table = _FWD_DESC_CAUSAL_TABLE if causal_fwd else _FWD_DESC_TABLE
+        if key in table:
+            return [dict(c) for c in table[key]]
+    if causal_fwd and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
     return [dict(c) for c in _FWD_TABLE[key]]
 
 
 
-def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
+def _configs(config: Optional[dict], q, v, causal, kind: str, desc: str = "none") -> list[dict]:
     """The configs to try in order: the given one alone (missing keys from the default), or
     every candidate of the table (the default first)."""
     if config:
-        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
+        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
         return [launch.check_config({**cands[0], **config})]
-    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
+    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
 
 
 @functools.lru_cache(maxsize=None)
-def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
+def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str,
+                   desc: str = "none") -> list[dict]:
     # cached: the launchers only read these dicts
-    cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal, kind=kind)
+    cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal,
+                              kind=kind, desc=desc)
     return [launch.check_config(c) for c in cands]
 
 
@@ -763,8 +788,8 @@ def forward(
         return out, lse
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
-    configs = _configs(config, q, v, causal, "fwd")
     desc = desc_mode(q, k, v, out, tma)
+    configs = _configs(config, q, v, causal, "fwd", desc)
     if desc == "device" and not interpret:
         _ensure_allocator()
     kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,

@@ -272,3 +272,23 @@ def test_device_descriptors_traced_for_inductor(monkeypatch, causal):
     written = set(node.kwargs["tensors_to_clone"])
     assert "Out" in written and "LSE" in written, written
     assert not {"Q", "K", "V"} & written, written
+
+
+def test_descriptor_config_tables(monkeypatch):
+    for table in (attention._FWD_DESC_TABLE, attention._FWD_DESC_CAUSAL_TABLE):
+        for key, cands in table.items():
+            assert key in attention._FWD_TABLE and cands
+            for c in cands:
+                launch.check_config(c)
+                assert c["num_warps"] in (1, 2, 4, 8) and c["num_stages"] >= 1
+    monkeypatch.setattr(launch, "device_kind", lambda device: "sm90")
+    kw = dict(head_dim=128, head_dim_v=128, dtype=torch.bfloat16, device="cuda", kind="fwd")
+    assert attention.candidate_configs(desc="host", **kw) == attention._FWD_DESC_TABLE[("sm90", 128, 2)]
+    assert attention.candidate_configs(desc="device", causal="top_left", **kw) == \
+        attention._FWD_DESC_CAUSAL_TABLE[("sm90", 128, 2)]
+    assert attention.candidate_configs(**kw) == attention._FWD_TABLE[("sm90", 128, 2)]
+    # keys without a descriptor entry keep the pointer tables
+    kw64 = dict(kw, head_dim=64, head_dim_v=64)
+    assert attention.candidate_configs(desc="host", **kw64) == attention._FWD_TABLE[("sm90", 64, 2)]
+    assert attention.candidate_configs(desc="host", causal="top_left", **kw64) == \
+        attention._FWD_CAUSAL_TABLE[("sm90", 64, 2)]
