@@ -696,6 +696,11 @@ def _capability_major(device) -> int:
     return launch.device_properties(index)["capability"][0]
 
 
+#: (dtype, D, Dv, desc mode) whose descriptor kernel failed to compile or launch in this process
+#: (automatic choices only): later calls take the pointer kernel (:func:`forward`).
+_DESC_FAILED: set = set()
+
+
 def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -789,11 +794,8 @@ def forward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     desc = desc_mode(q, k, v, out, tma)
-    configs = _configs(config, q, v, causal, "fwd", desc)
-    if desc == "device" and not interpret:
-        _ensure_allocator()
-    kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
-                                 mask_fill_k, causal_fill_k, pred, pred_fill_k, desc)
+    if desc != "none" and (q.dtype, d, v.shape[-1], desc) in _DESC_FAILED:
+        desc = "none"
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     args = [q, k, v, out]
@@ -803,19 +805,40 @@ def forward(
         args.append(mask4)
     precision = launch.dot_precision(q.dtype)
 
-    def run(cfg):
-        with launch.launching(interpret):
-            module.launch_fwd(
-                *args,
-                qk_scale=float(scale) * LOG2E,
-                causal_offset=variants.causal_offset(causal, n_q, n_k),
-                config=cfg,
-                input_precision=precision,
-                **fills,
-            )
+    def launch_path(desc: str) -> None:
+        configs = _configs(config, q, v, causal, "fwd", desc)
+        if desc == "device" and not interpret:
+            _ensure_allocator()
+        kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse),
+                                     interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k, desc)
 
-    key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
-    launch.launch_first_fitting(key, configs, run)
+        def run(cfg):
+            with launch.launching(interpret):
+                module.launch_fwd(
+                    *args,
+                    qk_scale=float(scale) * LOG2E,
+                    causal_offset=variants.causal_offset(causal, n_q, n_k),
+                    config=cfg,
+                    input_precision=precision,
+                    **fills,
+                )
+
+        key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
+        launch.launch_first_fitting(key, configs, run)
+
+    if desc == "none" or tma is not None or launch.tracing() or interpret:
+        launch_path(desc)
+        return out, lse
+    try:
+        launch_path(desc)
+    except Exception as exc:  # noqa: BLE001 - a descriptor kernel this Triton cannot build: pointers
+        if isinstance(exc, launch.ConfigDoesNotFit) or type(exc).__name__ == "OutOfResources":
+            raise
+        _DESC_FAILED.add((q.dtype, d, v.shape[-1], desc))
+        launch.log.warning("fuser: the attention forward's %s-descriptor kernel failed (%s: %s); using the pointer "
+                           "kernel for %s, D=%d, Dv=%d from now on", desc, type(exc).__name__, str(exc)[:300],
+                           q.dtype, d, v.shape[-1])
+        launch_path("none")
     return out, lse
 
 

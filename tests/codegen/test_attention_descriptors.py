@@ -292,3 +292,35 @@ def test_descriptor_config_tables(monkeypatch):
     assert attention.candidate_configs(desc="host", **kw64) == attention._FWD_TABLE[("sm90", 64, 2)]
     assert attention.candidate_configs(desc="host", causal="top_left", **kw64) == \
         attention._FWD_CAUSAL_TABLE[("sm90", 64, 2)]
+
+
+def test_automatic_descriptor_failure_falls_back_to_pointers(monkeypatch, caplog):
+    """A descriptor kernel that fails to build (e.g. a Triton that cannot lower it) on an
+    automatic choice: a warning, the pointer kernel, and pointers for that (dtype, D, Dv) from
+    then on. (Played in the interpreter with the forward told it is on a GPU.)"""
+    q, k, v = _qkv(140, 1, 2, 2, 37, 40, 32, 32)
+    ref, _ = reference(q, k, v, scale=0.2, causal="top_left")
+    real_module, real_launching = attention._fwd_module, launch.launching
+    built = []
+
+    def module(*a):
+        *rest, desc = a
+        built.append(desc)
+        if desc == "host":
+            raise RuntimeError("PassManager::run failed (stand-in)")
+        rest[4] = True  # the interpreted kernel stands for the compiled one
+        return real_module(*rest, desc)
+
+    monkeypatch.setattr(attention, "TMA_SETTING", "host")
+    monkeypatch.setattr(attention, "_DESC_FAILED", set())
+    monkeypatch.setattr(attention, "_fwd_module", module)
+    monkeypatch.setattr(attention, "_configs", lambda *a, **kw: [dict(c) for c in attention._INTERP_FWD])
+    monkeypatch.setattr(launch, "interpreted", lambda device: False)
+    monkeypatch.setattr(launch, "launching", lambda interpret: real_launching(True))
+    with caplog.at_level("WARNING", logger="fuser"), launch.poison_outputs():
+        out, _ = attention.forward(q, k, v, scale=0.2, causal="top_left")
+    assert built == ["host", "none"] and "pointer kernel" in caplog.text
+    assert (out - ref).abs().max().item() < 1e-4
+    built.clear()
+    attention.forward(q, k, v, scale=0.2, causal="top_left")
+    assert built == ["none"]  # remembered
