@@ -41,6 +41,21 @@ and uses the two-part statistics. Kernel names carry ``_pred_<digest>`` (``_pred
 ``_predadd_`` for finite fills) of the predicate's canonical text. Rows the predicate hides
 entirely give ``out = 0`` and zero gradients.
 
+Loads and stores of the forward (:func:`desc_mode`, :data:`DESC_MODES`): pointers (every layout,
+any head dim), or on Hopper with 16-bit inputs whose head dims are powers of two (16..256) and
+whose q, k, v, out have a contiguous last dim, 16-byte multiple strides and 16-byte aligned data,
+TMA tensor descriptors: host-built 4-D ``TensorDescriptor``s over ``[B, H, N, D]`` when the op
+runs (eager, opaque op), descriptors built in the kernel per (batch, head) when it is traced for
+Inductor (torch's ``wrap_triton`` outside Dynamo records no host descriptor). Both zero-fill
+rows past a ragged N per head and never write past it; GQA and strided views stay exact. Only
+Q, K, V, O move so (masks, statistics, the backward: pointers). ``FUSER_ATTN_TMA`` overrides the
+choice (``off``, ``host``, ``device``). Measured on an H100 this session with a minimal kernel
+(scratch/att_tma.py): host descriptors 2-8% faster than the same kernel with pointer loads (B=4,
+H=16, D=128, bf16, N=1024..4096, best config each; most at N=1024 causal); the template's descriptor paths themselves: NOT MEASURED yet
+(scratch/att_desc_bench.py). Offline (Triton 3.9, sm90): the template's main loop with
+descriptors is the minimal descriptor kernel's (same TTGIR ops), 0 bytes of spills where the
+pointer path spills 160 bytes (128x64, 4 warps) and 16 bytes (128x128, 8 warps).
+
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
 blocks × B·Hkv, summing the GQA group inside) and ``attention_bwd_dq`` (grid over query blocks ×
