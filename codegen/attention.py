@@ -51,8 +51,8 @@ rows past a ragged N per head and never write past it; GQA and strided views sta
 Q, K, V, O move so (masks, statistics, the backward: pointers). ``FUSER_ATTN_TMA`` overrides the
 choice (``off``, ``host``, ``device``). Measured on an H100 this session with a minimal kernel
 (scratch/att_tma.py): host descriptors 2-8% faster than the same kernel with pointer loads (B=4,
-H=16, D=128, bf16, N=1024..4096, best config each; most at N=1024 causal); the template's descriptor paths themselves: NOT MEASURED yet
-(scratch/att_desc_bench.py). Offline (Triton 3.9, sm90): the template's main loop with
+H=16, D=128, bf16, N=1024..4096, best config each; most at N=1024 causal); the template's
+descriptor paths themselves: NOT MEASURED yet (scratch/att_desc_bench.py). Offline (Triton 3.9, sm90): the template's main loop with
 descriptors is the minimal descriptor kernel's (same TTGIR ops), 0 bytes of spills where the
 pointer path spills 160 bytes (128x64, 4 warps) and 16 bytes (128x128, 8 warps).
 
