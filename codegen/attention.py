@@ -809,8 +809,6 @@ def forward(
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
     desc = desc_mode(q, k, v, out, tma)
-    if desc != "none" and (q.dtype, d, v.shape[-1], desc) in _DESC_FAILED:
-        desc = "none"
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     args = [q, k, v, out]
@@ -844,16 +842,23 @@ def forward(
     if desc == "none" or tma is not None or launch.tracing() or interpret:
         launch_path(desc)
         return out, lse
-    try:
-        launch_path(desc)
-    except Exception as exc:  # noqa: BLE001 - a descriptor kernel this Triton cannot build: pointers
-        if isinstance(exc, launch.ConfigDoesNotFit) or type(exc).__name__ == "OutOfResources":
-            raise
-        _DESC_FAILED.add((q.dtype, d, v.shape[-1], desc))
-        launch.log.warning("fuser: the attention forward's %s-descriptor kernel failed (%s: %s); using the pointer "
-                           "kernel for %s, D=%d, Dv=%d from now on", desc, type(exc).__name__, str(exc)[:300],
-                           q.dtype, d, v.shape[-1])
-        launch_path("none")
+    # an automatic descriptor choice that fails to build falls back: host -> device -> pointers
+    for mode in ((desc, "device", "none") if desc == "host" else (desc, "none")):
+        if mode != "none" and (q.dtype, d, v.shape[-1], mode) in _DESC_FAILED:
+            continue
+        if mode == "none":
+            launch_path(mode)
+            break
+        try:
+            launch_path(mode)
+            break
+        except Exception as exc:  # noqa: BLE001 - a descriptor kernel this Triton cannot build
+            if isinstance(exc, launch.ConfigDoesNotFit) or type(exc).__name__ == "OutOfResources":
+                raise
+            _DESC_FAILED.add((q.dtype, d, v.shape[-1], mode))
+            launch.log.warning("fuser: the attention forward's %s-descriptor kernel failed (%s: %s); not using it "
+                               "for %s, D=%d, Dv=%d from now on", mode, type(exc).__name__, str(exc)[:300],
+                               q.dtype, d, v.shape[-1])
     return out, lse
 
 

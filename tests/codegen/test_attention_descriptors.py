@@ -191,7 +191,7 @@ def test_rendered_variants_are_distinct():
     kw = dict(causal="top_left", mask_kind="none", mask_row_broadcast=False, need_lse=True, interpret=False)
     srcs = {d: attention.fwd_kernel(desc=d, **kw) for d in attention.DESC_MODES}
     assert len({s.path for s in srcs.values()}) == 3
-    assert "TensorDescriptor.from_tensor" in srcs["host"].source
+    assert "TensorDescriptor(x, " in srcs["host"].source
     assert "tl.make_tensor_descriptor" in srcs["device"].source
     assert "make_tensor_descriptor" not in srcs["none"].source and "TensorDescriptor" not in srcs["none"].source
     with pytest.raises(ValueError):
@@ -296,17 +296,18 @@ def test_descriptor_config_tables(monkeypatch):
 
 def test_automatic_descriptor_failure_falls_back_to_pointers(monkeypatch, caplog):
     """A descriptor kernel that fails to build (e.g. a Triton that cannot lower it) on an
-    automatic choice: a warning, the pointer kernel, and pointers for that (dtype, D, Dv) from
-    then on. (Played in the interpreter with the forward told it is on a GPU.)"""
+    automatic choice: a warning, the next path (host -> device -> pointers), and that path for
+    that (dtype, D, Dv) from then on. (Played in the interpreter with the forward told it is on
+    a GPU.)"""
     q, k, v = _qkv(140, 1, 2, 2, 37, 40, 32, 32)
     ref, _ = reference(q, k, v, scale=0.2, causal="top_left")
     real_module, real_launching = attention._fwd_module, launch.launching
-    built = []
+    built, failing = [], {"host"}
 
     def module(*a):
         *rest, desc = a
         built.append(desc)
-        if desc == "host":
+        if desc in failing:
             raise RuntimeError("PassManager::run failed (stand-in)")
         rest[4] = True  # the interpreted kernel stands for the compiled one
         return real_module(*rest, desc)
@@ -317,10 +318,19 @@ def test_automatic_descriptor_failure_falls_back_to_pointers(monkeypatch, caplog
     monkeypatch.setattr(attention, "_configs", lambda *a, **kw: [dict(c) for c in attention._INTERP_FWD])
     monkeypatch.setattr(launch, "interpreted", lambda device: False)
     monkeypatch.setattr(launch, "launching", lambda interpret: real_launching(True))
+    monkeypatch.setattr(attention, "_ensure_allocator", lambda: None)  # no GPU: no scratch allocator
     with caplog.at_level("WARNING", logger="fuser"), launch.poison_outputs():
         out, _ = attention.forward(q, k, v, scale=0.2, causal="top_left")
-    assert built == ["host", "none"] and "pointer kernel" in caplog.text
+    assert built == ["host", "device"] and "host-descriptor kernel failed" in caplog.text
     assert (out - ref).abs().max().item() < 1e-4
     built.clear()
     attention.forward(q, k, v, scale=0.2, causal="top_left")
-    assert built == ["none"]  # remembered
+    assert built == ["device"]  # remembered
+    failing.add("device")
+    built.clear()
+    with launch.poison_outputs():
+        out, _ = attention.forward(q, k, v, scale=0.2, causal="top_left")
+    assert built == ["device", "none"] and (out - ref).abs().max().item() < 1e-4
+    built.clear()
+    attention.forward(q, k, v, scale=0.2, causal="top_left")
+    assert built == ["none"]
