@@ -729,9 +729,9 @@ def _ensure_allocator() -> None:
     import triton
     from triton.runtime import _allocation
 
-    current = _allocation._allocator
+    current = getattr(_allocation, "_allocator", None)
     current = current.get() if hasattr(current, "get") else current
-    if isinstance(current, _allocation.NullAllocator):
+    if current is None or type(current).__name__ == "NullAllocator":
         triton.set_allocator(_torch_scratch)
 
 
