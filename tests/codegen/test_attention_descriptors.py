@@ -334,3 +334,33 @@ def test_automatic_descriptor_failure_falls_back_to_pointers(monkeypatch, caplog
     built.clear()
     attention.forward(q, k, v, scale=0.2, causal="top_left")
     assert built == ["none"]
+
+
+def test_host_descriptor_forms():
+    # 3-D over [B, N, H * D] where the heads lie side by side in [B, N, H, D] memory, else 4-D
+    kernel = attention.fwd_kernel(causal="none", mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                  interpret=True, desc="host")
+    mod = launch.kernel_module(kernel, True)
+    q = torch.randn(2, 3, 20, 32)
+    d, nh = mod._descriptor(q, 16)
+    assert not nh and d.block_shape == [1, 1, 16, 32] and list(d.shape) == [2, 3, 20, 32]
+    out = attention.alloc_out(q, q)
+    d, nh = mod._descriptor(out, 16)
+    assert nh and d.block_shape == [1, 16, 32] and list(d.shape) == [2, 20, 96]
+    fused = torch.randn(2, 20, 3, 3, 32)[:, :, 1].transpose(1, 2)  # k of a fused qkv
+    d, nh = mod._descriptor(fused, 16)
+    assert nh and list(d.shape) == [2, 20, 96] and list(d.strides) == [20 * 9 * 32, 9 * 32, 1]
+    padded = torch.randn(2, 20, 3, 36)[..., :32].transpose(1, 2)  # heads not side by side
+    d, nh = mod._descriptor(padded, 16)
+    assert not nh and list(d.strides) == [20 * 3 * 36, 36, 3 * 36, 1]
+
+
+@pytest.mark.parametrize("desc", DESC)
+def test_padded_head_stride_layout(force, desc):
+    # [B, N, H, 36] memory, head dim 32: heads not side by side (the host path's 4-D form with
+    # strides out of order)
+    force(desc)
+    gen = torch.Generator().manual_seed(141)
+    q, k, v = (torch.randn(2, 37, 3, 36, generator=gen)[..., :32].transpose(1, 2) for _ in range(3))
+    assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == desc
+    _check(q, k, v, causal="bottom_right", grad=False)
