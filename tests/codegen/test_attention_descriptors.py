@@ -364,3 +364,33 @@ def test_padded_head_stride_layout(force, desc):
     q, k, v = (torch.randn(2, 37, 3, 36, generator=gen)[..., :32].transpose(1, 2) for _ in range(3))
     assert attention.desc_mode(q, k, v, attention.alloc_out(q, v)) == desc
     _check(q, k, v, causal="bottom_right", grad=False)
+
+
+@pytest.mark.parametrize("desc,causal,cfg", [("host", "none", (128, 64, 4, 2)), ("device", "top_left", (64, 64, 4, 3)),
+                                             ("host", "top_left", (128, 128, 8, 3))])
+def test_descriptor_kernels_compile_for_sm90(desc, causal, cfg):
+    """Compiled for an H100 (sm90) without a GPU (launch.compiled_shared_memory, Triton's own
+    compile): bf16, D=128, the descriptor tables' configs fit the 232448 bytes of shared memory
+    (the host kernel with q in [B, H, N, D] memory and out in [B, N, H, D] memory)."""
+    from triton.backends.compiler import GPUTarget
+
+    bm, bn, w, stages = cfg
+    kernel = attention.fwd_kernel(causal=causal, mask_kind="none", mask_row_broadcast=False, need_lse=True,
+                                  interpret=False, desc=desc)
+    mod = launch.kernel_module(kernel, False)
+    b, h, n, d = 2, 4, 256, 128
+    q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    out = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.empty(b, h, n)
+    kw = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, INPUT_PRECISION="ieee",
+              DEFER_SCALE=True, num_warps=w, num_stages=stages)
+    if desc == "host":
+        (tq, q_nh), (tk, k_nh), (to, o_nh) = mod._descriptor(q, bm), mod._descriptor(q, bn), mod._descriptor(out, bm)
+        assert (q_nh, k_nh, o_nh) == (False, False, True)
+        ptrs = [tq, tk, tk, to]
+        kw.update(Q_NH=q_nh, K_NH=k_nh, V_NH=k_nh, O_NH=o_nh)
+    else:
+        ptrs = [q, q, q, out]
+    args = [*ptrs, lse, *q.stride(), *q.stride(), *q.stride(), *out.stride(), h, 1, n, n, 0, 0.125]
+    need = launch.compiled_shared_memory(mod.attention_fwd_kernel, args, kw, GPUTarget("cuda", 90, 32))
+    assert 0 < need <= 232448, need
