@@ -41,6 +41,21 @@ and uses the two-part statistics. Kernel names carry ``_pred_<digest>`` (``_pred
 ``_predadd_`` for finite fills) of the predicate's canonical text. Rows the predicate hides
 entirely give ``out = 0`` and zero gradients.
 
+Loads and stores of the forward (:func:`desc_mode`, :data:`DESC_MODES`): pointers (every layout,
+any head dim), or on Hopper with 16-bit inputs whose head dims are powers of two (16..256) and
+whose q, k, v, out have a contiguous last dim, 16-byte multiple strides and 16-byte aligned data,
+TMA tensor descriptors: host-built 4-D ``TensorDescriptor``s over ``[B, H, N, D]`` when the op
+runs (eager, opaque op), descriptors built in the kernel per (batch, head) when it is traced for
+Inductor (torch's ``wrap_triton`` outside Dynamo records no host descriptor). Both zero-fill
+rows past a ragged N per head and never write past it; GQA and strided views stay exact. Only
+Q, K, V, O move so (masks, statistics, the backward: pointers). ``FUSER_ATTN_TMA`` overrides the
+choice (``off``, ``host``, ``device``). Measured on an H100 this session with a minimal kernel
+(scratch/att_tma.py): host descriptors 2-8% faster than the same kernel with pointer loads (B=4,
+H=16, D=128, bf16, N=1024..4096, best config each; most at N=1024 causal); the template's
+descriptor paths themselves: NOT MEASURED yet (scratch/att_desc_bench.py). Offline (Triton 3.9, sm90): the template's main loop with
+descriptors is the minimal descriptor kernel's (same TTGIR ops), 0 bytes of spills where the
+pointer path spills 160 bytes (128x64, 4 warps) and 16 bytes (128x128, 8 warps).
+
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
 blocks × B·Hkv, summing the GQA group inside) and ``attention_bwd_dq`` (grid over query blocks ×
@@ -70,6 +85,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -102,6 +118,19 @@ DTYPES = launch.DTYPES
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 FWD_TEMPLATE = "attention_fwd.py.jinja"
+
+#: How the forward kernel moves Q, K, V and O (:func:`fwd_kernel`'s ``desc``): ``"none"``
+#: pointer loads and stores (every layout and head dim); ``"host"`` 4-D tensor descriptors built
+#: on the host (``TensorDescriptor.from_tensor`` of q, k, v, out as they are); ``"device"`` 2-D
+#: descriptors per (batch, head) built in the kernel (``tl.make_tensor_descriptor``; its global
+#: scratch comes from Triton's allocator). See :func:`desc_mode` for which one a call takes.
+DESC_MODES = ("none", "host", "device")
+_DESC_SUFFIX = {"none": "", "host": "_tmahost", "device": "_tmadev"}
+
+#: ``FUSER_ATTN_TMA`` (read at import): ``"auto"`` (default, :func:`desc_mode`), ``"off"``
+#: (pointers always), ``"host"`` or ``"device"`` (that mode wherever the layout allows it, on
+#: any GPU path; for measurements).
+TMA_SETTING = os.environ.get("FUSER_ATTN_TMA", "auto").strip().lower() or "auto"
 BWD_TEMPLATE = "attention_bwd.py.jinja"
 
 
@@ -206,23 +235,27 @@ def _pred_params(pred: Optional[tuple], pred_fill_k: str, backward: bool) -> dic
 def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bool, interpret: bool,
                mask_fill: float = NEG_INF, causal_fill: float = NEG_INF,
                causal_fill_mode: str = "replace", mask_pred=None, pred_consts: Sequence[int] = (),
-               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace") -> RenderedKernel:
+               pred_fill: float = NEG_INF, pred_fill_mode: str = "replace", desc: str = "none") -> RenderedKernel:
     """Render the forward kernel module of one static variant (``causal``: a mode or a bool).
 
     The fills matter only as ``-inf`` or finite (their values are runtime kernel arguments);
     ``mask_pred`` (see :func:`as_predicate`) renders its formula, ``pred_consts`` are runtime
-    (only their number is checked, when given)."""
+    (only their number is checked, when given). ``desc``: how Q, K, V, O move (see
+    :data:`DESC_MODES`): ``"none"`` pointers, ``"host"`` host tensor descriptors, ``"device"``
+    descriptors built in the kernel; names carry ``_tmahost`` / ``_tmadev``."""
+    if desc not in DESC_MODES:
+        raise ValueError(f"desc must be one of {DESC_MODES}, got {desc!r}")
     variants.check_variant(causal, mask_kind)
     mask_fill_k, causal_fill_k = _fill_kinds(causal, mask_kind, mask_fill, causal_fill, causal_fill_mode)
     pred, pred_fill_k = _pred_kinds(causal, mask_pred, pred_consts or None, pred_fill, pred_fill_mode)
     causal = variants.is_causal(causal)
     row = bool(mask_row_broadcast) and mask_kind != "none"
     head, tail = _suffix(causal, mask_kind, row, interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k)
-    name = "attention_fwd" + head + ("" if need_lse else "_nolse") + tail
+    name = "attention_fwd" + head + ("" if need_lse else "_nolse") + _DESC_SUFFIX[desc] + tail
     return render(
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
-        need_lse=bool(need_lse), interpret=bool(interpret),
+        need_lse=bool(need_lse), interpret=bool(interpret), desc=desc,
         causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
         **_pred_params(pred, pred_fill_k, backward=False),
     )
@@ -337,6 +370,21 @@ _FWD_CAUSAL_TABLE = {
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4), _fwd(128, 64, 4, 3), _fwd(64, 128, 4, 3)],
 }
 
+# Tensor-descriptor forward (desc "host"/"device", 16-bit, sm90). Measured on an H100 this session
+# (torch 2.11, Triton 3.6, bf16, B=4, H=16, D=128, GPU time under CUDA graphs) with a minimal
+# FA2 kernel loading through host descriptors (scratch/att_tma.py's _fa_desc, the same loop as
+# the template's full tiles), best of 15 configs: non-causal 128x64/4 warps/2 stages at N=1024,
+# 2048 and 4096 (0.0767, 0.2817, 1.0798 ms; SDPA 0.0645, 0.2299, 0.9092); causal 64x64/4/3 at
+# N=1024 and 2048 (0.0560, 0.1808 ms), 128x64/4/2 at 4096 (0.6283 ms). The template itself with
+# these configs: NOT MEASURED (scratch/att_desc_bench.py measures it). Other keys, and D=64/256:
+# the pointer tables below (not measured with descriptors).
+_FWD_DESC_TABLE = {
+    ("sm90", 128, 2): [_fwd(128, 64, 4, 2), _fwd(128, 128, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3)],
+}
+_FWD_DESC_CAUSAL_TABLE = {
+    ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 4, 2), _fwd(64, 64, 4, 4), _fwd(128, 128, 8, 3)],
+}
+
 _BWD_TABLE = {
     # H100 (bf16, B=4, H=16, N=4096, two_kernel): D=64 32/128/128/32 4 warps ~274 TFLOP/s
     # (causal 272); D=128 64/128/128/64 8 warps 3 stages ~331 (causal 330).
@@ -365,13 +413,16 @@ def _dim_bucket(head_dim: int, head_dim_v: int) -> int:
     return 64 if width <= 64 else 128 if width <= 128 else 256
 
 
-def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd") -> list[dict]:
+def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd",
+                      desc: str = "none") -> list[dict]:
     """Launch configs for one problem kind, best first (the first is the default).
 
     Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages``; bwd ``BLOCK_M1, BLOCK_N1`` (dK/dV
     kernel: BLOCK_N1 keys per program, BLOCK_M1 query rows per step), ``BLOCK_M2, BLOCK_N2`` (dQ
     kernel), ``PRE_BLOCK_M`` (delta preprocess), ``num_warps, num_stages``. ``causal`` (a mode
     or a bool) picks the causal forward ordering where one is measured (:data:`_FWD_CAUSAL_TABLE`).
+    ``desc`` (the forward's path, :func:`desc_mode`): a descriptor path takes
+    :data:`_FWD_DESC_TABLE` / :data:`_FWD_DESC_CAUSAL_TABLE` where they have the key.
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
@@ -383,25 +434,32 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     key = (dev, _dim_bucket(head_dim, head_dim_v), size)
     if kind == "bwd":
         return [dict(c) for c in _BWD_TABLE[key]]
-    if causal not in ("none", False) and key in _FWD_CAUSAL_TABLE:
+    causal_fwd = causal not in ("none", False)
+    if desc != "none":
+        table = _FWD_DESC_CAUSAL_TABLE if causal_fwd else _FWD_DESC_TABLE
+        if key in table:
+            return [dict(c) for c in table[key]]
+    if causal_fwd and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
     return [dict(c) for c in _FWD_TABLE[key]]
 
 
 
-def _configs(config: Optional[dict], q, v, causal, kind: str) -> list[dict]:
+def _configs(config: Optional[dict], q, v, causal, kind: str, desc: str = "none") -> list[dict]:
     """The configs to try in order: the given one alone (missing keys from the default), or
     every candidate of the table (the default first)."""
     if config:
-        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
+        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
         return [launch.check_config({**cands[0], **config})]
-    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind)
+    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
 
 
 @functools.lru_cache(maxsize=None)
-def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str) -> list[dict]:
+def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str,
+                   desc: str = "none") -> list[dict]:
     # cached: the launchers only read these dicts
-    cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal, kind=kind)
+    cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal,
+                              kind=kind, desc=desc)
     return [launch.check_config(c) for c in cands]
 
 
@@ -494,11 +552,12 @@ def _pred_key(pred: Optional[tuple], pred_fill_k: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def _fwd_module(causal, mask_kind: str, row: bool, need_lse: bool, interpret: bool,
                 mask_fill_k: str = "hide", causal_fill_k: str = "hide", pred: Optional[tuple] = None,
-                pred_fill_k: str = "hide"):
+                pred_fill_k: str = "hide", desc: str = "none"):
     """The imported forward module of one static variant (rendered once per process; keeps
     rendering and imports off the per-call path)."""
     kernel = fwd_kernel(
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row, need_lse=need_lse, interpret=interpret,
+        desc=desc,
         mask_fill=_fill_key(mask_fill_k), causal_fill=_fill_key(causal_fill_k),
         causal_fill_mode="replace" if causal_fill_k == "hide" else causal_fill_k,
         **_pred_key(pred, pred_fill_k),
@@ -589,6 +648,93 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
     return {"skip_hidden": flag}
 
 
+def _desc_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether q, k, v, out can move through tensor descriptors: head dims powers of two in
+    16..256 (no padding), a contiguous last dim, every other stride a positive multiple of 16
+    bytes, and 16-byte aligned data (a fake tensor: its storage offset; Inductor's buffers are
+    aligned)."""
+    for dim in (q.shape[-1], v.shape[-1]):
+        if dim < 16 or dim > 256 or dim & (dim - 1):
+            return False
+    for t in (q, k, v, out):
+        size = t.element_size()
+        if t.stride(-1) != 1 or any(st <= 0 or (st * size) % 16 for st in t.stride()[:-1]):
+            return False
+        try:
+            ptr = t.data_ptr()
+        except Exception:  # noqa: BLE001 - fake / functional tensors have no data pointer
+            ptr = t.storage_offset() * size
+        if ptr % 16:
+            return False
+    return True
+
+
+def desc_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, tma: Optional[str] = None) -> str:
+    """How the forward moves Q, K, V and O for these tensors (:data:`DESC_MODES`).
+
+    ``tma``: ``None`` follows :data:`TMA_SETTING` (``FUSER_ATTN_TMA``, default ``"auto"``);
+    ``"none"``/``"off"`` pointers; ``"host"``/``"device"`` that descriptor mode wherever the
+    layout allows it (:func:`_desc_layout_ok`), in the interpreter too (tests).
+
+    ``"auto"``: pointers on CPU (the interpreter), for float32, before Hopper (sm < 90) or where
+    the layout does not allow descriptors; otherwise ``"host"`` when the op runs (eager, opaque
+    op) and ``"device"`` while it is traced for Inductor (:func:`launch.tracing`): torch's
+    ``wrap_triton`` outside Dynamo records a host ``TensorDescriptor`` argument as an opaque
+    constant (``triton_kernel_wrap.py``'s non-Dynamo ``call_HOP`` passes
+    ``tma_descriptor_metadata={}``: "TMA descriptor capturing not yet supported in non-dynamo
+    tracing", torch 2.13), while a descriptor the kernel builds needs only plain pointers and
+    Inductor's launcher supplies its global scratch (``triton.set_allocator`` in
+    ``CachingAutotuner.run``). A ``"host"`` request while traced gives ``"device"`` for the same
+    reason.
+    """
+    want = TMA_SETTING if tma is None else str(tma).lower()
+    if want in ("none", "off"):
+        return "none"
+    if want not in ("auto", "host", "device"):
+        raise ValueError(f"tma must be None, 'none', 'off', 'auto', 'host' or 'device', got {tma!r}")
+    if not _desc_layout_ok(q, k, v, out):
+        return "none"
+    if want == "auto":
+        if launch.interpreted(q.device) or q.device.type != "cuda" or q.dtype == torch.float32:
+            return "none"
+        if launch.device_kind(q.device) != "sm90" and _capability_major(q.device) < 9:
+            return "none"
+        want = "host"
+    if want == "host" and launch.tracing():
+        return "device"
+    return want
+
+
+def _capability_major(device) -> int:
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return launch.device_properties(index)["capability"][0]
+
+
+#: (dtype, D, Dv, desc mode) whose descriptor kernel failed to compile or launch in this process
+#: (automatic choices only): later calls take the pointer kernel (:func:`forward`).
+_DESC_FAILED: set = set()
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator for the device-built descriptors' global scratch when none is
+    set (a user's or Inductor's own is kept); while traced nothing is needed here (Inductor
+    sets its own when it launches the kernel)."""
+    if launch.tracing():
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    current = current.get() if hasattr(current, "get") else current
+    if current is None or type(current).__name__ == "NullAllocator":
+        triton.set_allocator(_torch_scratch)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -610,6 +756,7 @@ def forward(
     pred_fill: float = NEG_INF,
     pred_fill_mode: str = "replace",
     skip_hidden: Optional[torch.Tensor] = None,
+    tma: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``out = softmax(scale · q kᵀ (+ mask)) v`` with the given causal/mask/fill/predicate
     semantics (those of :func:`fuser.patterns.attention.reference`).
@@ -624,6 +771,11 @@ def forward(
     (``"add"``), ``-inf`` hiding it (key tiles dropped by a whole query block are then skipped).
     Applied after the masks (additive, then boolean); not with ``causal`` (fold it into the
     predicate).
+
+    ``tma``: ``None`` (default) lets :func:`desc_mode` choose how Q, K, V, O move (pointers or
+    tensor descriptors); ``"none"``, ``"host"`` or ``"device"`` asks for that mode (tests force
+    descriptors in the interpreter); a descriptor mode the layout does not allow falls back to
+    pointers.
 
     Returns ``(out, lse)``: ``out`` from :func:`alloc_out` (or the given buffer); ``lse`` the
     softmax statistics from :func:`alloc_lse` (or the given buffer) — ``[B, Hq, Nq]`` float32
@@ -656,9 +808,7 @@ def forward(
         return out, lse
     interpret = launch.interpreted(q.device)
     mask4, row_broadcast = variants.expand_mask(mask, mask_kind, (b, hq, n_q, n_k))
-    configs = _configs(config, q, v, causal, "fwd")
-    kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse), interpret,
-                                 mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
+    desc = desc_mode(q, k, v, out, tma)
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     args = [q, k, v, out]
@@ -668,19 +818,47 @@ def forward(
         args.append(mask4)
     precision = launch.dot_precision(q.dtype)
 
-    def run(cfg):
-        with launch.launching(interpret):
-            module.launch_fwd(
-                *args,
-                qk_scale=float(scale) * LOG2E,
-                causal_offset=variants.causal_offset(causal, n_q, n_k),
-                config=cfg,
-                input_precision=precision,
-                **fills,
-            )
+    def launch_path(desc: str) -> None:
+        configs = _configs(config, q, v, causal, "fwd", desc)
+        if desc == "device" and not interpret:
+            _ensure_allocator()
+        kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse),
+                                     interpret, mask_fill_k, causal_fill_k, pred, pred_fill_k, desc)
 
-    key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
-    launch.launch_first_fitting(key, configs, run)
+        def run(cfg):
+            with launch.launching(interpret):
+                module.launch_fwd(
+                    *args,
+                    qk_scale=float(scale) * LOG2E,
+                    causal_offset=variants.causal_offset(causal, n_q, n_k),
+                    config=cfg,
+                    input_precision=precision,
+                    **fills,
+                )
+
+        key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
+        launch.launch_first_fitting(key, configs, run)
+
+    if desc == "none" or tma is not None or launch.tracing() or interpret:
+        launch_path(desc)
+        return out, lse
+    # an automatic descriptor choice that fails to build falls back: host -> device -> pointers
+    for mode in ((desc, "device", "none") if desc == "host" else (desc, "none")):
+        if mode != "none" and (q.dtype, d, v.shape[-1], mode) in _DESC_FAILED:
+            continue
+        if mode == "none":
+            launch_path(mode)
+            break
+        try:
+            launch_path(mode)
+            break
+        except Exception as exc:  # noqa: BLE001 - a descriptor kernel this Triton cannot build
+            if isinstance(exc, launch.ConfigDoesNotFit) or type(exc).__name__ == "OutOfResources":
+                raise
+            _DESC_FAILED.add((q.dtype, d, v.shape[-1], mode))
+            launch.log.warning("fuser: the attention forward's %s-descriptor kernel failed (%s: %s); not using it "
+                               "for %s, D=%d, Dv=%d from now on", mode, type(exc).__name__, str(exc)[:300],
+                               q.dtype, d, v.shape[-1])
     return out, lse
 
 
