@@ -41,20 +41,19 @@ and uses the two-part statistics. Kernel names carry ``_pred_<digest>`` (``_pred
 ``_predadd_`` for finite fills) of the predicate's canonical text. Rows the predicate hides
 entirely give ``out = 0`` and zero gradients.
 
-Loads and stores of the forward (:func:`desc_mode`, :data:`DESC_MODES`): pointers (every layout,
-any head dim), or on Hopper with 16-bit inputs whose head dims are powers of two (16..256) and
-whose q, k, v, out have a contiguous last dim, 16-byte multiple strides and 16-byte aligned data,
-TMA tensor descriptors: host-built 4-D ``TensorDescriptor``s over ``[B, H, N, D]`` when the op
-runs (eager, opaque op), descriptors built in the kernel per (batch, head) when it is traced for
-Inductor (torch's ``wrap_triton`` outside Dynamo records no host descriptor). Both zero-fill
-rows past a ragged N per head and never write past it; GQA and strided views stay exact. Only
-Q, K, V, O move so (masks, statistics, the backward: pointers). ``FUSER_ATTN_TMA`` overrides the
-choice (``off``, ``host``, ``device``). Measured on an H100 this session with a minimal kernel
-(scratch/att_tma.py): host descriptors 2-8% faster than the same kernel with pointer loads (B=4,
-H=16, D=128, bf16, N=1024..4096, best config each; most at N=1024 causal); the template's
-descriptor paths themselves: NOT MEASURED yet (scratch/att_desc_bench.py). Offline (Triton 3.9, sm90): the template's main loop with
-descriptors is the minimal descriptor kernel's (same TTGIR ops), 0 bytes of spills where the
-pointer path spills 160 bytes (128x64, 4 warps) and 16 bytes (128x128, 8 warps).
+Loads and stores of the forward (:func:`desc_mode`, :data:`DESC_MODES`): pointers by default
+(every layout, any head dim); on request (``forward(tma=...)`` or ``FUSER_ATTN_TMA=host|device``),
+on Hopper with 16-bit inputs whose head dims are powers of two (16..256) and whose q, k, v, out
+have a contiguous last dim, 16-byte multiple strides and 16-byte aligned data, TMA tensor
+descriptors: host-built ``TensorDescriptor``s (3-D over ``[B, N, H·D]`` memory, else 4-D over
+``[B, H, N, D]``) when the op runs eagerly, descriptors built in the kernel per (batch, head)
+when it is traced for Inductor. Both zero-fill rows past a ragged N per head and never write
+past it; GQA and strided views stay exact. Only Q, K, V, O move so (masks, statistics, the
+backward: pointers). Why opt-in (H100 measurements: host descriptors faster on the GPU but ~27
+us more host time per call and not usable on the traced path; device-built ones slower than
+pointers): :func:`desc_mode`. Offline (Triton 3.9, sm90): the descriptor paths' main loop is the
+minimal descriptor kernel's (same TTGIR ops), 0 bytes of spills where the pointer path spills
+160 bytes (128x64, 4 warps) and 16 bytes (128x128, 8 warps).
 
 Backward (``templates/attention_bwd.py.jinja``): ``attention_bwd_preprocess`` (``delta =
 rowsum(dO∘O)``), then either ``bwd_mode="two_kernel"`` — ``attention_bwd_dkdv`` (grid over key
@@ -127,9 +126,9 @@ FWD_TEMPLATE = "attention_fwd.py.jinja"
 DESC_MODES = ("none", "host", "device")
 _DESC_SUFFIX = {"none": "", "host": "_tmahost", "device": "_tmadev"}
 
-#: ``FUSER_ATTN_TMA`` (read at import): ``"auto"`` (default, :func:`desc_mode`), ``"off"``
-#: (pointers always), ``"host"`` or ``"device"`` (that mode wherever the layout allows it, on
-#: any GPU path; for measurements).
+#: ``FUSER_ATTN_TMA`` (read at import): ``"auto"`` (default: pointers, see :func:`desc_mode`),
+#: ``"off"`` (pointers), ``"host"`` or ``"device"`` (that mode wherever the layout allows it, on
+#: any path; opt-in).
 TMA_SETTING = os.environ.get("FUSER_ATTN_TMA", "auto").strip().lower() or "auto"
 BWD_TEMPLATE = "attention_bwd.py.jinja"
 
@@ -676,39 +675,35 @@ def desc_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     ``"none"``/``"off"`` pointers; ``"host"``/``"device"`` that descriptor mode wherever the
     layout allows it (:func:`_desc_layout_ok`), in the interpreter too (tests).
 
-    ``"auto"``: pointers on CPU (the interpreter), for float32, before Hopper (sm < 90) or where
-    the layout does not allow descriptors; otherwise ``"host"`` when the op runs (eager, opaque
-    op) and ``"device"`` while it is traced for Inductor (:func:`launch.tracing`): torch's
-    ``wrap_triton`` outside Dynamo records a host ``TensorDescriptor`` argument as an opaque
-    constant (``triton_kernel_wrap.py``'s non-Dynamo ``call_HOP`` passes
-    ``tma_descriptor_metadata={}``: "TMA descriptor capturing not yet supported in non-dynamo
-    tracing", torch 2.13), while a descriptor the kernel builds needs only plain pointers and
-    Inductor's launcher supplies its global scratch (``triton.set_allocator`` in
-    ``CachingAutotuner.run``). A ``"host"`` request while traced gives ``"device"`` for the same
-    reason.
+    ``"auto"`` (the default): pointers. Measured on the H100 (torch 2.11, Triton 3.6, bf16, B=4,
+    H=16, D=128, GPU time under CUDA graphs, scratch/att_desc_bench.py, 2026-11-24): host
+    descriptors run the kernel faster (N=1024: 0.84x SDPA non-causal, 0.89x causal, against the
+    pointers' 0.75x / 0.69x; N=4096 non-causal 0.84x against 0.80x) but cost about 27 us of host
+    time per call to build (0.119 against 0.092 ms per call without graphs at N=1024), and with
+    this table's default causal config they were slower at N=2048/4096 causal (0.67x against
+    0.78x, cause not found); device-built descriptors were slower than pointers almost
+    everywhere (causal 0.54-0.70x). And the path that matters on a GPU, the op traced for
+    Inductor, cannot take host descriptors: torch's ``wrap_triton`` outside Dynamo records a host
+    ``TensorDescriptor`` argument as an opaque constant (``triton_kernel_wrap.py``'s non-Dynamo
+    ``call_HOP`` passes ``tma_descriptor_metadata={}``: "TMA descriptor capturing not yet
+    supported in non-dynamo tracing", torch 2.13). So descriptors are opt-in: ``"host"`` and
+    ``"device"`` give that mode wherever the layout allows it (:func:`_desc_layout_ok`; in the
+    interpreter too, for tests), except that a ``"host"`` request while traced
+    (:func:`launch.tracing`) gives ``"device"`` (a descriptor built in the kernel needs only plain
+    pointers; Inductor's launcher supplies its global scratch).
     """
     want = TMA_SETTING if tma is None else str(tma).lower()
     if want in ("none", "off"):
         return "none"
     if want not in ("auto", "host", "device"):
+        if tma is None:
+            raise ValueError(f"FUSER_ATTN_TMA={TMA_SETTING!r}: expected one of auto, off, host, device")
         raise ValueError(f"tma must be None, 'none', 'off', 'auto', 'host' or 'device', got {tma!r}")
-    if not _desc_layout_ok(q, k, v, out):
+    if want == "auto" or not _desc_layout_ok(q, k, v, out):
         return "none"
-    if want == "auto":
-        if launch.interpreted(q.device) or q.device.type != "cuda" or q.dtype == torch.float32:
-            return "none"
-        if launch.device_kind(q.device) != "sm90" and _capability_major(q.device) < 9:
-            return "none"
-        want = "host"
     if want == "host" and launch.tracing():
         return "device"
     return want
-
-
-def _capability_major(device) -> int:
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return launch.device_properties(index)["capability"][0]
 
 
 #: (dtype, D, Dv, desc mode) whose descriptor kernel failed to compile or launch in this process
