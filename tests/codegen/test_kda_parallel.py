@@ -10,7 +10,7 @@ for. Every output is allocated poisoned (NaN), so an element a kernel fails to w
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import CPU, check_kda_forward, compiled_keys, kda_strided_views, rel_err
+from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_out, compiled_keys, kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
@@ -131,78 +131,16 @@ def test_kernels_for():
 # out=: o preallocated in the caller's layout
 # --------------------------------------------------------------------------------------------
 
-NAN = float("nan")
-
-
-def _out_layouts(t, vd, dtype):
-    """``out=`` tensors for N = 8 rows (b, h) = (2, 4), poisoned (NaN): (name, out, lead groups
-    the kernels address, i.e. how many stride groups; 0: the copy fallback)."""
-    b, h = 2, 4
-    wide = torch.full((b, t, h, vd + 3), NAN, dtype=dtype)
-    return [
-        ("contiguous", torch.full((b * h, t, vd), NAN, dtype=dtype), 1),
-        ("b_t_h_v", torch.full((b, t, h, vd), NAN, dtype=dtype).movedim(1, 2), 2),     # the op's o, out_dim=1
-        ("b_h_t_v", torch.full((b, h, t, vd), NAN, dtype=dtype), 1),                     # out_dim=2
-        ("t_b_h_v", torch.full((t, b, h, vd), NAN, dtype=dtype).movedim(0, 2), 1),     # out_dim=0
-        ("padded_rows", wide[..., :vd].movedim(1, 2), 2),                               # columns past V untouched
-        ("value_stride_2", torch.full((b, t, h, 2 * vd), NAN, dtype=dtype)[..., ::2].movedim(1, 2), 2),
-        # lead dims [2, 2, 2] none of which merge: written through a temporary and copied
-        ("three_groups", torch.full((2, 2, 2, t, vd), NAN, dtype=dtype).permute(2, 1, 0, 3, 4), 0),
-    ]
-
-
-def _check_out(forward, q, k, v, g, beta, h0, *, tol, **kw):
-    """``forward(..., out=out)`` for every layout of :func:`_out_layouts`: writes ``out`` in place
-    (returns it), every element of it, as the float64 reference says; nothing outside it."""
-    n, t, vd = v.shape
-    scale = 0.3
-    ref_o, ref_s = _reference(q, k, v, g, beta, scale, h0, kw.get("scalar_gate", False))
-    for name, out, groups in _out_layouts(t, vd, kw.pop("out_dtype", v.dtype)):
-        assert (kr.row_groups(out.shape[:-2], out.stride()[:-2]) is None) == (groups == 0), name
-        base = out._base if out._base is not None else out
-        before = base.clone()
-        with launch.poison_outputs():
-            o, s = forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                           out_dtype=out.dtype, out=out, **kw)
-        assert o is out, name
-        assert not o.isnan().any(), f"{name}: an element of out was never written"
-        rows = o.reshape(n, t, vd)
-        err = rel_err(rows, ref_o)
-        assert err < tol, f"{name}: o relative error {err:.3g} >= {tol}"
-        assert rel_err(s, ref_s) < tol, name
-        # the memory of the base outside out is as it was (NaN)
-        written = torch.zeros(base.shape, dtype=torch.bool)
-        written.as_strided(out.shape, out.stride(), out.storage_offset()).fill_(True)
-        assert base[~written].isnan().all() and before[~written].isnan().all(), name
-
-
-def _check_bad_out(forward, q, k, v, g, beta, **kw):
-    n, t, vd = v.shape
-    cases = [
-        (torch.empty(n, t + 1, vd), r"out must be \[N, T, V\]"),
-        (torch.empty(n, t, vd + 1), r"out must be \[N, T, V\]"),
-        (torch.empty(n + 1, t, vd), r"prod\(lead\) = N"),
-        (torch.empty(t, vd), r"out must be \[N, T, V\]"),
-        (torch.empty(n, t, vd, dtype=torch.float16), r"out has dtype torch.float16"),
-        (torch.empty(n, t, vd, device="meta"), r"out is on meta"),
-        (torch.empty(1, t, vd).expand(n, t, vd), r"out overlaps itself"),
-        (torch.empty(n, t, vd).tolist(), r"out must be a torch.Tensor"),
-    ]
-    for out, match in cases:
-        with pytest.raises(ValueError, match=match):
-            forward(q, k, v, g, beta, scale=0.5, out=out, **kw)
-
-
 @pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
 def test_out_layouts(config):
     # N = 8 rows as (b, h) = (2, 4): the op's [B, T, H, V] and [B, H, T, V] outputs, the fallback
     q, k, v, g, beta, h0 = _inputs(40, 4, 2, 13, 24, 20, h0=True)
-    _check_out(kp.forward, q, k, v, g, beta, h0, tol=TOL[torch.float32], config=config)
+    check_kda_out(kp.forward, q, k, v, g, beta, h0, tol=TOL[torch.float32], config=config)
 
 
 def test_out_scalar_gate_float16_and_no_tokens():
     q, k, v, g, beta, _ = _inputs(41, 4, 2, 9, 24, 20, scalar_gate=True)
-    _check_out(kp.forward, q, k, v, g, beta, None, tol=TOL[torch.float16], scalar_gate=True, out_dtype=torch.float16)
+    check_kda_out(kp.forward, q, k, v, g, beta, None, tol=TOL[torch.float16], scalar_gate=True, out_dtype=torch.float16)
     q, k, v, g, beta, _ = _inputs(41, 4, 2, 0, 24, 20)
     out = torch.empty(2, 0, 4, 20).movedim(1, 2)
     o, _ = kp.forward(q, k, v, g, beta, scale=0.5, out=out)
@@ -211,7 +149,7 @@ def test_out_scalar_gate_float16_and_no_tokens():
 
 def test_bad_out():
     q, k, v, g, beta, _ = _inputs(42, 2, 2, 5, 24, 20)
-    _check_bad_out(kp.forward, q, k, v, g, beta)
+    check_kda_bad_out(kp.forward, q, k, v, g, beta)
 
 
 @pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
