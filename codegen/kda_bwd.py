@@ -256,17 +256,19 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
-# GPUs: the sm90 default was measured on an H100 before the current kda_bwd_prep / kda_bwd_intra2
-# (module docstring, Performance); the current kernels with it are NOT MEASURED, nor are the other
-# rows (guesses; scratch/kda_bwd_bench.py sweeps the parallel kernels' knobs). Compiled offline for
-# sm90 with Triton 3.6 at K = V = 128, chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch:
-# kda_bwd_states 172 KB shared memory, kda_bwd_dstates 266 KB (so it falls back to 1 stage,
-# 139 KB), no spills; bfloat16 scratch: 66 KB / 102 KB, kda_bwd_dstates spills ~0.4 KB; the
-# parallel kernels <= 82 KB, 202-255 registers (kda_bwd_prep spills ~160 B, kda_bwd_intra2 24 B;
-# with 1 stage 128 B and none). BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+# GPUs: the sm90 rows were measured on an H100 (torch 2.11, Triton 3.6; B=1 T=4096 H=16 bf16,
+# chunk 64; scratch/round1_h100.txt, the kernels of round 1). 4 warps and 1 stage for the parallel
+# kernels beat the former default (8 warps, 2 stages) at every K: K = V = 128 1.97 ms against
+# 2.50 (prep 0.458, states 0.190, dstates 0.403, intra1 0.220, intra2 0.689); K = V = 64 1.14
+# against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41,
+# the third row). The state kernels' knobs were not swept (8 warps, 2 stages; kda_bwd_dstates then
+# falls back to 1 stage with float32 scratch). The "cuda" rows are guesses. Compiled offline for
+# sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps, 1 stage: kda_bwd_prep 255 registers,
+# 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1 255, none; shared memory <= 61 KB.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
-    "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
+    "sm90": [_cfg(32, 32, 32, 4, 1, 8, 2), _cfg(32, 32, 32, 8, 2, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
+             _cfg(32, 32, 16, 8, 1, 8, 1)],
+    "cuda": [_cfg(32, 32, 32, 4, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
 
 
