@@ -79,7 +79,8 @@ import torch
 from . import launch
 from .render import RenderedKernel, render
 
-__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "CHUNKS", "SAVED_KEYS", "SCRATCH"]
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "PARALLEL",
+           "SAVED_KEYS", "SCRATCH"]
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
@@ -234,9 +235,25 @@ def _module(scalar_gate: bool, interpret: bool):
     return kernel, launch.kernel_module(kernel, interpret)
 
 
-def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto"):
-    return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
-            "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+#: The parallel kernels, each of which may take its own ``BLOCK_K``, ``BLOCK_V``, ``num_warps``,
+#: ``num_stages`` (config keys ``BLOCK_K_prep``, ``num_warps_intra2``, ...; None: the shared key's).
+PARALLEL = ("prep", "intra1", "intra2")
+_SHARED = ("BLOCK_K", "BLOCK_V", "num_warps", "num_stages")
+_PER_KERNEL = tuple(f"{key}_{kern}" for kern in PARALLEL for key in _SHARED)
+
+
+def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto", **per_kernel):
+    cfg = {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
+           "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+    assert set(per_kernel) <= set(_PER_KERNEL), per_kernel
+    cfg.update(per_kernel)
+    return cfg
+
+
+def kernel_config(cfg: dict, kern: str) -> dict:
+    """``BLOCK_K``, ``BLOCK_V``, ``num_warps``, ``num_stages`` of the parallel kernel ``kern``
+    (one of :data:`PARALLEL`): its own keys where set, else the shared ones."""
+    return {key: cfg[f"{key}_{kern}"] if cfg.get(f"{key}_{kern}") is not None else cfg[key] for key in _SHARED}
 
 
 #: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, QG and the chunk states and
@@ -248,7 +265,8 @@ SCRATCH = ("auto", "float32", "bfloat16")
 
 
 # BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra1 / kda_bwd_intra2
-# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block);
+# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block); each of the
+# three may override these and num_warps / num_stages with its own key (BLOCK_K_intra2, ...);
 # BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS] state tile per program:
 # N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
 # num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
@@ -280,17 +298,30 @@ def candidate_configs(device) -> list[dict]:
 
 
 def _config(config: Optional[dict], device) -> dict:
+    """The launch config: :func:`candidate_configs`' first updated by ``config``. A shared key
+    given without the per-kernel one (``num_warps`` without ``num_warps_intra2``) sets that knob for
+    every parallel kernel, as before the per-kernel keys existed. The per-kernel keys of the result
+    are resolved (never None)."""
     cfg = dict(candidate_configs(device)[0])
     if config:
-        unknown = set(config) - set(cfg)
+        known = set(cfg) | set(_PER_KERNEL)
+        unknown = set(config) - known
         if unknown:
-            raise ValueError(f"unknown KDA backward config keys {sorted(unknown)}; known: {sorted(cfg)}")
+            raise ValueError(f"unknown KDA backward config keys {sorted(unknown)}; known: {sorted(known)}")
+        for key in _SHARED:
+            if key in config:
+                for kern in PARALLEL:
+                    if f"{key}_{kern}" not in config:
+                        cfg.pop(f"{key}_{kern}", None)
         cfg.update(config)
+    for kern in PARALLEL:
+        for key, value in kernel_config(cfg, kern).items():
+            cfg[f"{key}_{kern}"] = value
     launch.check_config(cfg)
-    for key in ("num_warps", "num_warps_state"):
+    for key in ("num_warps", "num_warps_state", *(f"num_warps_{kern}" for kern in PARALLEL)):
         if cfg[key] not in (1, 2, 4, 8, 16):
             raise ValueError(f"{key} must be 1, 2, 4, 8 or 16, got {cfg[key]!r}")
-    for key in ("num_stages", "num_stages_state"):
+    for key in ("num_stages", "num_stages_state", *(f"num_stages_{kern}" for kern in PARALLEL)):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
     if cfg["scratch"] not in SCRATCH:
@@ -369,7 +400,10 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         config: keys ``BLOCK_K``, ``BLOCK_V``, ``BLOCK_VS`` (powers of two >= 16), ``num_warps``,
             ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``), ``scratch``
-            (:data:`SCRATCH`); missing keys from :func:`candidate_configs`' first.
+            (:data:`SCRATCH`); per parallel kernel (:data:`PARALLEL`: prep, intra1, intra2)
+            ``BLOCK_K_<kernel>``, ``BLOCK_V_<kernel>``, ``num_warps_<kernel>``,
+            ``num_stages_<kernel>`` (None: the shared key's; a shared key given without them sets
+            that knob for all three); missing keys from :func:`candidate_configs`' first.
         saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
@@ -395,11 +429,12 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     _, mod = _module(bool(scalar_gate), interpret)
     all32 = all(x.dtype == f32 for x in (q, k, v, g, beta, do))
     precision = launch.dot_precision(f32) if all32 else "tf32"
-    bt, bk, bv, bvs = int(chunk), cfg["BLOCK_K"], cfg["BLOCK_V"], cfg["BLOCK_VS"]
+    bt, bvs = int(chunk), cfg["BLOCK_VS"]
+    kc = {kern: kernel_config(cfg, kern) for kern in PARALLEL}
     bkf = max(16, launch.next_power_of_2(kd))
     nc = launch.cdiv(t, bt)
     nvs = launch.cdiv(vd, bvs)
-    w, ws = cfg["num_warps"], cfg["num_warps_state"]
+    ws = cfg["num_warps_state"]
     emp = launch.empty
 
     gshape = (n, t) if scalar_gate else (n, t, kd)
@@ -426,12 +461,16 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     dht_st = d_final_state.stride() if d_final_state is not None else (0, 0, 0)
     common = dict(KD=kd, VD=vd, BT=bt, INPUT_PRECISION=precision)
 
-    st, sst = cfg["num_stages"], cfg["num_stages_state"]
+    sst = cfg["num_stages_state"]
+
+    def par(kern):  # the constexprs and warps of a parallel kernel; its stages
+        c = kc[kern]
+        return dict(BK=c["BLOCK_K"], BV=c["BLOCK_V"], num_warps=c["num_warps"], **common), c["num_stages"]
     with launch.launching(interpret):
         _launch(mod.kda_bwd_prep, (nc, n), (
             q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, q_g, e_g,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+            t, nc, group, float(scale)), *par("prep"))
         _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
             k_g, e_g, w_b, u_b, h0, states, delta,
             *h0_st, *states.stride(), t, nc),
@@ -446,12 +485,12 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
             dk_v, dv, dg, dbeta,
             *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
-            t, group), dict(BK=bk, BV=bv, num_warps=w, **common), st)
-        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, bk)), (
+            t, group), *par("intra1"))
+        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, kc["intra2"]["BLOCK_K"])), (
             q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
             dq_v, dk_v, dg,
             *q.stride(), *k.stride(), *do.stride(), *states.stride(),
-            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+            t, nc, group, float(scale)), *par("intra2"))
     if group > 1:
         dq = dq_v.view(nq, group, t, kd).sum(1)
         dk = dk_v.view(nq, group, t, kd).sum(1)

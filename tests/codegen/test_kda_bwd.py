@@ -195,6 +195,25 @@ def test_saved_chunk_states_skip_the_recompute():
     _compare(got, want, 1e-4)
 
 
+def test_per_kernel_config_keys():
+    """prep, intra1 and intra2 each take their own BLOCK_K / BLOCK_V / num_warps / num_stages
+    (``BLOCK_K_intra2``, ...); a shared key given alone sets all three, as before those keys."""
+    cpu = torch.device("cpu")
+    cfg = kda_bwd._config({"num_warps": 2, "BLOCK_K_intra2": 32}, cpu)
+    assert [cfg[f"num_warps_{k}"] for k in kda_bwd.PARALLEL] == [2, 2, 2]
+    assert (cfg["BLOCK_K_prep"], cfg["BLOCK_K_intra1"], cfg["BLOCK_K_intra2"]) == (16, 16, 32)
+    with pytest.raises(ValueError, match="power of two"):
+        kda_bwd._config({"BLOCK_V_prep": 24}, cpu)
+    with pytest.raises(ValueError, match="num_stages_intra1"):
+        kda_bwd._config({"num_stages_intra1": 0}, cpu)
+    nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
+    ins = _inputs(19, nq, group, t, kd, vd)
+    got = _run(*ins, scalar_gate=False, chunk=chunk, config={"BLOCK_K_intra2": 32, "BLOCK_V_intra1": 32,
+                                                             "BLOCK_K_prep": 32, "BLOCK_V_intra2": 64})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 1e-4)
+
+
 def test_empty_sequence():
     q, k, v, g, beta, do, s0, ds = _inputs(1, 1, 1, 0, 8, 8)
     dq, dk, dv, dg, dbeta, dh0 = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=16)
