@@ -483,7 +483,7 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
                  num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_intra1, (nc, n), (
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
-            dk_v, dv, dg, dbeta,
+            dk_v, dv, dbeta,
             *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
             t, group), *par("intra1"))
         _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, kc["intra2"]["BLOCK_K"])), (
