@@ -278,13 +278,17 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # chunk 64; scratch/round1_h100.txt, the kernels of round 1). 4 warps and 1 stage for the parallel
 # kernels beat the former default (8 warps, 2 stages) at every K: K = V = 128 1.97 ms against
 # 2.50 (prep 0.458, states 0.190, dstates 0.403, intra1 0.220, intra2 0.689); K = V = 64 1.14
-# against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41,
-# the third row). The state kernels' knobs were not swept (8 warps, 2 stages; kda_bwd_dstates then
-# falls back to 1 stage with float32 scratch). The "cuda" rows are guesses. Compiled offline for
-# sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps, 1 stage: kda_bwd_prep 255 registers,
-# 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1 255, none; shared memory <= 61 KB.
+# against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41).
+# Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
+# 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
+# 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 248, no spills with 4 warps;
+# 209 with 8) and kda_bwd_prep (255, 208 B), and the state kernels' default: BLOCK_VS 16, 4 warps,
+# 1 stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs;
+# kda_bwd_dstates 248 registers, no spills at K = 128 (BLOCK_VS 32, 8 warps, 2 stages, round 1's
+# measured 0.40 ms: 255, 360 B spilled); at K = 256 it spills 1.3 KB (516 B with 8 warps, 612 B
+# with the former knobs)). The "cuda" rows are guesses.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 32, 4, 1, 8, 2), _cfg(32, 32, 32, 8, 2, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
+    "sm90": [_cfg(32, 32, 16, 4, 1, 4, 1), _cfg(32, 32, 32, 4, 1, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
              _cfg(32, 32, 16, 8, 1, 8, 1)],
     "cuda": [_cfg(32, 32, 32, 4, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
