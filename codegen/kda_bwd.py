@@ -28,13 +28,15 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
     chunk's end state, ``dΔ``, and ``dh0``.
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
-    of ``dk`` (and of ``dG``).
+    ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
 ``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
 gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
-    sub-block (four tensor-core dots per sub-block: its rows against the columns up to its end, its
-    columns against the rows from its start); ``dg`` (a reverse cumulative sum of ``dG`` inside the
-    chunk, plus ``dγ``).
+    sub-block (four full-height ``[chunk, 16] × [16, BLOCK_K]`` tensor-core dots per sub-block: its
+    columns against the rows from its start, its rows against the columns up to its end); ``dg`` (a
+    reverse cumulative sum of ``dG`` inside the chunk, plus ``dγ``). ``dq``, the two parts of
+    ``dk`` (row side, column side) and ``dG`` stay ``[chunk, BLOCK_K]`` register tiles; every
+    output is stored once.
 
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
@@ -49,24 +51,35 @@ the rows of sub-block b, row 16b + 15 for its columns). Inside a 16 × 16 diagon
 same reference is used with the factor ≥ 1 clamped to ``e^30``: exact while every
 ``|G_r − G_ref|`` of the sub-block (per K block in ``kda_bwd_intra2``, over all K in
 ``kda_bwd_prep``) is ≤ 30, so neither factor leaves ``[e^−30, e^30]``; a sub-block that spans more
-(strong gates, checked at run time) is left out of those dots and computed pairwise instead, a
-``[16, 16, BLOCK_K]`` tile ``e^{G_r − G_s}`` with exponent ``−∞`` above the diagonal before the
-exponential. ``M``'s dots are ``"ieee"`` float32.
+(strong gates, checked at run time) is left out of those dots and computed pairwise instead, one
+column (or row) of the sub-block per step, a ``[16, BLOCK_K]`` (kda_bwd_prep) or ``[chunk,
+BLOCK_K]`` (kda_bwd_intra2) tile ``e^{G_r − G_s}`` with exponent ``−∞`` outside the pairs before
+the exponential. ``M``'s dots are ``"ieee"`` float32.
 Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` under
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
 
-Performance: measured on an H100 (torch 2.11, Triton 3.6) before the current kda_bwd_prep and
-kda_bwd_intra2 (B=1, T=4096, H=16, bf16, chunk 64, the default config): 4.50 ms at K = V = 128
-(intra2 2.35, prep 1.23, dstates 0.39, intra1 0.34, states 0.19), 2.54 ms at K = V = 64; intra2
-then ran a 16-step serial loop per diagonal sub-block, prep one per sub-block and ``C − 1``
-dependent row steps for ``M``. The current version is NOT MEASURED (``scratch/kda_bwd_bench.py``
-times it and sweeps configs). Compiled offline for sm90 with Triton 3.6 at K = V = 128, chunk 64,
-the default config: kda_bwd_prep 36 KB shared memory, 255 registers, ~160 B spilled (was 20 KB,
-186, none); kda_bwd_intra2 35 KB, 255 registers, 24 B spilled (was 32 KB, 254, none; none with
-``num_stages`` 1); kda_bwd_dstates spills ~0.4 KB (bfloat16 scratch). The traffic is dominated
-by the scratch (about 1.6 GB at B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it
-with bfloat16), so ``scratch`` is a knob; the two sequential passes run ``n_chunks`` dependent
-steps each (``saved`` removes the first).
+Performance: MEASURED on an H100 (torch 2.11, Triton 3.6; B=1, T=4096, H=16, bf16, chunk 64;
+``scratch/kda_bwd_bench.py``). Before round 1 (a 16-step serial loop per diagonal sub-block in
+kda_bwd_intra2 and kda_bwd_prep, ``C − 1`` dependent row steps for ``M``; 8 warps, 2 stages):
+4.50 ms at K = V = 128. Round 1 (the reference-row diagonal, ``M`` by block forward substitution):
+2.50 ms with 8 warps / 2 stages; 1.97 ms with 4 warps / 1 stage for the parallel kernels (prep
+0.458, states 0.190, dstates 0.403, intra1 0.220, intra2 0.689; BLOCK_K = BLOCK_V = BLOCK_VS = 32,
+the state kernels 8 warps / 2 stages); K = V = 64: 1.47 → 1.14 ms (prep 0.265, states 0.140,
+dstates 0.323, intra1 0.103, intra2 0.299); K = V = 256: 5.59 → 4.47 ms (4.41 with BLOCK_K =
+BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-3) at every K.
+NOT MEASURED: the current version — kda_bwd_intra2 with register accumulators stored once (before,
+dQ, dK and dG were read and written back once per sub-block plus twice more), kda_bwd_intra1
+without its dG stores, the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile),
+the per-kernel config keys, and the state kernels' default BLOCK_VS 16, 4 warps, 1 stage (twice
+the programs of the sequential passes: 128 at H = 16, V = 128, on 132 SMs). Compiled offline for
+sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default config): kda_bwd_intra2 16 KB
+shared memory, 248 registers, no spills (round 1: 255, 296 B spilled; 209 registers with 8 warps);
+kda_bwd_prep 24 KB, 255 registers, 208 B spilled (round 1: 284 B); kda_bwd_intra1 60 KB, 255, none;
+kda_bwd_dstates 44 KB, 248, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 360 B
+spilled); kda_bwd_states 24 KB, 194, none. The traffic is dominated by the scratch (about 1.6 GB at
+B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
+a knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
+first).
 """
 
 from __future__ import annotations
