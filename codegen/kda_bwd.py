@@ -20,12 +20,14 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
     stored), ``W``, ``U``, and the decayed operands of the sequential passes ``KG = K∘e^{γ−G}``,
     ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those passes take no exponential).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
-    chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
+    chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``; beside the
+    recurrence, the terms of the next pass that do not depend on ``dS'``: ``A_qkᵀ dO`` (into the
+    ``dΔ`` scratch) and ``QGᵀ dO`` (a ``[K, V]`` scratch per chunk). With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
-    chunk in parallel, only ``Δ``).
+    chunk in parallel, only ``Δ`` and those terms).
 ``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
     last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
-    chunk's end state, ``dΔ``, and ``dh0``.
+    chunk's end state, ``dΔ``, and ``dh0`` (two dots per chunk: ``KG dS'`` and ``Wᵀ dΔ``).
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
     ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
@@ -41,8 +43,9 @@ gate, whose ``dG`` sums over K, runs every K block in one program)
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
-(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×2 (the states, their
-gradients; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ, dΔ).
+(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×3 (the states, their
+gradients, ``QG^T dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ,
+dΔ, which first holds ``A_qk^T dO``).
 
 Numerics: no exponential of a cumulative gate over a whole chunk (``e^{G}·e^{−G}`` would overflow
 with gates near −30); rows past ``T`` contribute 0. A pairwise decay ``e^{G_r − G_s}`` between
@@ -70,13 +73,15 @@ BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-
 NOT MEASURED: the current version — kda_bwd_intra2 with register accumulators stored once (before,
 dQ, dK and dG were read and written back once per sub-block plus twice more), kda_bwd_intra1
 without its dG stores, the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile),
-the per-kernel config keys, and the state kernels' default BLOCK_VS 16, 4 warps, 1 stage (twice
-the programs of the sequential passes: 128 at H = 16, V = 128, on 132 SMs). Compiled offline for
+the per-kernel config keys, ``A_qk^T dO`` and ``QG^T dO`` computed in kda_bwd_states (beside its
+recurrence) instead of on kda_bwd_dstates' dependent path, and the state kernels' default BLOCK_VS
+16, 8 warps, 1 stage (twice the programs of the sequential passes: 128 at H = 16, V = 128, on 132
+SMs). Compiled offline for
 sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default config): kda_bwd_intra2 16 KB
 shared memory, 248 registers, no spills (round 1: 255, 296 B spilled; 209 registers with 8 warps);
 kda_bwd_prep 24 KB, 255 registers, 208 B spilled (round 1: 284 B); kda_bwd_intra1 60 KB, 255, none;
-kda_bwd_dstates 44 KB, 248, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 360 B
-spilled); kda_bwd_states 24 KB, 194, none. The traffic is dominated by the scratch (about 1.6 GB at
+kda_bwd_dstates 24 KB, 165, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 360 B
+spilled); kda_bwd_states 24 KB, 188, none. The traffic is dominated by the scratch (about 1.6 GB at
 B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
 a knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
 first).
@@ -295,14 +300,16 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
 # 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
 # 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 248, no spills with 4 warps;
-# 209 with 8) and kda_bwd_prep (255, 208 B), and the state kernels' default: BLOCK_VS 16, 4 warps,
-# 1 stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs;
-# kda_bwd_dstates 248 registers, no spills at K = 128 (BLOCK_VS 32, 8 warps, 2 stages, round 1's
-# measured 0.40 ms: 255, 360 B spilled); at K = 256 it spills 1.3 KB (516 B with 8 warps, 612 B
-# with the former knobs)). The "cuda" rows are guesses.
+# 209 with 8) and kda_bwd_prep (255, 208 B), the state kernels with A_qk^T dO and QG^T dO moved
+# from kda_bwd_dstates into kda_bwd_states, and their default BLOCK_VS 16, 8 warps, 1 stage
+# (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs). Offline
+# sm90, K = V = 128: kda_bwd_states 188 registers, kda_bwd_dstates 165, no spills (round 1's
+# BLOCK_VS 32, 8 warps, 2 stages, measured 0.19 / 0.40 ms: dstates 255 registers, 360 B spilled);
+# with 4 warps 255 / 214, no spills; K = V = 64: 143 / 123; K = V = 256: 720 B / 92 B spilled
+# (4 warps: 780 / 460). The "cuda" rows are guesses.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 16, 4, 1, 4, 1), _cfg(32, 32, 32, 4, 1, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
-             _cfg(32, 32, 16, 8, 1, 8, 1)],
+    "sm90": [_cfg(32, 32, 16, 4, 1, 8, 1), _cfg(32, 32, 32, 4, 1, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
+             _cfg(32, 32, 16, 8, 1, 4, 1)],
     "cuda": [_cfg(32, 32, 32, 4, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
 
@@ -465,6 +472,7 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     # U, Δ, dΔ stay float32: Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
     u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
     d_states = emp((n, nc, kd, vd), sd, dev)
+    r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_states for kda_bwd_dstates)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
     dq_v = emp((n, t, kd), f32, dev)
     dk_v = emp((n, t, kd), f32, dev)
@@ -489,13 +497,13 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
             t, nc, group, float(scale)), *par("prep"))
         _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
-            k_g, e_g, w_b, u_b, h0, states, delta,
-            *h0_st, *states.stride(), t, nc),
+            k_g, e_g, w_b, u_b, h0, states, delta, a_qk, do, q_g, d_delta, r_q,
+            *h0_st, *states.stride(), *do.stride(), t, nc),
             dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
                  num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_dstates, (nvs, n), (
-            do, k_g, q_g, e_g, a_qk, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
-            *do.stride(), *dht_st, t, nc),
+            k_g, r_q, e_g, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
+            *dht_st, t, nc),
             dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
                  num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_intra1, (nc, n), (
