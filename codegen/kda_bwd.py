@@ -468,11 +468,11 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     sd = {"float32": f32, "bfloat16": torch.bfloat16}.get(cfg["scratch"])
     if sd is None:  # auto
         sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
-    w_b, k_g, q_g = (emp((n, t, kd), sd, dev) for _ in range(3))
+    w_b, k_g = (emp((n, t, kd), sd, dev) for _ in range(2))
     # U, Δ, dΔ stay float32: Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
     u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
     d_states = emp((n, nc, kd, vd), sd, dev)
-    r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_states for kda_bwd_dstates)
+    r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_prep for kda_bwd_dstates)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
     dq_v = emp((n, t, kd), f32, dev)
     dk_v = emp((n, t, kd), f32, dev)
@@ -493,12 +493,12 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         return dict(BK=c["BLOCK_K"], BV=c["BLOCK_V"], num_warps=c["num_warps"], **common), c["num_stages"]
     with launch.launching(interpret):
         _launch(mod.kda_bwd_prep, (nc, n), (
-            q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, q_g, e_g,
-            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+            q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
+            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *do.stride(),
             t, nc, group, float(scale)), *par("prep"))
         _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
-            k_g, e_g, w_b, u_b, h0, states, delta, a_qk, do, q_g, d_delta, r_q,
-            *h0_st, *states.stride(), *do.stride(), t, nc),
+            k_g, e_g, w_b, u_b, h0, states, delta,
+            *h0_st, *states.stride(), t, nc),
             dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
                  num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_dstates, (nvs, n), (
