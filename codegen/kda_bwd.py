@@ -13,18 +13,18 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 
 ``kda_bwd_prep``, grid ``(n_chunks, N)``
     the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
-    ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row, the 16 × 16 diagonal
-    sub-blocks included; pairwise there when the gates are strong, see Numerics), ``M`` (block
+    ``A_qk`` (16-row strips: two tensor-core dots per K block through a reference row, the
+    16 × 16 diagonal sub-block inside the strip; pairwise there when the gates are strong, see
+    Numerics, stored over it), ``M`` (block
     forward substitution over the 16-row sub-blocks: each diagonal block ``(I + L_bb)⁻¹`` by six
     16 × 16 dots, each row block's off-diagonal part by two dots against the rows of ``M`` already
-    stored), ``W``, ``U``, and the decayed operands of the sequential passes ``KG = K∘e^{γ−G}``,
-    ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those passes take no exponential).
+    stored), ``W``, ``U``, ``KG = K∘e^{γ−G}`` and ``EG = e^γ`` (so the sequential passes take no
+    exponential), and the terms of ``kda_bwd_dstates`` that do not depend on ``dS'``:
+    ``A_qkᵀ dO`` (into the ``dΔ`` scratch) and ``(Q̃∘e^G)ᵀ dO`` (a ``[K, V]`` scratch per chunk).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
-    chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``; beside the
-    recurrence, the terms of the next pass that do not depend on ``dS'``: ``A_qkᵀ dO`` (into the
-    ``dΔ`` scratch) and ``QGᵀ dO`` (a ``[K, V]`` scratch per chunk). With
+    chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
-    chunk in parallel, only ``Δ`` and those terms).
+    chunk in parallel, only ``Δ``).
 ``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
     last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
     chunk's end state, ``dΔ``, and ``dh0`` (two dots per chunk: ``KG dS'`` and ``Wᵀ dΔ``).
@@ -43,9 +43,9 @@ gate, whose ``dG`` sums over K, runs every K block in one program)
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
-(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×3 (the states, their
-gradients, ``QG^T dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ,
-dΔ, which first holds ``A_qk^T dO``).
+(:data:`SCRATCH`) ``[N, T, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
+gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U,
+Δ, dΔ, which first holds ``A_qkᵀ dO``).
 
 Numerics: no exponential of a cumulative gate over a whole chunk (``e^{G}·e^{−G}`` would overflow
 with gates near −30); rows past ``T`` contribute 0. A pairwise decay ``e^{G_r − G_s}`` between
@@ -73,15 +73,18 @@ BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-
 NOT MEASURED: the current version — kda_bwd_intra2 with register accumulators stored once (before,
 dQ, dK and dG were read and written back once per sub-block plus twice more), kda_bwd_intra1
 without its dG stores, the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile),
-the per-kernel config keys, ``A_qk^T dO`` and ``QG^T dO`` computed in kda_bwd_states (beside its
-recurrence) instead of on kda_bwd_dstates' dependent path, and the state kernels' default BLOCK_VS
+the per-kernel config keys, ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed in kda_bwd_prep (chunk
+parallel) instead of on kda_bwd_dstates' dependent path (no ``QG`` scratch), kda_bwd_prep's
+diagonal sub-block inside its strip dots (two dots per K block instead of four), and the state
+kernels' default BLOCK_VS
 16, 8 warps, 1 stage (twice the programs of the sequential passes: 128 at H = 16, V = 128, on 132
 SMs). Compiled offline for
 sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default config): kda_bwd_intra2 16 KB
 shared memory, 248 registers, no spills (round 1: 255, 296 B spilled; 209 registers with 8 warps);
-kda_bwd_prep 24 KB, 255 registers, 208 B spilled (round 1: 284 B); kda_bwd_intra1 60 KB, 255, none;
-kda_bwd_dstates 24 KB, 165, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 360 B
-spilled); kda_bwd_states 24 KB, 188, none. The traffic is dominated by the scratch (about 1.6 GB at
+kda_bwd_prep 40 KB, 189 registers, no spills (round 1: 255, 284 B spilled); kda_bwd_intra1 60 KB,
+255, none; kda_bwd_dstates 24 KB, 165, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB,
+360 B spilled); kda_bwd_states 24 KB, 164, none. K = V = 256: kda_bwd_dstates spills 92 B, the
+rest none. The traffic is dominated by the scratch (about 1.6 GB at
 B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
 a knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
 first).
@@ -274,8 +277,8 @@ def kernel_config(cfg: dict, kern: str) -> dict:
     return {key: cfg[f"{key}_{kern}"] if cfg.get(f"{key}_{kern}") is not None else cfg[key] for key in _SHARED}
 
 
-#: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, QG and the chunk states and
-#: their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the differences of
+#: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, the chunk states, their
+#: gradients and (Q̃∘e^G)ᵀ dO per chunk (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the differences of
 #: cumulative gates; U, Δ, dΔ too: Δ = U − W S cancels, and bfloat16 U, Δ, dΔ alone gave
 #: ~5e-3 relative error in dq on the interpreter tests, against ~2e-3 for the rest together).
 #: ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit, else float32.
@@ -300,13 +303,13 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
 # 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
 # 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 248, no spills with 4 warps;
-# 209 with 8) and kda_bwd_prep (255, 208 B), the state kernels with A_qk^T dO and QG^T dO moved
-# from kda_bwd_dstates into kda_bwd_states, and their default BLOCK_VS 16, 8 warps, 1 stage
-# (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs). Offline
-# sm90, K = V = 128: kda_bwd_states 188 registers, kda_bwd_dstates 165, no spills (round 1's
-# BLOCK_VS 32, 8 warps, 2 stages, measured 0.19 / 0.40 ms: dstates 255 registers, 360 B spilled);
-# with 4 warps 255 / 214, no spills; K = V = 64: 143 / 123; K = V = 256: 720 B / 92 B spilled
-# (4 warps: 780 / 460). The "cuda" rows are guesses.
+# 209 with 8) and kda_bwd_prep (189, none; round 1 255, 284 B), kda_bwd_dstates with A_qk^T dO and
+# (Q e^G)^T dO moved into kda_bwd_prep, and the state kernels' default BLOCK_VS 16, 8 warps, 1
+# stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs).
+# Offline sm90, K = V = 128: kda_bwd_states 164 registers, kda_bwd_dstates 165, no spills (round
+# 1's BLOCK_VS 32, 8 warps, 2 stages, measured 0.19 / 0.40 ms: dstates 255 registers, 360 B
+# spilled); K = V = 64: 108 / 123; K = V = 256: 255 / 255, dstates 92 B spilled. The "cuda" rows
+# are guesses.
 _TABLE = {
     "sm90": [_cfg(32, 32, 16, 4, 1, 8, 1), _cfg(32, 32, 32, 4, 1, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
              _cfg(32, 32, 16, 8, 1, 4, 1)],
