@@ -28,6 +28,10 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 ``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
     last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
     chunk's end state, ``dΔ``, and ``dh0`` (two dots per chunk: ``KG dS'`` and ``Wᵀ dΔ``).
+``kda_bwd_seq``, grid ``(2·cdiv(V, BLOCK_VS), N)`` (``config["fuse_sequential"]``, the default,
+not with ``saved``)
+    the two passes above in one launch, side by side (both read only kda_bwd_prep's outputs):
+    even programs ``kda_bwd_states``' work, odd ones ``kda_bwd_dstates``'.
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
     ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
@@ -73,18 +77,19 @@ BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-
 NOT MEASURED: the current version — kda_bwd_intra2 with register accumulators stored once (before,
 dQ, dK and dG were read and written back once per sub-block plus twice more), kda_bwd_intra1
 without its dG stores, the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile),
-the per-kernel config keys, ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed in kda_bwd_prep (chunk
+the per-kernel config keys, the fused sequential passes (``kda_bwd_seq``), ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed in kda_bwd_prep (chunk
 parallel) instead of on kda_bwd_dstates' dependent path (no ``QG`` scratch), kda_bwd_prep's
 diagonal sub-block inside its strip dots (two dots per K block instead of four), and the state
 kernels' default BLOCK_VS
-16, 8 warps, 1 stage (twice the programs of the sequential passes: 128 at H = 16, V = 128, on 132
-SMs). Compiled offline for
+16, 4 warps, 1 stage (twice the programs of each sequential pass: 128 at H = 16, V = 128, on 132
+SMs; with the fused launch 256, two per SM). Compiled offline for
 sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default config): kda_bwd_intra2 16 KB
 shared memory, 248 registers, no spills (round 1: 255, 296 B spilled; 209 registers with 8 warps);
 kda_bwd_prep 40 KB, 189 registers, no spills (round 1: 255, 284 B spilled); kda_bwd_intra1 60 KB,
 255, none; kda_bwd_dstates 24 KB, 165, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB,
-360 B spilled); kda_bwd_states 24 KB, 164, none. K = V = 256: kda_bwd_dstates spills 92 B, the
-rest none. The traffic is dominated by the scratch (about 1.6 GB at
+360 B spilled); kda_bwd_states 24 KB, 164, none (8 warps, unfused; 194 / 214 with 4); the fused
+kda_bwd_seq 24 KB, 248, none. K = V = 256 (unfused, 8 warps there): kda_bwd_dstates spills 92 B,
+the rest none. The traffic is dominated by the scratch (about 1.6 GB at
 B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
 a knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
 first).
@@ -263,9 +268,9 @@ _SHARED = ("BLOCK_K", "BLOCK_V", "num_warps", "num_stages")
 _PER_KERNEL = tuple(f"{key}_{kern}" for kern in PARALLEL for key in _SHARED)
 
 
-def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto", **per_kernel):
+def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto", fuse=True, **per_kernel):
     cfg = {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
-           "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+           "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch, "fuse_sequential": fuse}
     assert set(per_kernel) <= set(_PER_KERNEL), per_kernel
     cfg.update(per_kernel)
     return cfg
@@ -308,13 +313,22 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs).
 # Offline sm90, K = V = 128: kda_bwd_states 164 registers, kda_bwd_dstates 165, no spills (round
 # 1's BLOCK_VS 32, 8 warps, 2 stages, measured 0.19 / 0.40 ms: dstates 255 registers, 360 B
-# spilled); K = V = 64: 108 / 123; K = V = 256: 255 / 255, dstates 92 B spilled. The "cuda" rows
-# are guesses.
+# spilled); K = V = 64: 108 / 123; K = V = 256: 255 / 255, dstates 92 B spilled. fuse_sequential
+# (the default): the two recurrences in one launch, kda_bwd_seq, grid (2 * V blocks, N), even
+# programs S, odd ones dS' (independent: both read only kda_bwd_prep's outputs); with 4 warps 248
+# registers, no spills (K = 64: 129), so two programs fit per SM and all 256 at H = 16, V = 128 run
+# at once; with 8 warps 247 (one per SM). K > 128 (_BIG_K): 4 warps would spill 0.9 KB in
+# kda_bwd_seq; unfused with 8 warps kda_bwd_states 255 registers, none, kda_bwd_dstates 92 B.
+# The "cuda" rows are guesses.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 16, 4, 1, 8, 1), _cfg(32, 32, 32, 4, 1, 8, 2), _cfg(64, 64, 32, 8, 1, 8, 1),
-             _cfg(32, 32, 16, 8, 1, 4, 1)],
+    "sm90": [_cfg(32, 32, 16, 4, 1, 4, 1), _cfg(32, 32, 32, 4, 1, 8, 2, fuse=False),
+             _cfg(64, 64, 32, 8, 1, 8, 1), _cfg(32, 32, 16, 8, 1, 8, 1, fuse=False)],
     "cuda": [_cfg(32, 32, 32, 4, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
+
+
+#: sm90 defaults for K > 128 (where the user config does not give them): module docstring.
+_BIG_K = {"num_warps_state": 8, "fuse_sequential": False}
 
 
 def candidate_configs(device) -> list[dict]:
@@ -324,12 +338,14 @@ def candidate_configs(device) -> list[dict]:
     return [dict(c) for c in (_INTERP if dev == "interpreter" else _TABLE[dev])]
 
 
-def _config(config: Optional[dict], device) -> dict:
+def _config(config: Optional[dict], device, kd: int = 0) -> dict:
     """The launch config: :func:`candidate_configs`' first updated by ``config``. A shared key
     given without the per-kernel one (``num_warps`` without ``num_warps_intra2``) sets that knob for
     every parallel kernel, as before the per-kernel keys existed. The per-kernel keys of the result
     are resolved (never None)."""
     cfg = dict(candidate_configs(device)[0])
+    if kd > 128 and launch.device_kind(device) == "sm90":
+        cfg.update({key: value for key, value in _BIG_K.items() if key not in (config or {})})
     if config:
         known = set(cfg) | set(_PER_KERNEL)
         unknown = set(config) - known
@@ -351,6 +367,8 @@ def _config(config: Optional[dict], device) -> dict:
     for key in ("num_stages", "num_stages_state", *(f"num_stages_{kern}" for kern in PARALLEL)):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    if not isinstance(cfg["fuse_sequential"], bool):
+        raise ValueError(f"config['fuse_sequential'] must be a bool, got {cfg['fuse_sequential']!r}")
     if cfg["scratch"] not in SCRATCH:
         raise ValueError(f"config['scratch'] must be one of {SCRATCH}, got {cfg['scratch']!r}")
     return cfg
@@ -430,7 +448,9 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             (:data:`SCRATCH`); per parallel kernel (:data:`PARALLEL`: prep, intra1, intra2)
             ``BLOCK_K_<kernel>``, ``BLOCK_V_<kernel>``, ``num_warps_<kernel>``,
             ``num_stages_<kernel>`` (None: the shared key's; a shared key given without them sets
-            that knob for all three); missing keys from :func:`candidate_configs`' first.
+            that knob for all three); ``fuse_sequential`` (bool: the two recurrences in one
+            launch, not with ``saved``); missing keys from :func:`candidate_configs`' first
+            (on sm90 with K > 128 updated by ``_BIG_K``).
         saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
@@ -451,7 +471,7 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     f32 = torch.float32
     if t == 0 or n == 0 or kd == 0 or vd == 0:
         return _empty_grads(q, k, v, g, beta, initial_state, d_final_state)
-    cfg = _config(config, dev)
+    cfg = _config(config, dev, kd)
     interpret = launch.interpreted(dev)
     _, mod = _module(bool(scalar_gate), interpret)
     all32 = all(x.dtype == f32 for x in (q, k, v, g, beta, do))
@@ -499,16 +519,24 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *do.stride(),
             t, nc, group, float(scale)), *par("prep"))
-        _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
-            k_g, e_g, w_b, u_b, h0, states, delta,
-            *h0_st, *states.stride(), t, nc),
-            dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
-                 num_warps=ws, **common), sst)
-        _launch(mod.kda_bwd_dstates, (nvs, n), (
-            k_g, r_q, e_g, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
-            *dht_st, t, nc),
-            dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
-                 num_warps=ws, **common), sst)
+        if cfg["fuse_sequential"] and states_in is None:
+            # the two recurrences side by side in one launch (even programs S, odd ones dS')
+            _launch(mod.kda_bwd_seq, (2 * nvs, n), (
+                k_g, e_g, w_b, u_b, h0, states, delta, r_q, dht, dh0 if dh0 is not None else delta, d_states,
+                d_delta, *h0_st, *states.stride(), *dht_st, t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, HAS_DHT=d_final_state is not None,
+                     num_warps=ws, **common), sst)
+        else:
+            _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
+                k_g, e_g, w_b, u_b, h0, states, delta,
+                *h0_st, *states.stride(), t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
+                     num_warps=ws, **common), sst)
+            _launch(mod.kda_bwd_dstates, (nvs, n), (
+                k_g, r_q, e_g, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
+                *dht_st, t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
+                     num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_intra1, (nc, n), (
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
             dk_v, dv, dbeta,

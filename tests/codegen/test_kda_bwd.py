@@ -214,6 +214,17 @@ def test_per_kernel_config_keys():
     _compare(got, want, 1e-4)
 
 
+@pytest.mark.parametrize("scalar_gate", [False, True])
+def test_unfused_sequential_passes(scalar_gate):
+    """``fuse_sequential=False``: kda_bwd_states and kda_bwd_dstates as two launches (the default
+    runs them as one, kda_bwd_seq), the same gradients."""
+    nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
+    ins = _inputs(23, nq, group, t, kd, vd, scalar_gate=scalar_gate)
+    got = _run(*ins, scalar_gate=scalar_gate, chunk=chunk, config={"fuse_sequential": False})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=scalar_gate)
+    _compare(got, want, 1e-4)
+
+
 def test_empty_sequence():
     q, k, v, g, beta, do, s0, ds = _inputs(1, 1, 1, 0, 8, 8)
     dq, dk, dv, dg, dbeta, dh0 = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=16)
@@ -235,6 +246,7 @@ def test_empty_sequence():
     (dict(config={"BLOCK_Q": 16}), "unknown KDA backward config"),
     (dict(config={"num_stages": 0}), "num_stages"),
     (dict(config={"scratch": "float16"}), "scratch"),
+    (dict(config={"fuse_sequential": 1}), "fuse_sequential"),
     (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
     (dict(saved={"states": None}), "unknown keys"),
 ])
@@ -251,7 +263,8 @@ def test_rendered_variants():
     for sg in (False, True):
         kernel = kda_bwd.bwd_kernel(scalar_gate=sg, interpret=False)
         assert kernel.name == "kda_bwd" + ("_scalar" if sg else "")
-        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1", "kda_bwd_intra2"):
+        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_seq", "kda_bwd_intra1",
+                   "kda_bwd_intra2"):
             assert f"def {fn}(" in kernel.source
     for dev in ("sm90", "cuda"):
         for cfg in kda_bwd._TABLE[dev]:
@@ -284,8 +297,7 @@ def test_gpu_new_length_does_not_recompile():
     ins = _inputs(3, 1, 1, 100, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
     _, mod = kda_bwd._module(False, False)
-    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1",
-                                           "kda_bwd_intra2")]
+    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_seq", "kda_bwd_intra1", "kda_bwd_intra2")]
     before = [compiled_keys(fn) for fn in fns]
     ins = _inputs(3, 1, 1, 171, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
