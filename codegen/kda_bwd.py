@@ -15,10 +15,9 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
     the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
     ``A_qk`` (16-row strips: two tensor-core dots per K block through a reference row, the
     16 × 16 diagonal sub-block inside the strip; pairwise there when the gates are strong, see
-    Numerics, stored over it), ``M`` (block
-    forward substitution over the 16-row sub-blocks: each diagonal block ``(I + L_bb)⁻¹`` by six
-    16 × 16 dots, each row block's off-diagonal part by two dots against the rows of ``M`` already
-    stored), ``W``, ``U``, ``KG = K∘e^{γ−G}`` and ``EG = e^γ`` (so the sequential passes take no
+    Numerics, stored over it), ``M`` (block forward substitution over the 16-row sub-blocks: each
+    diagonal block ``(I + L_bb)⁻¹`` by six 16 × 16 dots, each row block's off-diagonal part by two
+    dots against the rows of ``M`` already stored), ``W``, ``U``, ``KG = K∘e^{γ−G}`` and ``EG = e^γ`` (so the sequential passes take no
     exponential), and the terms of ``kda_bwd_dstates`` that do not depend on ``dS'``:
     ``A_qkᵀ dO`` (into the ``dΔ`` scratch) and ``(Q̃∘e^G)ᵀ dO`` (a ``[K, V]`` scratch per chunk).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
@@ -74,25 +73,27 @@ kda_bwd_intra2 and kda_bwd_prep, ``C − 1`` dependent row steps for ``M``; 8 wa
 the state kernels 8 warps / 2 stages); K = V = 64: 1.47 → 1.14 ms (prep 0.265, states 0.140,
 dstates 0.323, intra1 0.103, intra2 0.299); K = V = 256: 5.59 → 4.47 ms (4.41 with BLOCK_K =
 BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-3) at every K.
-NOT MEASURED: the current version — kda_bwd_intra2 with register accumulators stored once (before,
-dQ, dK and dG were read and written back once per sub-block plus twice more), kda_bwd_intra1
-without its dG stores, the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile),
-the per-kernel config keys, the fused sequential passes (``kda_bwd_seq``), ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed in kda_bwd_prep (chunk
-parallel) instead of on kda_bwd_dstates' dependent path (no ``QG`` scratch), kda_bwd_prep's
-diagonal sub-block inside its strip dots (two dots per K block instead of four), and the state
-kernels' default BLOCK_VS
-16, 4 warps, 1 stage (twice the programs of each sequential pass: 128 at H = 16, V = 128, on 132
-SMs; with the fused launch 256, two per SM). Compiled offline for
-sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default config): kda_bwd_intra2 16 KB
-shared memory, 248 registers, no spills (round 1: 255, 296 B spilled; 209 registers with 8 warps);
-kda_bwd_prep 40 KB, 189 registers, no spills (round 1: 255, 284 B spilled); kda_bwd_intra1 60 KB,
-255, none; kda_bwd_dstates 24 KB, 165, none (round 1's BLOCK_VS 32, 8 warps, 2 stages: 100 KB,
-360 B spilled); kda_bwd_states 24 KB, 164, none (8 warps, unfused; 194 / 214 with 4); the fused
-kda_bwd_seq 24 KB, 248, none. K = V = 256 (unfused, 8 warps there): kda_bwd_dstates spills 92 B,
-the rest none. The traffic is dominated by the scratch (about 1.6 GB at
-B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it with bfloat16), so ``scratch`` is
-a knob; the two sequential passes run ``n_chunks`` dependent steps each (``saved`` removes the
-first).
+NOT MEASURED: the current version (round 2) —
+- kda_bwd_intra2: ``dq``, both parts of ``dk`` and ``dG`` accumulated in registers and stored once
+  (round 1 read and wrote dQ, dK and dG back once per sub-block and twice more);
+  kda_bwd_intra1 no longer writes dG;
+- kda_bwd_prep: the diagonal sub-block inside its strip dots (two dots per K block instead of
+  four); the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile);
+  ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed there, chunk-parallel, instead of on
+  kda_bwd_dstates' dependent path (no ``QG`` scratch);
+- the two sequential passes in one launch (``kda_bwd_seq``) with BLOCK_VS 16, 4 warps, 1 stage:
+  256 programs at H = 16, V = 128, two per SM on 132 SMs (round 1: 64 per pass, one pass after
+  the other); K > 128: two launches, 8 warps;
+- the per-kernel config keys.
+Compiled offline for sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default
+config): kda_bwd_prep 40 KB shared memory, 189 registers, no spills (round 1: 255, 284 B
+spilled); kda_bwd_seq 24 KB, 248, none (unfused with 8 warps: kda_bwd_states 164, kda_bwd_dstates
+165, none; round 1's dstates with BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 255, 360 B spilled);
+kda_bwd_intra1 60 KB, 255, none; kda_bwd_intra2 16 KB, 248, none (round 1: 255, 296 B spilled;
+209 registers with 8 warps). K = V = 256 (unfused, 8 warps): kda_bwd_dstates spills 92 B, the
+rest none; K = V = 64: none. Round 1 estimated the scratch traffic at about 1.6 GB at B=1,
+T=4096, H=16, K=V=128 with float32 scratch (about 0.6 of it with bfloat16), so ``scratch`` is a
+knob; the two recurrences run ``n_chunks`` dependent steps each (``saved`` removes the first).
 """
 
 from __future__ import annotations
