@@ -113,6 +113,9 @@ CASES = [
     # sub-blocks whose cumulative gate spans a little less than 30 (the diagonal through the
     # reference rows, factors up to ~e^30) next to ones that span more (pairwise): see below
     ("decay_near_30", 1, 2, 37, 24, 40, 16, dict(h0=True, dht=True, gscale=2.0)),
+    # several chunks of 64 / 32, the last partial (every sub-block position of a full chunk)
+    ("chunk64_two_chunks_gva", 1, 2, 100, 24, 40, 64, dict(h0=True, dht=True)),
+    ("scalar_gate_chunk32_strong", 1, 1, 70, 24, 40, 32, dict(scalar_gate=True, h0=True, dht=True, strong=True)),
 ]
 
 
