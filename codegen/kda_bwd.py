@@ -89,8 +89,8 @@ Compiled offline for sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, t
 config): kda_bwd_prep 40 KB shared memory, 189 registers, no spills (round 1: 255, 284 B
 spilled); kda_bwd_seq 24 KB, 248, none (unfused with 8 warps: kda_bwd_states 164, kda_bwd_dstates
 165, none; round 1's dstates with BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 255, 360 B spilled);
-kda_bwd_intra1 60 KB, 255, none; kda_bwd_intra2 16 KB, 248, none (round 1: 255, 296 B spilled;
-209 registers with 8 warps). K = V = 256 (unfused, 8 warps): kda_bwd_dstates spills 92 B, the
+kda_bwd_intra1 60 KB, 255, none; kda_bwd_intra2 16 KB, 242, none (round 1: 255, 296 B spilled;
+206 registers with 8 warps; BLOCK_K = BLOCK_V = 64 with 8 warps 254, none, round 1 16 B spilled). K = V = 256 (unfused, 8 warps): kda_bwd_dstates spills 92 B, the
 rest none; K = V = 64: none. Round 1 estimated the scratch traffic at about 1.6 GB at B=1,
 T=4096, H=16, K=V=128 with float32 scratch (about 0.6 of it with bfloat16), so ``scratch`` is a
 knob; the two recurrences run ``n_chunks`` dependent steps each (``saved`` removes the first).
@@ -308,8 +308,8 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41).
 # Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
 # 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
-# 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 248, no spills with 4 warps;
-# 209 with 8) and kda_bwd_prep (189, none; round 1 255, 284 B), kda_bwd_dstates with A_qk^T dO and
+# 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 242, no spills with 4 warps;
+# 206 with 8) and kda_bwd_prep (189, none; round 1 255, 284 B), kda_bwd_dstates with A_qk^T dO and
 # (Q e^G)^T dO moved into kda_bwd_prep, and the state kernels' default BLOCK_VS 16, 8 warps, 1
 # stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs).
 # Offline sm90, K = V = 128: kda_bwd_states 164 registers, kda_bwd_dstates 165, no spills (round
