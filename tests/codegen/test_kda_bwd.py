@@ -294,6 +294,23 @@ def test_gpu_bfloat16(scalar_gate, chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kd,vd,config", [
+    (256, 64, None),                                             # K > 128: the unfused passes, 8 warps
+    (64, 96, {"fuse_sequential": False, "BLOCK_K_intra2": 64, "num_warps_intra2": 8, "BLOCK_V_intra1": 64}),
+    (128, 128, {"BLOCK_VS": 32, "num_warps_state": 8}),          # fused, one program per SM
+])
+def test_gpu_configs(kd, vd, config):
+    nq, group, t = 1, 2, 301
+    ins = _inputs(29, nq, group, t, kd, vd, strong=True, device="cuda")
+    q, k, v, g, beta, do, s0, ds = ins
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=64, config=config)
+    want = _autograd(*(None if x is None else x.cpu() for x in (q, k, v, g, beta, do, s0, ds)), scale=kd ** -0.5,
+                     scalar_gate=False)
+    _compare([None if x is None else x.cpu() for x in got], want, 2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_new_length_does_not_recompile():
     from _kernel_checks import compiled_keys
 
