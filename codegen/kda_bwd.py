@@ -308,19 +308,16 @@ _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
 # against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41).
 # Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
 # 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
-# 255, none. NOT MEASURED: the current kda_bwd_intra2 (registers 242, no spills with 4 warps;
-# 206 with 8) and kda_bwd_prep (189, none; round 1 255, 284 B), kda_bwd_dstates with A_qk^T dO and
-# (Q e^G)^T dO moved into kda_bwd_prep, and the state kernels' default BLOCK_VS 16, 8 warps, 1
-# stage (N * V / 16 programs, 128 at H = 16, V = 128, against 64 with BLOCK_VS 32 on 132 SMs).
-# Offline sm90, K = V = 128: kda_bwd_states 164 registers, kda_bwd_dstates 165, no spills (round
-# 1's BLOCK_VS 32, 8 warps, 2 stages, measured 0.19 / 0.40 ms: dstates 255 registers, 360 B
-# spilled); K = V = 64: 108 / 123; K = V = 256: 255 / 255, dstates 92 B spilled. fuse_sequential
-# (the default): the two recurrences in one launch, kda_bwd_seq, grid (2 * V blocks, N), even
-# programs S, odd ones dS' (independent: both read only kda_bwd_prep's outputs); with 4 warps 248
-# registers, no spills (K = 64: 129), so two programs fit per SM and all 256 at H = 16, V = 128 run
-# at once; with 8 warps 247 (one per SM). K > 128 (_BIG_K): 4 warps would spill 0.9 KB in
-# kda_bwd_seq; unfused with 8 warps kda_bwd_states 255 registers, none, kda_bwd_dstates 92 B.
-# The "cuda" rows are guesses.
+# 255, none; kda_bwd_dstates (BLOCK_VS 32, 8 warps, 2 stages, measured 0.40 ms) 255, 360 B.
+# NOT MEASURED, the current kernels (offline sm90, K = V = 128): kda_bwd_prep 189 registers, no
+# spills; kda_bwd_intra2 242, none (206 with 8 warps); the state kernels' default: BLOCK_VS 16,
+# 4 warps, 1 stage, fuse_sequential: both recurrences in one launch (kda_bwd_seq, grid
+# (2 * V blocks, N), even programs S, odd ones dS'; they are independent, both read only
+# kda_bwd_prep's outputs): 248 registers, no spills (K = 64: 129), so two programs fit per SM and
+# all 256 at H = 16, V = 128 run at once (round 1: 64 programs per pass, one pass after the
+# other); with 8 warps 247 (one per SM). Unfused with 8 warps: kda_bwd_states 164, kda_bwd_dstates
+# 165, none. K > 128 (_BIG_K): kda_bwd_seq with 4 warps would spill 0.9 KB; unfused with 8 warps
+# kda_bwd_states 255 registers, none, kda_bwd_dstates 92 B. The "cuda" rows are guesses.
 _TABLE = {
     "sm90": [_cfg(32, 32, 16, 4, 1, 4, 1), _cfg(32, 32, 32, 4, 1, 8, 2, fuse=False),
              _cfg(64, 64, 32, 8, 1, 8, 1), _cfg(32, 32, 16, 8, 1, 8, 1, fuse=False)],
