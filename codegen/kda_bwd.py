@@ -13,34 +13,42 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
 
 ``kda_bwd_prep``, grid ``(n_chunks, N)``
     the forward quantities of each chunk, recomputed: ``G`` (the cumulative gate), ``A_kk``,
-    ``A_qk`` (16-row sub-blocks: tensor-core dots through a reference row, the 16 × 16 diagonal
-    sub-blocks included; pairwise there when the gates are strong, see Numerics), ``M`` (block
-    forward substitution over the 16-row sub-blocks: each diagonal block ``(I + L_bb)⁻¹`` by six
-    16 × 16 dots, each row block's off-diagonal part by two dots against the rows of ``M`` already
-    stored), ``W``, ``U``, and the decayed operands of the sequential passes ``KG = K∘e^{γ−G}``,
-    ``QG = Q̃∘e^G``, ``EG = e^γ`` (so those passes take no exponential).
+    ``A_qk`` (16-row strips: two tensor-core dots per K block through a reference row, the
+    16 × 16 diagonal sub-block inside the strip; pairwise there when the gates are strong, see
+    Numerics, stored over it), ``M`` (block forward substitution over the 16-row sub-blocks: each
+    diagonal block ``(I + L_bb)⁻¹`` by six 16 × 16 dots, each row block's off-diagonal part by two
+    dots against the rows of ``M`` already stored), ``W``, ``U``, ``KG = K∘e^{γ−G}`` and ``EG = e^γ`` (so the sequential passes take no
+    exponential), and the terms of ``kda_bwd_dstates`` that do not depend on ``dS'``:
+    ``A_qkᵀ dO`` (into the ``dΔ`` scratch) and ``(Q̃∘e^G)ᵀ dO`` (a ``[K, V]`` scratch per chunk).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
     chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
     chunk in parallel, only ``Δ``).
 ``kda_bwd_dstates``, grid ``(cdiv(V, BLOCK_VS), N)``
     last chunk first, ``dS`` ``[K, BLOCK_VS]`` carried in registers: the gradient ``dS'`` of every
-    chunk's end state, ``dΔ``, and ``dh0``.
+    chunk's end state, ``dΔ``, and ``dh0`` (two dots per chunk: ``KG dS'`` and ``Wᵀ dΔ``).
+``kda_bwd_seq``, grid ``(2·cdiv(V, BLOCK_VS), N)`` (``config["fuse_sequential"]``, the default,
+not with ``saved``)
+    the two passes above in one launch, side by side (both read only kda_bwd_prep's outputs):
+    even programs ``kda_bwd_states``' work, odd ones ``kda_bwd_dstates``'.
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
-    of ``dk`` (and of ``dG``).
+    ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
 ``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
 gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
-    sub-block (four tensor-core dots per sub-block: its rows against the columns up to its end, its
-    columns against the rows from its start); ``dg`` (a reverse cumulative sum of ``dG`` inside the
-    chunk, plus ``dγ``).
+    sub-block (four full-height ``[chunk, 16] × [16, BLOCK_K]`` tensor-core dots per sub-block: its
+    columns against the rows from its start, its rows against the columns up to its end); ``dg`` (a
+    reverse cumulative sum of ``dG`` inside the chunk, plus ``dγ``). ``dq``, the two parts of
+    ``dk`` (row side, column side) and ``dG`` stay ``[chunk, BLOCK_K]`` register tiles; every
+    output is stored once.
 
 With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
 the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
-(:data:`SCRATCH`) ``[N, T, K]`` ×3 (W, KG, QG), ``[N, n_chunks, K, V]`` ×2 (the states, their
-gradients; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U, Δ, dΔ).
+(:data:`SCRATCH`) ``[N, T, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
+gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U,
+Δ, dΔ, which first holds ``A_qkᵀ dO``).
 
 Numerics: no exponential of a cumulative gate over a whole chunk (``e^{G}·e^{−G}`` would overflow
 with gates near −30); rows past ``T`` contribute 0. A pairwise decay ``e^{G_r − G_s}`` between
@@ -49,24 +57,43 @@ the rows of sub-block b, row 16b + 15 for its columns). Inside a 16 × 16 diagon
 same reference is used with the factor ≥ 1 clamped to ``e^30``: exact while every
 ``|G_r − G_ref|`` of the sub-block (per K block in ``kda_bwd_intra2``, over all K in
 ``kda_bwd_prep``) is ≤ 30, so neither factor leaves ``[e^−30, e^30]``; a sub-block that spans more
-(strong gates, checked at run time) is left out of those dots and computed pairwise instead, a
-``[16, 16, BLOCK_K]`` tile ``e^{G_r − G_s}`` with exponent ``−∞`` above the diagonal before the
-exponential. ``M``'s dots are ``"ieee"`` float32.
+(strong gates, checked at run time) is left out of those dots and computed pairwise instead, one
+column (or row) of the sub-block per step, a ``[16, BLOCK_K]`` (kda_bwd_prep) or ``[chunk,
+BLOCK_K]`` (kda_bwd_intra2) tile ``e^{G_r − G_s}`` with exponent ``−∞`` outside the pairs before
+the exponential. ``M``'s dots are ``"ieee"`` float32.
 Dots take float32 operands: ``"ieee"`` precision for float32 inputs (``"tf32"`` under
 ``torch.set_float32_matmul_precision("high")``), ``"tf32"`` when any input is 16-bit.
 
-Performance: measured on an H100 (torch 2.11, Triton 3.6) before the current kda_bwd_prep and
-kda_bwd_intra2 (B=1, T=4096, H=16, bf16, chunk 64, the default config): 4.50 ms at K = V = 128
-(intra2 2.35, prep 1.23, dstates 0.39, intra1 0.34, states 0.19), 2.54 ms at K = V = 64; intra2
-then ran a 16-step serial loop per diagonal sub-block, prep one per sub-block and ``C − 1``
-dependent row steps for ``M``. The current version is NOT MEASURED (``scratch/kda_bwd_bench.py``
-times it and sweeps configs). Compiled offline for sm90 with Triton 3.6 at K = V = 128, chunk 64,
-the default config: kda_bwd_prep 36 KB shared memory, 255 registers, ~160 B spilled (was 20 KB,
-186, none); kda_bwd_intra2 35 KB, 255 registers, 24 B spilled (was 32 KB, 254, none; none with
-``num_stages`` 1); kda_bwd_dstates spills ~0.4 KB (bfloat16 scratch). The traffic is dominated
-by the scratch (about 1.6 GB at B=1, T=4096, H=16, K=V=128 with float32 scratch, about 0.6 of it
-with bfloat16), so ``scratch`` is a knob; the two sequential passes run ``n_chunks`` dependent
-steps each (``saved`` removes the first).
+Performance: MEASURED on an H100 (torch 2.11, Triton 3.6; B=1, T=4096, H=16, bf16, chunk 64;
+``scratch/kda_bwd_bench.py``). Before round 1 (a 16-step serial loop per diagonal sub-block in
+kda_bwd_intra2 and kda_bwd_prep, ``C − 1`` dependent row steps for ``M``; 8 warps, 2 stages):
+4.50 ms at K = V = 128. Round 1 (the reference-row diagonal, ``M`` by block forward substitution):
+2.50 ms with 8 warps / 2 stages; 1.97 ms with 4 warps / 1 stage for the parallel kernels (prep
+0.458, states 0.190, dstates 0.403, intra1 0.220, intra2 0.689; BLOCK_K = BLOCK_V = BLOCK_VS = 32,
+the state kernels 8 warps / 2 stages); K = V = 64: 1.47 → 1.14 ms (prep 0.265, states 0.140,
+dstates 0.323, intra1 0.103, intra2 0.299); K = V = 256: 5.59 → 4.47 ms (4.41 with BLOCK_K =
+BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-3) at every K.
+NOT MEASURED: the current version (round 2) —
+- kda_bwd_intra2: ``dq``, both parts of ``dk`` and ``dG`` accumulated in registers and stored once
+  (round 1 read and wrote dQ, dK and dG back once per sub-block and twice more);
+  kda_bwd_intra1 no longer writes dG;
+- kda_bwd_prep: the diagonal sub-block inside its strip dots (two dots per K block instead of
+  four); the pairwise fallbacks one column per step (no ``[16, 16, BLOCK_K]`` tile);
+  ``A_qkᵀ dO`` and ``(Q̃∘e^G)ᵀ dO`` computed there, chunk-parallel, instead of on
+  kda_bwd_dstates' dependent path (no ``QG`` scratch);
+- the two sequential passes in one launch (``kda_bwd_seq``) with BLOCK_VS 16, 4 warps, 1 stage:
+  256 programs at H = 16, V = 128, two per SM on 132 SMs (round 1: 64 per pass, one pass after
+  the other); K > 128: two launches, 8 warps;
+- the per-kernel config keys.
+Compiled offline for sm90 with Triton 3.6 (K = V = 128, chunk 64, bf16 inputs, the default
+config): kda_bwd_prep 40 KB shared memory, 189 registers, no spills (round 1: 255, 284 B
+spilled); kda_bwd_seq 24 KB, 248, none (unfused with 8 warps: kda_bwd_states 164, kda_bwd_dstates
+165, none; round 1's dstates with BLOCK_VS 32, 8 warps, 2 stages: 100 KB, 255, 360 B spilled);
+kda_bwd_intra1 60 KB, 255, none; kda_bwd_intra2 16 KB, 242, none (round 1: 255, 296 B spilled;
+206 registers with 8 warps; BLOCK_K = BLOCK_V = 64 with 8 warps 254, none, round 1 16 B spilled). K = V = 256 (unfused, 8 warps): kda_bwd_dstates spills 92 B, the
+rest none; K = V = 64: none. Round 1 estimated the scratch traffic at about 1.6 GB at B=1,
+T=4096, H=16, K=V=128 with float32 scratch (about 0.6 of it with bfloat16), so ``scratch`` is a
+knob; the two recurrences run ``n_chunks`` dependent steps each (``saved`` removes the first).
 """
 
 from __future__ import annotations
@@ -79,7 +106,8 @@ import torch
 from . import launch
 from .render import RenderedKernel, render
 
-__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "CHUNKS", "SAVED_KEYS", "SCRATCH"]
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "PARALLEL",
+           "SAVED_KEYS", "SCRATCH"]
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
@@ -234,13 +262,29 @@ def _module(scalar_gate: bool, interpret: bool):
     return kernel, launch.kernel_module(kernel, interpret)
 
 
-def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto"):
-    return {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
-            "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch}
+#: The parallel kernels, each of which may take its own ``BLOCK_K``, ``BLOCK_V``, ``num_warps``,
+#: ``num_stages`` (config keys ``BLOCK_K_prep``, ``num_warps_intra2``, ...; None: the shared key's).
+PARALLEL = ("prep", "intra1", "intra2")
+_SHARED = ("BLOCK_K", "BLOCK_V", "num_warps", "num_stages")
+_PER_KERNEL = tuple(f"{key}_{kern}" for kern in PARALLEL for key in _SHARED)
 
 
-#: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, QG and the chunk states and
-#: their gradients (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the differences of
+def _cfg(bk, bv, bvs, w, s, ws, ss, scratch="auto", fuse=True, **per_kernel):
+    cfg = {"BLOCK_K": bk, "BLOCK_V": bv, "BLOCK_VS": bvs, "num_warps": w, "num_stages": s,
+           "num_warps_state": ws, "num_stages_state": ss, "scratch": scratch, "fuse_sequential": fuse}
+    assert set(per_kernel) <= set(_PER_KERNEL), per_kernel
+    cfg.update(per_kernel)
+    return cfg
+
+
+def kernel_config(cfg: dict, kern: str) -> dict:
+    """``BLOCK_K``, ``BLOCK_V``, ``num_warps``, ``num_stages`` of the parallel kernel ``kern``
+    (one of :data:`PARALLEL`): its own keys where set, else the shared ones."""
+    return {key: cfg[f"{key}_{kern}"] if cfg.get(f"{key}_{kern}") is not None else cfg[key] for key in _SHARED}
+
+
+#: ``config["scratch"]``: the dtype of the large scratch tensors W, KG, the chunk states, their
+#: gradients and (Q̃∘e^G)ᵀ dO per chunk (G, A_kk, A_qk, M, dA stay float32: bfloat16 would ruin the differences of
 #: cumulative gates; U, Δ, dΔ too: Δ = U − W S cancels, and bfloat16 U, Δ, dΔ alone gave
 #: ~5e-3 relative error in dq on the interpreter tests, against ~2e-3 for the rest together).
 #: ``"auto"``: bfloat16 when any of q, k, v, do is 16-bit, else float32.
@@ -248,7 +292,8 @@ SCRATCH = ("auto", "float32", "bfloat16")
 
 
 # BLOCK_K, BLOCK_V: the K and V blocks of kda_bwd_prep / kda_bwd_intra1 / kda_bwd_intra2
-# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block);
+# ([chunk, BLOCK_K] and [chunk, BLOCK_V] tiles; intra2 runs one program per K block); each of the
+# three may override these and num_warps / num_stages with its own key (BLOCK_K_intra2, ...);
 # BLOCK_VS: the V block of the two sequential passes (a [K, BLOCK_VS] state tile per program:
 # N · cdiv(V, BLOCK_VS) programs); num_warps / num_stages: the parallel kernels';
 # num_warps_state / num_stages_state: the sequential passes'. A kernel whose pipelining does not
@@ -256,18 +301,32 @@ SCRATCH = ("auto", "float32", "bfloat16")
 # Interpreter: small blocks so that the test shapes (K = 24, V = 40) run several ragged blocks;
 # float32 scratch (the bfloat16 scratch has a test of its own).
 _INTERP = [_cfg(16, 16, 16, 4, 1, 4, 1, "float32")]
-# GPUs: the sm90 default was measured on an H100 before the current kda_bwd_prep / kda_bwd_intra2
-# (module docstring, Performance); the current kernels with it are NOT MEASURED, nor are the other
-# rows (guesses; scratch/kda_bwd_bench.py sweeps the parallel kernels' knobs). Compiled offline for
-# sm90 with Triton 3.6 at K = V = 128, chunk 64, bf16 inputs, 8 warps, 2 stages: float32 scratch:
-# kda_bwd_states 172 KB shared memory, kda_bwd_dstates 266 KB (so it falls back to 1 stage,
-# 139 KB), no spills; bfloat16 scratch: 66 KB / 102 KB, kda_bwd_dstates spills ~0.4 KB; the
-# parallel kernels <= 82 KB, 202-255 registers (kda_bwd_prep spills ~160 B, kda_bwd_intra2 24 B;
-# with 1 stage 128 B and none). BLOCK_VS 32 gives 4 · N programs for the sequential passes.
+# GPUs: the sm90 rows were measured on an H100 (torch 2.11, Triton 3.6; B=1 T=4096 H=16 bf16,
+# chunk 64; scratch/round1_h100.txt, the kernels of round 1). 4 warps and 1 stage for the parallel
+# kernels beat the former default (8 warps, 2 stages) at every K: K = V = 128 1.97 ms against
+# 2.50 (prep 0.458, states 0.190, dstates 0.403, intra1 0.220, intra2 0.689); K = V = 64 1.14
+# against 1.47; K = V = 256 4.47 against 5.59 (BLOCK_K 64, BLOCK_V 64, 8 warps, 1 stage: 4.41).
+# Round 1's kernels, compiled offline for sm90 (Triton 3.6, K = V = 128, bf16 inputs) with 4 warps,
+# 1 stage: kda_bwd_prep 255 registers, 284 B spilled; kda_bwd_intra2 255, 296 B; kda_bwd_intra1
+# 255, none; kda_bwd_dstates (BLOCK_VS 32, 8 warps, 2 stages, measured 0.40 ms) 255, 360 B.
+# NOT MEASURED, the current kernels (offline sm90, K = V = 128): kda_bwd_prep 189 registers, no
+# spills; kda_bwd_intra2 242, none (206 with 8 warps); the state kernels' default: BLOCK_VS 16,
+# 4 warps, 1 stage, fuse_sequential: both recurrences in one launch (kda_bwd_seq, grid
+# (2 * V blocks, N), even programs S, odd ones dS'; they are independent, both read only
+# kda_bwd_prep's outputs): 248 registers, no spills (K = 64: 129), so two programs fit per SM and
+# all 256 at H = 16, V = 128 run at once (round 1: 64 programs per pass, one pass after the
+# other); with 8 warps 247 (one per SM). Unfused with 8 warps: kda_bwd_states 164, kda_bwd_dstates
+# 165, none. K > 128 (_BIG_K): kda_bwd_seq with 4 warps would spill 0.9 KB; unfused with 8 warps
+# kda_bwd_states 255 registers, none, kda_bwd_dstates 92 B. The "cuda" rows are guesses.
 _TABLE = {
-    "sm90": [_cfg(32, 32, 32, 8, 2, 8, 2), _cfg(32, 32, 16, 8, 1, 8, 1), _cfg(16, 32, 32, 4, 1, 4, 1)],
-    "cuda": [_cfg(32, 32, 32, 8, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
+    "sm90": [_cfg(32, 32, 16, 4, 1, 4, 1), _cfg(32, 32, 32, 4, 1, 8, 2, fuse=False),
+             _cfg(64, 64, 32, 8, 1, 8, 1), _cfg(32, 32, 16, 8, 1, 8, 1, fuse=False)],
+    "cuda": [_cfg(32, 32, 32, 4, 1, 8, 1), _cfg(16, 32, 16, 4, 1, 4, 1)],
 }
+
+
+#: sm90 defaults for K > 128 (where the user config does not give them): module docstring.
+_BIG_K = {"num_warps_state": 8, "fuse_sequential": False}
 
 
 def candidate_configs(device) -> list[dict]:
@@ -277,20 +336,37 @@ def candidate_configs(device) -> list[dict]:
     return [dict(c) for c in (_INTERP if dev == "interpreter" else _TABLE[dev])]
 
 
-def _config(config: Optional[dict], device) -> dict:
+def _config(config: Optional[dict], device, kd: int = 0) -> dict:
+    """The launch config: :func:`candidate_configs`' first updated by ``config``. A shared key
+    given without the per-kernel one (``num_warps`` without ``num_warps_intra2``) sets that knob for
+    every parallel kernel, as before the per-kernel keys existed. The per-kernel keys of the result
+    are resolved (never None)."""
     cfg = dict(candidate_configs(device)[0])
+    if kd > 128 and launch.device_kind(device) == "sm90":
+        cfg.update({key: value for key, value in _BIG_K.items() if key not in (config or {})})
     if config:
-        unknown = set(config) - set(cfg)
+        known = set(cfg) | set(_PER_KERNEL)
+        unknown = set(config) - known
         if unknown:
-            raise ValueError(f"unknown KDA backward config keys {sorted(unknown)}; known: {sorted(cfg)}")
+            raise ValueError(f"unknown KDA backward config keys {sorted(unknown)}; known: {sorted(known)}")
+        for key in _SHARED:
+            if key in config:
+                for kern in PARALLEL:
+                    if f"{key}_{kern}" not in config:
+                        cfg.pop(f"{key}_{kern}", None)
         cfg.update(config)
+    for kern in PARALLEL:
+        for key, value in kernel_config(cfg, kern).items():
+            cfg[f"{key}_{kern}"] = value
     launch.check_config(cfg)
-    for key in ("num_warps", "num_warps_state"):
+    for key in ("num_warps", "num_warps_state", *(f"num_warps_{kern}" for kern in PARALLEL)):
         if cfg[key] not in (1, 2, 4, 8, 16):
             raise ValueError(f"{key} must be 1, 2, 4, 8 or 16, got {cfg[key]!r}")
-    for key in ("num_stages", "num_stages_state"):
+    for key in ("num_stages", "num_stages_state", *(f"num_stages_{kern}" for kern in PARALLEL)):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    if not isinstance(cfg["fuse_sequential"], bool):
+        raise ValueError(f"config['fuse_sequential'] must be a bool, got {cfg['fuse_sequential']!r}")
     if cfg["scratch"] not in SCRATCH:
         raise ValueError(f"config['scratch'] must be one of {SCRATCH}, got {cfg['scratch']!r}")
     return cfg
@@ -367,7 +443,12 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         config: keys ``BLOCK_K``, ``BLOCK_V``, ``BLOCK_VS`` (powers of two >= 16), ``num_warps``,
             ``num_stages``, ``num_warps_state``, ``num_stages_state`` (see ``_TABLE``), ``scratch``
-            (:data:`SCRATCH`); missing keys from :func:`candidate_configs`' first.
+            (:data:`SCRATCH`); per parallel kernel (:data:`PARALLEL`: prep, intra1, intra2)
+            ``BLOCK_K_<kernel>``, ``BLOCK_V_<kernel>``, ``num_warps_<kernel>``,
+            ``num_stages_<kernel>`` (None: the shared key's; a shared key given without them sets
+            that knob for all three); ``fuse_sequential`` (bool: the two recurrences in one
+            launch, not with ``saved``); missing keys from :func:`candidate_configs`' first
+            (on sm90 with K > 128 updated by ``_BIG_K``).
         saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
@@ -388,16 +469,17 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     f32 = torch.float32
     if t == 0 or n == 0 or kd == 0 or vd == 0:
         return _empty_grads(q, k, v, g, beta, initial_state, d_final_state)
-    cfg = _config(config, dev)
+    cfg = _config(config, dev, kd)
     interpret = launch.interpreted(dev)
     _, mod = _module(bool(scalar_gate), interpret)
     all32 = all(x.dtype == f32 for x in (q, k, v, g, beta, do))
     precision = launch.dot_precision(f32) if all32 else "tf32"
-    bt, bk, bv, bvs = int(chunk), cfg["BLOCK_K"], cfg["BLOCK_V"], cfg["BLOCK_VS"]
+    bt, bvs = int(chunk), cfg["BLOCK_VS"]
+    kc = {kern: kernel_config(cfg, kern) for kern in PARALLEL}
     bkf = max(16, launch.next_power_of_2(kd))
     nc = launch.cdiv(t, bt)
     nvs = launch.cdiv(vd, bvs)
-    w, ws = cfg["num_warps"], cfg["num_warps_state"]
+    ws = cfg["num_warps_state"]
     emp = launch.empty
 
     gshape = (n, t) if scalar_gate else (n, t, kd)
@@ -407,10 +489,11 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     sd = {"float32": f32, "bfloat16": torch.bfloat16}.get(cfg["scratch"])
     if sd is None:  # auto
         sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
-    w_b, k_g, q_g = (emp((n, t, kd), sd, dev) for _ in range(3))
+    w_b, k_g = (emp((n, t, kd), sd, dev) for _ in range(2))
     # U, Δ, dΔ stay float32: Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
     u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
     d_states = emp((n, nc, kd, vd), sd, dev)
+    r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_prep for kda_bwd_dstates)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
     dq_v = emp((n, t, kd), f32, dev)
     dk_v = emp((n, t, kd), f32, dev)
@@ -424,32 +507,44 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     dht_st = d_final_state.stride() if d_final_state is not None else (0, 0, 0)
     common = dict(KD=kd, VD=vd, BT=bt, INPUT_PRECISION=precision)
 
-    st, sst = cfg["num_stages"], cfg["num_stages_state"]
+    sst = cfg["num_stages_state"]
+
+    def par(kern):  # the constexprs and warps of a parallel kernel; its stages
+        c = kc[kern]
+        return dict(BK=c["BLOCK_K"], BV=c["BLOCK_V"], num_warps=c["num_warps"], **common), c["num_stages"]
     with launch.launching(interpret):
         _launch(mod.kda_bwd_prep, (nc, n), (
-            q, k, v, g, beta, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, q_g, e_g,
-            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
-        _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
-            k_g, e_g, w_b, u_b, h0, states, delta,
-            *h0_st, *states.stride(), t, nc),
-            dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
-                 num_warps=ws, **common), sst)
-        _launch(mod.kda_bwd_dstates, (nvs, n), (
-            do, k_g, q_g, e_g, a_qk, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
-            *do.stride(), *dht_st, t, nc),
-            dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
-                 num_warps=ws, **common), sst)
+            q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
+            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *do.stride(),
+            t, nc, group, float(scale)), *par("prep"))
+        if cfg["fuse_sequential"] and states_in is None:
+            # the two recurrences side by side in one launch (even programs S, odd ones dS')
+            _launch(mod.kda_bwd_seq, (2 * nvs, n), (
+                k_g, e_g, w_b, u_b, h0, states, delta, r_q, dht, dh0 if dh0 is not None else delta, d_states,
+                d_delta, *h0_st, *states.stride(), *dht_st, t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, HAS_DHT=d_final_state is not None,
+                     num_warps=ws, **common), sst)
+        else:
+            _launch(mod.kda_bwd_states, (nvs, n, nc if states_in is not None else 1), (
+                k_g, e_g, w_b, u_b, h0, states, delta,
+                *h0_st, *states.stride(), t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_H0=initial_state is not None, LOAD_STATES=states_in is not None,
+                     num_warps=ws, **common), sst)
+            _launch(mod.kda_bwd_dstates, (nvs, n), (
+                k_g, r_q, e_g, w_b, dht, dh0 if dh0 is not None else delta, d_states, d_delta,
+                *dht_st, t, nc),
+                dict(BKF=bkf, BV=bvs, HAS_DHT=d_final_state is not None, HAS_H0=initial_state is not None,
+                     num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_intra1, (nc, n), (
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
-            dk_v, dv, dg, dbeta,
+            dk_v, dv, dbeta,
             *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
-            t, group), dict(BK=bk, BV=bv, num_warps=w, **common), st)
-        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, bk)), (
+            t, group), *par("intra1"))
+        _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, kc["intra2"]["BLOCK_K"])), (
             q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
             dq_v, dk_v, dg,
             *q.stride(), *k.stride(), *do.stride(), *states.stride(),
-            t, nc, group, float(scale)), dict(BK=bk, BV=bv, num_warps=w, **common), st)
+            t, nc, group, float(scale)), *par("intra2"))
     if group > 1:
         dq = dq_v.view(nq, group, t, kd).sum(1)
         dk = dk_v.view(nq, group, t, kd).sum(1)

@@ -113,6 +113,9 @@ CASES = [
     # sub-blocks whose cumulative gate spans a little less than 30 (the diagonal through the
     # reference rows, factors up to ~e^30) next to ones that span more (pairwise): see below
     ("decay_near_30", 1, 2, 37, 24, 40, 16, dict(h0=True, dht=True, gscale=2.0)),
+    # several chunks of 64 / 32, the last partial (every sub-block position of a full chunk)
+    ("chunk64_two_chunks_gva", 1, 2, 100, 24, 40, 64, dict(h0=True, dht=True)),
+    ("scalar_gate_chunk32_strong", 1, 1, 70, 24, 40, 32, dict(scalar_gate=True, h0=True, dht=True, strong=True)),
 ]
 
 
@@ -195,6 +198,36 @@ def test_saved_chunk_states_skip_the_recompute():
     _compare(got, want, 1e-4)
 
 
+def test_per_kernel_config_keys():
+    """prep, intra1 and intra2 each take their own BLOCK_K / BLOCK_V / num_warps / num_stages
+    (``BLOCK_K_intra2``, ...); a shared key given alone sets all three, as before those keys."""
+    cpu = torch.device("cpu")
+    cfg = kda_bwd._config({"num_warps": 2, "BLOCK_K_intra2": 32}, cpu)
+    assert [cfg[f"num_warps_{k}"] for k in kda_bwd.PARALLEL] == [2, 2, 2]
+    assert (cfg["BLOCK_K_prep"], cfg["BLOCK_K_intra1"], cfg["BLOCK_K_intra2"]) == (16, 16, 32)
+    with pytest.raises(ValueError, match="power of two"):
+        kda_bwd._config({"BLOCK_V_prep": 24}, cpu)
+    with pytest.raises(ValueError, match="num_stages_intra1"):
+        kda_bwd._config({"num_stages_intra1": 0}, cpu)
+    nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
+    ins = _inputs(19, nq, group, t, kd, vd)
+    got = _run(*ins, scalar_gate=False, chunk=chunk, config={"BLOCK_K_intra2": 32, "BLOCK_V_intra1": 32,
+                                                             "BLOCK_K_prep": 32, "BLOCK_V_intra2": 64})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=False)
+    _compare(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("scalar_gate", [False, True])
+def test_unfused_sequential_passes(scalar_gate):
+    """``fuse_sequential=False``: kda_bwd_states and kda_bwd_dstates as two launches (the default
+    runs them as one, kda_bwd_seq), the same gradients."""
+    nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
+    ins = _inputs(23, nq, group, t, kd, vd, scalar_gate=scalar_gate)
+    got = _run(*ins, scalar_gate=scalar_gate, chunk=chunk, config={"fuse_sequential": False})
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=scalar_gate)
+    _compare(got, want, 1e-4)
+
+
 def test_empty_sequence():
     q, k, v, g, beta, do, s0, ds = _inputs(1, 1, 1, 0, 8, 8)
     dq, dk, dv, dg, dbeta, dh0 = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=16)
@@ -216,6 +249,7 @@ def test_empty_sequence():
     (dict(config={"BLOCK_Q": 16}), "unknown KDA backward config"),
     (dict(config={"num_stages": 0}), "num_stages"),
     (dict(config={"scratch": "float16"}), "scratch"),
+    (dict(config={"fuse_sequential": 1}), "fuse_sequential"),
     (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
     (dict(saved={"states": None}), "unknown keys"),
 ])
@@ -232,7 +266,8 @@ def test_rendered_variants():
     for sg in (False, True):
         kernel = kda_bwd.bwd_kernel(scalar_gate=sg, interpret=False)
         assert kernel.name == "kda_bwd" + ("_scalar" if sg else "")
-        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1", "kda_bwd_intra2"):
+        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_seq", "kda_bwd_intra1",
+                   "kda_bwd_intra2"):
             assert f"def {fn}(" in kernel.source
     for dev in ("sm90", "cuda"):
         for cfg in kda_bwd._TABLE[dev]:
@@ -259,14 +294,30 @@ def test_gpu_bfloat16(scalar_gate, chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kd,vd,config", [
+    (256, 64, None),                                             # K > 128: the unfused passes, 8 warps
+    (64, 96, {"fuse_sequential": False, "BLOCK_K_intra2": 64, "num_warps_intra2": 8, "BLOCK_V_intra1": 64}),
+    (128, 128, {"BLOCK_VS": 32, "num_warps_state": 8}),          # fused, one program per SM
+])
+def test_gpu_configs(kd, vd, config):
+    nq, group, t = 1, 2, 301
+    ins = _inputs(29, nq, group, t, kd, vd, strong=True, device="cuda")
+    q, k, v, g, beta, do, s0, ds = ins
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=False, chunk=64, config=config)
+    want = _autograd(*(None if x is None else x.cpu() for x in (q, k, v, g, beta, do, s0, ds)), scale=kd ** -0.5,
+                     scalar_gate=False)
+    _compare([None if x is None else x.cpu() for x in got], want, 2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_new_length_does_not_recompile():
     from _kernel_checks import compiled_keys
 
     ins = _inputs(3, 1, 1, 100, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
     _, mod = kda_bwd._module(False, False)
-    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_intra1",
-                                           "kda_bwd_intra2")]
+    fns = [getattr(mod, name) for name in ("kda_bwd_prep", "kda_bwd_seq", "kda_bwd_intra1", "kda_bwd_intra2")]
     before = [compiled_keys(fn) for fn in fns]
     ins = _inputs(3, 1, 1, 171, 64, 64, device="cuda")
     _run(*ins, scalar_gate=False, chunk=64)
