@@ -73,7 +73,10 @@ kda_bwd_intra2 and kda_bwd_prep, ``C − 1`` dependent row steps for ``M``; 8 wa
 the state kernels 8 warps / 2 stages); K = V = 64: 1.47 → 1.14 ms (prep 0.265, states 0.140,
 dstates 0.323, intra1 0.103, intra2 0.299); K = V = 256: 5.59 → 4.47 ms (4.41 with BLOCK_K =
 BLOCK_V = 64, 8 warps, 1 stage). Relative errors against float64 ~1.5e-3 (dg 3e-3) at every K.
-NOT MEASURED: the current version (round 2) —
+Round 2 (below), MEASURED the same way: **1.40 ms** at K = V = 128 (prep 0.416, seq 0.299, intra1
+0.205, intra2 0.472), 0.756 ms at K = V = 64, 3.65 ms at K = V = 256 (the _BIG_K state settings;
+4.07 with round 2's first K > 128 guess); same errors; FLA chunk_kda's forward+backward is 2.92
+ms at 128. Round 2's changes —
 - kda_bwd_intra2: ``dq``, both parts of ``dk`` and ``dG`` accumulated in registers and stored once
   (round 1 read and wrote dQ, dK and dG back once per sub-block and twice more);
   kda_bwd_intra1 no longer writes dG;
@@ -325,8 +328,11 @@ _TABLE = {
 }
 
 
-#: sm90 defaults for K > 128 (where the user config does not give them): module docstring.
-_BIG_K = {"num_warps_state": 8, "fuse_sequential": False}
+#: sm90 defaults for K > 128 (where the user config does not give them): module docstring. The
+#: state kernels' BLOCK_VS 32 / 2 stages MEASURED on the H100 (B=1, T=4096, H=16, K=V=256, bf16,
+#: 2026-11-24): backward 3.65 ms against 4.07 with BLOCK_VS 16 / 1 stage (states 0.48 / dstates
+#: 0.54 ms against 0.66 / 0.75), and against 3.92 with the fused passes.
+_BIG_K = {"num_warps_state": 8, "fuse_sequential": False, "BLOCK_VS": 32, "num_stages_state": 2}
 
 
 def candidate_configs(device) -> list[dict]:
