@@ -410,3 +410,20 @@ def test_descriptor_kernels_compile_for_sm90(desc, causal, cfg):
     args = [*ptrs, lse, *q.stride(), *q.stride(), *q.stride(), *out.stride(), h, 1, n, n, 0, 0.125]
     need = launch.compiled_shared_memory(mod.attention_fwd_kernel, args, kw, GPUTarget("cuda", 90, 32))
     assert 0 < need <= 232448, need
+
+
+@pytest.mark.parametrize("desc", ("none",) + DESC)
+def test_a_full_tile_scored_minus_inf_by_an_infinite_key(force, desc):
+    """An infinite key component makes a row score a whole full (unmasked, in-range) tile -inf:
+    eager weighs those keys 0 and the row stays finite; the kernel must too (the -inf guard on
+    the running max holds on full tiles, not only on boundary ones)."""
+    force(desc)
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 200, 32), torch.randn(1, 2, 200, 32), torch.randn(1, 2, 200, 32)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[:, :, :64, 0] = float("-inf")  # the first key tiles (BLOCK_N <= 64) score -inf in every row
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.2, -1) @ v.double()
+    assert not ref.isnan().any()
+    with launch.poison_outputs():
+        out, _ = attention.forward(q, k, v, scale=0.2, causal="none")
+    assert (out.double() - ref).abs().max().item() < 1e-4
