@@ -55,7 +55,8 @@ cold first: the warm row reuses the cold row's directories), ``--layers``, ``--h
 ``--cache-root``, ``--child-timeout`` (s, default 240), ``--budget-s`` (default 300), ``--out``,
 ``--out-dir`` (or env ``FUSER_BENCH_OUT_DIR``), ``--fuser-option key=value``, ``--device``,
 ``--seed``, ``--profile TOP`` (cProfile each first call; its TOP functions by cumulative and own
-time to ``compile_time_profile_<workload>_<caches>_<backend>.txt`` in ``--out-dir``; slows the
+time to ``compile_time_profile_<workload>_<caches>_<backend>.txt`` in ``--out-dir``, the whole
+profile beside it as ``.prof`` for ``pstats``; slows the
 first call), ``--smoke`` (1 layer, hidden 64, 4 heads, 2 KV heads, vocab 128, B=2, N=64, fp32, the
 prefill workload unless ``--workloads`` says otherwise; fuser's kernels in Triton's interpreter;
 results to ``compile_time_smoke.md``; on a 2-core CPU each process takes ~10-30 s, most of it
@@ -258,15 +259,18 @@ def cache_cell(c: Optional[dict]) -> str:
 
 
 def write_profile(profiler, path: str, top: int) -> None:
-    """The ``top`` functions of a cProfile of the first call, by cumulative and by own time."""
+    """The ``top`` functions of a cProfile of the first call, by cumulative and by own time, to
+    ``path``; the whole profile beside it (``<path without .txt>.prof``, for ``pstats``: callers
+    and callees)."""
     import io
     import pstats
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(str(Path(path).with_suffix(".prof")))
     buf = io.StringIO()
     stats = pstats.Stats(profiler, stream=buf)
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(buf.getvalue())
 
 

@@ -130,11 +130,12 @@ def _pads(t_len: int) -> tuple[int, int]:
 
 
 def _cfg(*, gram_tile=2048, gram_steps=4, reduce_over=8192, block_kp=16, block_vp=64, block_vs=64, block_k=32,
-         block_v=128, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2, precision="tf32x3") -> dict:
+         block_v=128, v_tiles=1, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2,
+         precision="tf32x3") -> dict:
     return {"GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
             "BLOCK_KP": block_kp, "BLOCK_VP": block_vp, "BLOCK_VS": block_vs, "BLOCK_K": block_k, "BLOCK_V": block_v,
-            "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve, "num_warps": warps,
-            "num_stages": stages, "DOT_PRECISION": precision}
+            "V_TILES": v_tiles, "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve,
+            "num_warps": warps, "num_stages": stages, "DOT_PRECISION": precision}
 
 
 def _pick_block_vs(v_pad: int, t_pad: int, n_rows: Optional[int], top: int) -> int:
@@ -164,7 +165,8 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
         exceeds it (else every solve program sums them); ``BLOCK_KP``, ``BLOCK_VP``: the h0
         projection's ``[BLOCK_KP, BLOCK_VP]`` state tile (key splits chosen to fill the GPU);
         ``BLOCK_VS``: value columns per solve program; ``BLOCK_K``, ``BLOCK_V``: the final-state
-        tile per state program; ``WARPS_PREP``, ``WARPS_SOLVE``, ``num_warps`` (state kernel):
+        tile per state program, ``V_TILES`` such tiles side by side along V per state program
+        (the keys' decays formed once for all of them); ``WARPS_PREP``, ``WARPS_SOLVE``, ``num_warps`` (state kernel):
         warps; ``num_stages`` (prep and state kernels); ``DOT_PRECISION``: ``"ieee"`` (float32
         FMA dots) or ``"tf32x3"``.
 
@@ -176,12 +178,18 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
             that its grid reaches about two programs per SM.
         t_len: the sequence length, if known (default: 16, the short-sequence target).
 
-    GPU rows are guesses, NOT MEASURED (register counts from offline sm_90 compiles only): the
-    final state by the token loop in ``32 × 128`` float32 tiles at 4 warps (alternatives ``64 ×
-    128`` at 8 warps, ``16 × 128`` at 2, and the ``tl.dot`` form); ``[TG, TG, BLOCK_KG]`` Gram
-    tiles of 2048 elements, four steps a program; the h0 projection in ``[16, 64]`` state tiles,
-    two stages; 3xTF32 ``tl.dot`` (``DOT_PRECISION="tf32x3"``: tensor cores at about float32
-    accuracy) for the projection, the solve and the dot form of the state.
+    GPU rows (sm90 measured on the H100, torch 2.11 / Triton 3.6, at the kernel blogs' shapes
+    B=1, T=8, H=2, K×V = 256×8192, 512×16384, 8192×1024, 16384×1024, bf16; device time per kernel
+    from ``torch.profiler``; ``benchmarks/results/kda_parallel_tuning.md``): the final state by
+    one 3xTF32 ``tl.dot`` per ``32 × 128`` tile at 4 warps (``STATE_DOT``): 8.7 / 26.8 / 24.8 /
+    47.6 µs, within 1.1-1.5x of writing the state at 3 TB/s, where the token loop of rank-1
+    updates took 33.7 / 104 / 109 / 210 µs (alternatives: the loop, 64-row tiles, several value
+    tiles per program: no faster); the Gram partials summed by the reduce launch as soon as there
+    are more than two (``REDUCE_OVER`` 128 elements: reduce + solve 8.4 / 8.7 / 11.3 µs at the
+    last three shapes where every solve program summing the partials took 12.1 / 25.7 / 46.6 µs);
+    ``[TG, TG, BLOCK_KG]`` Gram tiles of 2048 elements, four steps a program (GRAM_STEPS 1, 2,
+    16, 64 and tiles of 1024, 4096: slower or no faster); the h0 projection in ``[16, 64]`` state
+    tiles, two stages (NOT MEASURED: the blog shapes have no h0).
     """
     if k_dim < 1 or v_dim < 1:
         raise ValueError(f"K and V must be >= 1, got K={k_dim}, V={v_dim}")
@@ -202,21 +210,22 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
     bvs = _pick_block_vs(v_pad, t_pad, n_rows, 128)
     bk, bv = min(32, k_pad), min(128, v_pad)
     base = dict(block_vs=bvs, block_kp=16, block_vp=min(64, v_pad))
+    base = dict(base, reduce_over=128)
     cands = [
-        # the final state by the token loop, [32, 128] tiles at 4 warps (96-128 registers on sm_90)
-        _cfg(**base, block_k=bk, block_v=bv, warps=4),
-        # bigger or smaller state tiles
-        _cfg(**base, block_k=min(64, k_pad), block_v=bv, warps=8),
-        _cfg(**base, block_k=min(16, k_pad), block_v=bv, warps=2),
-        # the final state by one tl.dot (3xTF32 mma)
+        # the final state by one tl.dot (3xTF32 mma) per [32, 128] tile at 4 warps; the Gram
+        # partials summed by the reduce launch when there are more than two (T=8)
         _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True),
+        # four value tiles a program, deeper prefetch (within 5% of the first)
+        _cfg(**base, block_k=bk, block_v=bv, v_tiles=4, warps=4, state_dot=True, stages=3),
+        # the final state by the token loop of rank-1 updates (3-4x slower at T=8; no tensor cores)
+        _cfg(**base, block_k=bk, block_v=bv, warps=4),
+        # the partials summed in every solve program (no reduce launch; slower past two partials)
+        _cfg(**dict(base, reduce_over=8192), block_k=bk, block_v=bv, warps=4, state_dot=True),
         # wider h0 projection tiles, deeper prefetch
         _cfg(**dict(base, block_kp=32, block_vp=min(128, v_pad)), block_k=bk, block_v=bv, warps=4, warps_prep=8,
-             stages=3),
+             stages=3, state_dot=True),
         # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
-        _cfg(**base, block_k=bk, block_v=bv, warps=4, precision="ieee"),
-        # fewer, longer Gram programs
-        _cfg(**base, block_k=bk, block_v=bv, warps=4, gram_steps=16),
+        _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True, precision="ieee"),
     ]
     if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
         for c in cands:
@@ -241,7 +250,7 @@ def _normalise(cfg: dict) -> dict:
     _pow2(cfg, "GRAM_TILE", 32)
     for key in ("BLOCK_KP", "BLOCK_VP", "BLOCK_VS", "BLOCK_K", "BLOCK_V"):
         _pow2(cfg, key, 16)  # tl.dot operands: every dimension >= 16
-    for key in ("GRAM_STEPS", "REDUCE_OVER"):
+    for key in ("GRAM_STEPS", "REDUCE_OVER", "V_TILES"):
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
             raise ValueError(f"config {key} must be an int >= 1, got {cfg.get(key)!r}")
     for key in ("WARPS_PREP", "WARPS_SOLVE", "num_warps"):
@@ -316,7 +325,7 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
 
 def workspace_elements(n: int, t: int, kd: int, vd: int, *, initial_state: bool, output_final_state: bool,
                        config: dict) -> int:
-    """Float32 elements of the scratch buffer one :func:`forward` call allocates (Gram partials,
+    """Float32 elements of the scratch buffers one :func:`forward` call allocates (Gram partials,
     projection partials with h0, Δ with the final state) under ``config`` (a checked config,
     :func:`choose_config`)."""
     return _plan(config, n, t, kd, vd, initial_state, output_final_state)["WORK"]
@@ -453,8 +462,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         g = g.unsqueeze(-1).expand(n, t, kd)
     interpret = launch.interpreted(device)
     _, module = _module(has_h0, bool(output_final_state), interpret)
-    work = torch.empty(plan["WORK"], dtype=torch.float32, device=device)
-    args = [q, k, v, g, beta, o_arg, work] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
+    # one tensor per workspace, not slices of one buffer: when Inductor launches the kernels, a kernel
+    # writing a slice makes its functionalisation copy the slice out and back (six small copy kernels)
+    spaces = [torch.empty(plan[key], dtype=torch.float32, device=device)
+              for key, used in (("APART", True), ("PPART", has_h0), ("DELTA", final is not None)) if used]
+    args = [q, k, v, g, beta, o_arg, *spaces] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
     with launch.launching(interpret):
         module.launch_kda_parallel(*args, scale=scale, plan=plan, o_rows=o_rows)
     return finish_out(o, o_arg), final

@@ -25,6 +25,8 @@ from fuser.patterns.kda_reference import recurrent
 DOT = {"STATE_DOT": True}                              # the final state by one tl.dot
 NO_REDUCE = {"REDUCE_OVER": 1 << 30}                   # every solve program sums the Gram partials
 FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per row
+TILES = {"V_TILES": 3, "BLOCK_V": 16}                  # three value tiles per state program (ragged: V=40)
+DOT_TILES = {"STATE_DOT": True, "V_TILES": 2, "BLOCK_V": 16}
 
 
 def _check(*args, **kwargs):
@@ -67,12 +69,15 @@ def test_raw_keys_and_strong_decay(t):
     _check(q, k, v, g, beta, h0)
 
 
-@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS], ids=["state_dot", "no_reduce", "one_gram_program"])
+@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS, TILES, DOT_TILES],
+                         ids=["state_dot", "no_reduce", "one_gram_program", "v_tiles", "state_dot_v_tiles"])
 def test_config_variants(config):
     # the final state by tl.dot instead of the token loop; the Gram partials summed in every solve
-    # program instead of a reduce launch; one Gram program over all channels: the same results
+    # program instead of a reduce launch; one Gram program over all channels; several value tiles
+    # per state program (V=40 in tiles of 16: the third tile half past V, a second program's tiles
+    # all past it): the same results
     q, k, v, g, beta, h0 = _inputs(5, 1, 2, 37, 300, 40, h0=True, strong_decay=True)
-    t = 37 if config is not DOT else 11
+    t = 37 if not config.get("STATE_DOT") else 11
     q, k, v, g, beta = q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t]
     _check(q, k, v, g, beta, h0, config=config)
 
@@ -210,6 +215,7 @@ def _bad(**change):
     (dict(config={"DOT_PRECISION": "tf32"}), r"DOT_PRECISION"),
     (dict(config={"VARIANT": "registers"}), r"unknown config keys \['VARIANT'\]"),
     (dict(config={"num_warps": 3}), r"num_warps"),
+    (dict(config={"V_TILES": 0}), r"V_TILES must be an int >= 1"),
 ])
 def test_bad_inputs(change, match):
     kw = _bad(**change)
@@ -271,8 +277,9 @@ def test_gpu_blog_shapes(kd, vd, h0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, DOT, NO_REDUCE, {"DOT_PRECISION": "ieee"}],
-                         ids=["default", "state_dot", "no_reduce", "ieee"])
+@pytest.mark.parametrize("config", [None, DOT, NO_REDUCE, {"DOT_PRECISION": "ieee"}, {"STATE_DOT": False},
+                                    {"STATE_DOT": True, "V_TILES": 3, "BLOCK_V": 64}],
+                         ids=["default", "state_dot", "no_reduce", "ieee", "token_loop", "state_dot_v_tiles"])
 @pytest.mark.parametrize("t", [1, 8, 16, 37, 64])
 def test_gpu_lengths_and_configs(config, t):
     q, k, v, g, beta, h0 = _inputs(11, 4, 2, t, 300, 200, device=GPU, h0=True, strong_decay=True)
