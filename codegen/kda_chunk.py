@@ -166,7 +166,10 @@ everywhere by ~23% (:func:`dot_flops`); on the H100 (same runs) the forward took
 1.73 ms at K=V = 64/128/256 against 0.617 / 1.04 / 2.35 ms with ``tf32x3`` everywhere.
 
 Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
-``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
+``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; or each with
+its rows as lead dims (``[*lead, T, *]``, e.g. ``[B, H, T, K]`` views of FLA's ``[B, T, H, K]``),
+read in place when they merge into at most two stride groups
+(``kda_recurrent.input_rows``; a contiguous copy only for three); ``T`` a run-time
 argument (a new length does not recompile), ``K`` and ``V`` compile-time (any positive values,
 masked to the blocks).
 """
@@ -701,7 +704,11 @@ def forward(
             below :data:`GATE_FLOOR` are raised to it in the kernels (−inf: a hard reset; NaN
             stays NaN).
             beta: ``[N, T]``. Any of float32 / float16 / bfloat16 each (they may differ), any
-            strides (never copied). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
+            strides (never copied). Each may instead carry its rows as lead dims (at least one):
+            q, k ``[*lead_q, T, K]``, v ``[*lead, T, V]``, g ``[*lead, T(, K)]``, beta ``[*lead,
+            T]`` (``kda_recurrent.check_inputs`` with ``lead_dims``), read in place when the lead
+            dims merge into at most two stride groups, else copied once
+            (``kda_recurrent.input_rows``). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
         scale: multiplies q (e.g. ``K ** -0.5``).
         initial_state: ``[N, K, V]`` (any float dtype and strides) or None (zeros).
         output_final_state: also return the state after the last token.
