@@ -125,22 +125,53 @@ SAVED_KEYS = ("chunk_states",)
 # --------------------------------------------------------------------------------------------
 
 
-def _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate):
-    """(NQ, N, T, K, V, group) after checking the kernel interface's shapes (ValueError)."""
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    nq, t, kd = q.shape
-    if v.dim() != 3 or v.shape[1] != t or nq == 0 or v.shape[0] % nq:
-        raise ValueError(f"v must be [N, T, V] with T={t} and N a multiple of NQ={nq}, got {tuple(v.shape)}")
-    n, _, vd = v.shape
+def _rows_shape(x, tail: int):
+    """``(prod(lead), trailing dims)`` of ``x`` ``[*lead, *tail dims]`` with at least one lead dim,
+    or None when ``x`` has too few dims."""
+    if x.dim() <= tail:
+        return None
+    rows = 1
+    for d in x.shape[:x.dim() - tail]:
+        rows *= int(d)
+    return rows, tuple(x.shape[x.dim() - tail:])
+
+
+def _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, lead_dims: bool = False):
+    """(NQ, N, T, K, V, group) after checking the kernel interface's shapes (ValueError).
+
+    With ``lead_dims`` (:func:`backward`) an input may carry its rows as several lead dims (at
+    least one), row ``n`` the row-major index over them: q, k ``[*lead_q, T, K]`` (one shape,
+    ``prod(lead_q) = NQ``), v and do ``[*lead, T, V]``, g ``[*lead, T(, K)]``, beta ``[*lead,
+    T]`` with ``prod(lead) = N`` for each (``codegen/kda_recurrent.input_rows`` addresses them)."""
+    if lead_dims:
+        sq, sv = _rows_shape(q, 2), _rows_shape(v, 2)
+        if sq is None or k.shape != q.shape:
+            raise ValueError(f"q and k must be [NQ, T, K] (or [*lead, T, K]) of one shape, got {tuple(q.shape)} and "
+                             f"{tuple(k.shape)}")
+        nq, (t, kd) = sq
+        if sv is None or sv[1][0] != t or nq == 0 or sv[0] % nq:
+            raise ValueError(f"v must be [N, T, V] (or [*lead, T, V]) with T={t} and N a multiple of NQ={nq}, got "
+                             f"{tuple(v.shape)}")
+        n, (_, vd) = sv
+        same = lambda x, tail, want: _rows_shape(x, tail) == (n, want)  # noqa: E731
+        note = " (or [*lead, ...] with prod(lead) = N)"
+    else:
+        if q.dim() != 3 or k.shape != q.shape:
+            raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+        nq, t, kd = q.shape
+        if v.dim() != 3 or v.shape[1] != t or nq == 0 or v.shape[0] % nq:
+            raise ValueError(f"v must be [N, T, V] with T={t} and N a multiple of NQ={nq}, got {tuple(v.shape)}")
+        n, _, vd = v.shape
+        same = lambda x, tail, want: tuple(x.shape) == (n, *want)  # noqa: E731
+        note = ""
     want_g = (n, t) if scalar_gate else (n, t, kd)
-    if tuple(g.shape) != want_g:
-        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+    if not same(g, 1 if scalar_gate else 2, want_g[1:]):
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}{note}"
                          f"{' (scalar_gate=True)' if scalar_gate else ''}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (n, t):
-        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
-    if tuple(do.shape) != (n, t, vd):
-        raise ValueError(f"do (the gradient of o) must be [N, T, V] = {(n, t, vd)}, got {tuple(do.shape)}")
+    if not same(beta, 1, (t,)):
+        raise ValueError(f"beta must be [N, T] = {(n, t)}{note}, got {tuple(beta.shape)}")
+    if not same(do, 2, (t, vd)):
+        raise ValueError(f"do (the gradient of o) must be [N, T, V] = {(n, t, vd)}{note}, got {tuple(do.shape)}")
     for name, x in (("initial_state", initial_state), ("d_final_state", d_final_state)):
         if x is not None and tuple(x.shape) != (n, kd, vd):
             raise ValueError(f"{name} must be [N, K, V] = {(n, kd, vd)}, got {tuple(x.shape)}")
@@ -254,9 +285,13 @@ def reference_backward(q, k, v, g, beta, do, *, scale: float, initial_state=None
 
 
 def bwd_kernel(*, scalar_gate: bool, interpret: bool) -> RenderedKernel:
-    """Render the KDA backward kernel module (all four kernels) of one static variant."""
+    """Render the KDA backward kernel module (all four kernels) of one static variant; the gates
+    are floored at ``kda_chunk.GATE_FLOOR`` where kda_bwd_prep loads them (as the chunked
+    forward's kernels do)."""
+    from .kda_chunk import GATE_FLOOR
+
     name = "kda_bwd" + ("_scalar" if scalar_gate else "") + ("_interp" if interpret else "")
-    return render(TEMPLATE, name, scalar_gate=bool(scalar_gate), interpret=bool(interpret))
+    return render(TEMPLATE, name, scalar_gate=bool(scalar_gate), interpret=bool(interpret), gate_floor=GATE_FLOOR)
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,7 +437,7 @@ def _launch(kernel, grid, args, kwargs, stages: int) -> None:
 
 
 def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved):
-    dims = _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate)
+    dims = _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, lead_dims=True)
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
              "d_final_state": d_final_state}
     for name, x in named.items():
@@ -440,7 +475,13 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         q, k: ``[NQ, T, K]``; v: ``[N, T, V]`` with ``N = NQ·group`` (value row n reads q/k row
             ``n // group``); g: ``[N, T, K]`` log decay per key channel, or ``[N, T]`` with
             ``scalar_gate``; beta: ``[N, T]``; do: ``[N, T, V]`` the gradient of ``o``. Any of
-            float32 / float16 / bfloat16 (they may differ), any strides (never copied).
+            float32 / float16 / bfloat16 (they may differ), any strides. Each may also carry
+            its rows as lead dims (at least one): q, k ``[*lead_q, T, K]``, v, do ``[*lead, T,
+            V]``, g ``[*lead, T(, K)]``, beta ``[*lead, T]`` (e.g. FLA's ``[B, T, H, *]`` as the
+            views ``movedim(1, -2)``), read in place when the lead dims merge into at most two
+            stride groups, else copied once (``kda_recurrent.input_rows``). Gates below
+            ``kda_chunk.GATE_FLOOR`` are raised to it as they are loaded (−inf: a hard reset,
+            its dg 0; NaN stays NaN), as in the chunked forward.
         scale: the factor on q (``o_t = Sᵀ(scale·q_t)``).
         initial_state: ``[N, K, V]`` or None (zeros; then no dh0).
         d_final_state: ``[N, K, V]`` the gradient of the final state when the forward returned it;
@@ -474,9 +515,19 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     dev = q.device
     f32 = torch.float32
     if t == 0 or n == 0 or kd == 0 or vd == 0:
-        return _empty_grads(q, k, v, g, beta, initial_state, d_final_state)
+        return _empty_grads((nq, n, t, kd, vd, group), scalar_gate, initial_state, d_final_state, dev)
     cfg = _config(config, dev, kd)
     interpret = launch.interpreted(dev)
+    # every input's rows as at most two stride groups (a contiguous copy only for three or more)
+    from .kda_recurrent import input_rows
+
+    (q, rw_q), (k, rw_k), (v, rw_v), (g, rw_g), (beta, rw_b), (do, rw_do) = (
+        input_rows(x, tail) for x, tail in ((q, 2), (k, 2), (v, 2), (g, 1 if scalar_gate else 2), (beta, 1),
+                                            (do, 2)))
+
+    def st(x, rows, tail=2):  # the kernels' stride arguments of an input: its row groups, then time (and feature)
+        return (*rows, *x.stride()[-tail:])
+
     _, mod = _module(bool(scalar_gate), interpret)
     all32 = all(x.dtype == f32 for x in (q, k, v, g, beta, do))
     precision = launch.dot_precision(f32) if all32 else "tf32"
@@ -521,7 +572,7 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     with launch.launching(interpret):
         _launch(mod.kda_bwd_prep, (nc, n), (
             q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
-            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *do.stride(),
+            *st(q, rw_q), *st(k, rw_k), *st(v, rw_v), *st(g, rw_g, 1 if scalar_gate else 2), *st(beta, rw_b, 1), *st(do, rw_do),
             t, nc, group, float(scale)), *par("prep"))
         if cfg["fuse_sequential"] and states_in is None:
             # the two recurrences side by side in one launch (even programs S, odd ones dS')
@@ -544,12 +595,12 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         _launch(mod.kda_bwd_intra1, (nc, n), (
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
             dk_v, dv, dbeta,
-            *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *states.stride(),
+            *st(k, rw_k), *st(v, rw_v), *st(beta, rw_b, 1), *st(do, rw_do), *states.stride(),
             t, group), *par("intra1"))
         _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, kc["intra2"]["BLOCK_K"])), (
             q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
             dq_v, dk_v, dg,
-            *q.stride(), *k.stride(), *do.stride(), *states.stride(),
+            *st(q, rw_q), *st(k, rw_k), *st(do, rw_do), *states.stride(),
             t, nc, group, float(scale)), *par("intra2"))
     if group > 1:
         dq = dq_v.view(nq, group, t, kd).sum(1)
@@ -559,14 +610,17 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def _empty_grads(q, k, v, g, beta, initial_state, d_final_state):
-    """The gradients when there is nothing to compute (T, N, K or V zero): zeros, and dh0 the
-    gradient of the final state (the final state is the initial state when T = 0)."""
+def _empty_grads(dims, scalar_gate, initial_state, d_final_state, device):
+    """The gradients when there is nothing to compute (T, N, K or V zero; ``dims`` = (NQ, N, T,
+    K, V, group)): zeros in :func:`backward`'s shapes (``[NQ, T, K]``, ..., whatever the inputs'
+    lead dims), and dh0 the gradient of the final state (the final state is the initial state
+    when T = 0)."""
+    nq, n, t, kd, vd, _ = dims
     f32 = torch.float32
-    z = lambda x: torch.zeros(x.shape, dtype=f32, device=q.device)  # noqa: E731
+    z = lambda *shape: torch.zeros(shape, dtype=f32, device=device)  # noqa: E731
     dh0 = None
     if initial_state is not None:
-        dh0 = torch.zeros(initial_state.shape, dtype=f32, device=q.device)
-        if d_final_state is not None and q.shape[1] == 0:
+        dh0 = torch.zeros(initial_state.shape, dtype=f32, device=device)
+        if d_final_state is not None and t == 0:
             dh0 += d_final_state.to(f32)
-    return z(q), z(k), z(v), z(g), z(beta), dh0
+    return (z(nq, t, kd), z(nq, t, kd), z(n, t, vd), z(n, t) if scalar_gate else z(n, t, kd), z(n, t), dh0)

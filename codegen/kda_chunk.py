@@ -166,7 +166,10 @@ everywhere by ~23% (:func:`dot_flops`); on the H100 (same runs) the forward took
 1.73 ms at K=V = 64/128/256 against 0.617 / 1.04 / 2.35 ms with ``tf32x3`` everywhere.
 
 Gates and shapes: ``q, k [NQ, T, K]``, ``v [N, T, V]``, ``g [N, T, K]`` (``[N, T]`` with
-``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; ``T`` a run-time
+``scalar_gate``), ``beta [N, T]``, ``N = NQ · group``; any strides, never copied; or each with
+its rows as lead dims (``[*lead, T, *]``, e.g. ``[B, H, T, K]`` views of FLA's ``[B, T, H, K]``),
+read in place when they merge into at most two stride groups
+(``kda_recurrent.input_rows``; a contiguous copy only for three); ``T`` a run-time
 argument (a new length does not recompile), ``K`` and ``V`` compile-time (any positive values,
 masked to the blocks).
 """
@@ -179,7 +182,7 @@ from typing import Optional
 import torch
 
 from . import launch
-from .kda_recurrent import finish_out, out_buffer
+from .kda_recurrent import check_inputs, finish_out, inputs_rows, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -665,38 +668,15 @@ def exps(*, n, t, k_dim, chunk: int = 64, scalar_gate: bool = False, pairwise_di
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+    """:func:`fuser.codegen.kda_recurrent.check_inputs` with lead dims (q, k ``[*lead_q, T, K]``,
+    v ``[*lead, T, V]``, g, beta likewise, or the plain ``[N, T, *]``), ``NQ ≥ 1``, and K within
+    this module's limits: ``(N, NQ, T, K, V)``. Raises ValueError naming the input."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
-        if x.dtype not in launch.DTYPES:
-            raise ValueError(f"{name} has dtype {x.dtype}; the KDA kernels take float32, float16 or bfloat16 "
-                             "(cast it first)")
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    nq, t, k_dim = q.shape
-    if v.dim() != 3 or v.shape[1] != t:
-        raise ValueError(f"v must be [N, T, V] with T={t} (q's), got {tuple(v.shape)}")
-    n, _, v_dim = v.shape
-    if nq == 0 or n % nq:
+    nq, n, t, k_dim, v_dim = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, lead_dims=True)
+    if nq == 0:
         raise ValueError(f"v's N={n} must be a positive multiple of q's NQ={nq} (grouped value heads)")
-    want_g = (n, t) if scalar_gate else (n, t, k_dim)
-    if tuple(g.shape) != want_g:
-        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
-                         f"{' (scalar_gate=True)' if scalar_gate else ''}, got {tuple(g.shape)}"
-                         + ("; pass scalar_gate=True for a gate per token" if g.shape == (n, t) else "")
-                         + ("; pass scalar_gate=False for a per-channel gate" if g.shape == (n, t, k_dim) and scalar_gate else ""))
-    if tuple(beta.shape) != (n, t):
-        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in launch.DTYPES:
-            raise ValueError("initial_state must be a float32, float16 or bfloat16 tensor [N, K, V] or None")
-        if tuple(initial_state.shape) != (n, k_dim, v_dim):
-            raise ValueError(f"initial_state must be [N, K, V] = {(n, k_dim, v_dim)}, got {tuple(initial_state.shape)}")
-    devices = {x.device for x in (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    if out_dtype is not None and out_dtype not in launch.DTYPES:
-        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     _check_dims(k_dim, v_dim)
     return n, nq, t, k_dim, v_dim
 
@@ -724,7 +704,11 @@ def forward(
             below :data:`GATE_FLOOR` are raised to it in the kernels (−inf: a hard reset; NaN
             stays NaN).
             beta: ``[N, T]``. Any of float32 / float16 / bfloat16 each (they may differ), any
-            strides (never copied). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
+            strides (never copied). Each may instead carry its rows as lead dims (at least one):
+            q, k ``[*lead_q, T, K]``, v ``[*lead, T, V]``, g ``[*lead, T(, K)]``, beta ``[*lead,
+            T]`` (``kda_recurrent.check_inputs`` with ``lead_dims``), read in place when the lead
+            dims merge into at most two stride groups, else copied once
+            (``kda_recurrent.input_rows``). ``1 ≤ K ≤ 256``, ``V ≥ 1``, any ``T ≥ 0``.
         scale: multiplies q (e.g. ``K ** -0.5``).
         initial_state: ``[N, K, V]`` (any float dtype and strides) or None (zeros).
         output_final_state: also return the state after the last token.
@@ -801,12 +785,15 @@ def forward(
     precision = input_precision(dots, interpret=interpret)
     _, prep = _prep_module(chunk, bool(scalar_gate), interpret, out_prec)
     group = n // nq
+    # the inputs' rows as at most two stride groups each: no copy ([B, H, T, *] views of FLA's layout included)
+    ins, rows = inputs_rows(q, k, v, g, beta, bool(scalar_gate))
 
     def run(cfg):
         _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret, out_prec)
         with launch.launching(interpret):
-            prep.launch_prep(q, k, v, g, beta, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
-                             ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision)
+            prep.launch_prep(*ins, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
+                             ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision,
+                             rows=rows)
             scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o_arg, initial_state,
                              final, states, config=cfg, input_precision=precision, o_rows=o_rows)
 

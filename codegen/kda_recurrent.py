@@ -42,7 +42,9 @@ Variants (:data:`VARIANTS`, the ``VARIANT`` key of a config):
 
 Sizes: ``T`` is a runtime argument (``do_not_specialize``: a new sequence length does not
 recompile); ``K``, ``V`` and the blocks are compile-time constants. Any T ≥ 0, K, V ≥ 1 (masked
-to the blocks, no power of two needed). Inputs of any strides (never copied), float32 / float16 /
+to the blocks, no power of two needed). Inputs of any strides, their rows as lead dims in up to two
+stride groups (``[B, H, T, K]`` views of FLA's ``[B, T, H, K]``: :func:`input_rows`; never copied,
+but for three groups that do not merge), float32 / float16 /
 bfloat16 each (they may differ); arithmetic in float32.
 """
 
@@ -58,7 +60,8 @@ from . import launch
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "check_out",
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "check_out", "check_inputs",
+    "input_rows", "inputs_rows", "row_groups",
     "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
 ]
 
@@ -306,10 +309,26 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, variant: s
 # --------------------------------------------------------------------------------------------
 
 
-def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
+def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, *, lead_dims: bool = False):
     """The checks every KDA forward launcher makes of the interface's shapes, dtypes and devices
     (q, k ``[NQ, T, K]``, v ``[N, T, V]``, g ``[N, T, K]`` or ``[N, T]``, beta ``[N, T]``, h0
     ``[N, K, V]``; float32/float16/bfloat16 on one device).
+
+    With ``lead_dims`` (the launchers that address their inputs' rows as stride groups,
+    :func:`input_rows`) each input may instead carry its rows as several lead dims, row ``n`` the
+    row-major index over them: q, k ``[*lead_q, T, K]`` (one shape, ``prod(lead_q) = NQ``), v
+    ``[*lead, T, V]`` (``prod(lead) = N``), g ``[*lead_g, T, K]`` (``[*lead_g, T]`` with
+    ``scalar_gate``) and beta ``[*lead_b, T]`` with ``prod(lead_g) = prod(lead_b) = N`` (e.g.
+    every input of FLA's ``[B, T, H, *]`` layout ``movedim(1, -2)``-ed: ``[B, H, T, *]``, a view).
+    At least one lead dim each (one row: ``[1, T, K]``, as ``out=`` takes it). h0 stays ``[N, K,
+    V]``.
 
     Returns:
         ``(NQ, N, T, K, V)``.
@@ -321,23 +340,32 @@ def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [NQ, T, K] of one shape (flatten batch and heads into NQ), got "
+    lead_note = " (or [*lead, T, *] with prod(lead) = the rows, at least one lead dim)" if lead_dims else ""
+    if (q.dim() < 3 if lead_dims else q.dim() != 3) or k.shape != q.shape:
+        raise ValueError(f"q and k must be [NQ, T, K]{lead_note} of one shape (flatten batch and heads into NQ), got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
-    nq, t, kd = q.shape
-    if v.dim() != 3 or v.shape[1] != t or (v.shape[0] % nq if nq else v.shape[0]):
-        raise ValueError(f"v must be [N, T={t}, V] with N a multiple of NQ={nq} (value row n reads "
+    nq, t, kd = _prod(q.shape[:-2]), q.shape[-2], q.shape[-1]
+    if (v.dim() < 3 if lead_dims else v.dim() != 3) or v.shape[-2] != t:
+        raise ValueError(f"v must be [N, T={t}, V]{lead_note} with N a multiple of NQ={nq} (value row n reads "
                          f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
-    n, _, vd = v.shape
+    n, vd = _prod(v.shape[:-2]), v.shape[-1]
+    if n % nq if nq else n:
+        raise ValueError(f"v must be [N, T={t}, V]{lead_note} with N a multiple of NQ={nq} (value row n reads "
+                         f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
     if kd < 1 or vd < 1:
         raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
     want_g = (n, t) if scalar_gate else (n, t, kd)
-    if tuple(g.shape) != want_g:
-        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}"
+    g_tail = g.dim() - (1 if scalar_gate else 2)
+    g_ok = (tuple(g.shape) == want_g if not lead_dims else
+            g_tail >= 1 and _prod(g.shape[:g_tail]) == n and tuple(g.shape[g_tail:]) == want_g[1:])
+    if not g_ok:
+        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}{lead_note}"
                          f"{' (scalar_gate=True)' if scalar_gate else ' (pass scalar_gate=True for one decay per token)'}"
                          f", got {tuple(g.shape)}")
-    if tuple(beta.shape) != (n, t):
-        raise ValueError(f"beta must be [N, T] = {(n, t)}, got {tuple(beta.shape)}")
+    b_ok = (tuple(beta.shape) == (n, t) if not lead_dims else
+            beta.dim() >= 2 and _prod(beta.shape[:-1]) == n and beta.shape[-1] == t)
+    if not b_ok:
+        raise ValueError(f"beta must be [N, T] = {(n, t)}{lead_note}, got {tuple(beta.shape)}")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
             shape = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
@@ -378,6 +406,43 @@ def row_groups(shape, strides) -> Optional[tuple[int, int, int]]:
     if len(groups) == 2:
         return groups[1][0], groups[0][1], groups[1][1]
     return None
+
+
+def input_rows(x: torch.Tensor, tail: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """How the kernels address the rows of an input ``x`` ``[*lead, T, F]`` (``tail = 2``: q, k,
+    v, a per-channel g, do) or ``[*lead, T]`` (``tail = 1``: beta, a scalar g), row ``n`` the
+    row-major index over ``lead``: ``(x_arg, (n_inner, stride_outer, stride_inner))`` with row
+    ``n`` of ``x_arg`` at ``(n // n_inner) · stride_outer + (n % n_inner) · stride_inner``
+    elements (the template macro ``row_offset``), its time and feature strides
+    ``x_arg.stride(-2)``, ``x_arg.stride(-1)`` (``[*lead, T]``: ``stride(-1)`` the time's).
+
+    No copy when the lead dims merge into at most two stride groups (:func:`row_groups`): any
+    ``[N, T, F]`` tensor; ``[B, T, H, F]`` with the time axis moved, ``[B, H, T, F]`` (FLA's
+    layout as a view, rows ``b·H + h``: ``(H, T·H·F, F)``); ``[B, H, T, F]`` itself; a time slice
+    ``narrow(-2, t0, T)`` of any of them (its offset is the tensor's own); a stride-0 broadcast
+    lead dim (rows that share memory are only read). Otherwise (three groups that do not merge,
+    e.g. ``permute`` of three lead dims) ``x_arg`` is a contiguous copy ``[N, T(, F)]`` and the
+    rows one group: never wrong, one copy. Zero-size inputs are returned as they are (nothing is
+    launched on them).
+
+    Raises:
+        ValueError: ``x`` has fewer than ``tail`` dims.
+    """
+    lead = x.dim() - tail
+    if lead < 0:
+        raise ValueError(f"an input of {tail} trailing dims has shape {tuple(x.shape)}")
+    rows = row_groups(x.shape[:lead], x.stride()[:lead])
+    if rows is None:
+        x = x.reshape(_prod(x.shape[:lead]), *x.shape[lead:]).contiguous()
+        rows = (1, x.stride(0), 0)
+    return x, rows
+
+
+def inputs_rows(q, k, v, g, beta, scalar_gate: bool):
+    """:func:`input_rows` of the five forward inputs: ``(tensors, rows)``, each a 5-tuple in the
+    order q, k, v, g, beta (the launchers' ``rows=``)."""
+    pairs = [input_rows(x, tail) for x, tail in ((q, 2), (k, 2), (v, 2), (g, 1 if scalar_gate else 2), (beta, 1))]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
 def check_out(out, *, n: int, t: int, v_dim: int, dtype: torch.dtype, device) -> Optional[tuple[int, int, int]]:
@@ -451,7 +516,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     Args:
         q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row
-            ``n // group`` (grouped value heads; batch and heads flattened batch-major).
+            ``n // group`` (grouped value heads; batch and heads flattened batch-major). Every
+            input may also carry its rows as lead dims (:func:`check_inputs` with ``lead_dims``):
+            q, k ``[*lead_q, T, K]``, v ``[*lead, T, V]``, g ``[*lead, T(, K)]``, beta ``[*lead,
+            T]``, e.g. FLA's ``[B, T, H, *]`` inputs as the views ``x.movedim(1, -2)`` (rows ``b·H
+            + h``; with grouped heads ``H_q`` for q/k, ``H_v`` for the rest): read in place when
+            the lead dims merge into at most two stride groups, else copied once
+            (:func:`input_rows`).
         g: log-space decay, ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``); ``g ≤ 0`` in
             practice (any value works: ``exp g`` multiplies the state).
         beta: ``[N, T]``, the delta-rule step size.
@@ -471,7 +542,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             groups (always for a contiguous tensor with the time axis moved anywhere), else
             through a contiguous temporary and a copy.
         Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never
-        copied), one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
+        copied, but for lead dims of three or more stride groups: :func:`input_rows`), one
+        device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
 
     Returns:
         ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when
@@ -480,11 +552,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     Raises:
         ValueError: wrong ranks or shapes (q/k ``[NQ, T, K]``, v ``[N, T, V]`` with ``N % NQ ==
-            0``, g, beta, initial_state), an unsupported dtype, tensors on different devices, a
+            0``, g, beta, initial_state, or their lead-dim forms), an unsupported dtype, tensors on different devices, a
             non-finite scale, a config that cannot work (:func:`choose_config`), or an ``out``
             of the wrong shape, dtype or device, or overlapping itself (:func:`check_out`).
     """
-    nq, n, t, kd, vd = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    nq, n, t, kd, vd = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, lead_dims=True)
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale}")
@@ -500,7 +572,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     interpret = launch.interpreted(device)
     has_h0 = initial_state is not None
     _, module = _module(cfg["VARIANT"], bool(scalar_gate), has_h0, bool(output_final_state), interpret)
-    args = [q, k, v, g, beta, o_arg] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
+    ins, rows = inputs_rows(q, k, v, g, beta, bool(scalar_gate))
+    args = list(ins) + [o_arg] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
     with launch.launching(interpret):
-        module.launch_kda_recurrent(*args, scale=scale, config=cfg, o_rows=o_rows)
+        module.launch_kda_recurrent(*args, scale=scale, config=cfg, o_rows=o_rows, rows=rows)
     return finish_out(o, o_arg), final

@@ -16,10 +16,13 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
     ``;dots=bfloat16`` and ``;output_precision=tf32|tf32x3|ieee``, the chunked kernels' dots:
     ``codegen/kda_chunk.forward``) or ``"plan=parallel"`` (:func:`parse_plan`).
 
-Inside, the ``L`` dims are flattened into one ``N`` and every input is viewed as ``[N, T, *]``
-(a copy when the layout needs one: the ``L`` dims do not merge into one stride, e.g. ``[B, T, H,
-K]`` with ``B > 1``), as the kernels in ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py``
-and ``codegen/kda_parallel.py`` take them. ``o`` is allocated in its final layout and the kernels
+Inside, the time axis of every input is moved next to the features: ``[*L, T, *]``, a view
+(:func:`as_rows`), whose rows (the ``L`` dims, flattened row-major into ``N``) the kernels of
+``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py`` and ``codegen/kda_bwd.py`` address as at
+most two stride groups: no input is copied for the op's layouts (``[B, T, H, K]``, ``[B, H, T,
+K]``, ``[T, B, H, K]``, time windows of them). The parallel plan (``codegen/kda_parallel.py``)
+still takes ``[N, T, *]`` (:func:`flatten`: a copy when the ``L`` dims do not merge into one
+stride, e.g. ``[B, T, H, K]`` with ``B > 1``). ``o`` is allocated in its final layout and the kernels
 write it in place (the launchers' ``out=``, its rows addressed as two stride groups): no copy
 follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` as they load
 them: no kernel runs before them either.
@@ -107,15 +110,37 @@ def flatten(x: torch.Tensor, time_dim: int, t0: int, steps: int, features: bool)
     return x.reshape(-1, steps)
 
 
-def _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate):
+def _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat: bool = True):
+    """``(lead, (q, k, v, g, beta))``: the inputs cut to ``[t0, t0 + steps)``, either flattened
+    (``flat``: ``[N, T, *]`` by :func:`flatten`, a copy when the lead dims do not merge into one
+    stride) or as the views :func:`as_rows` gives (``[*L, T, *]``, never a copy: the launchers
+    that address rows as two stride groups take them)."""
     tq, tk, tv, tg, tb = time_dims
     lead = _lead(q, tq)
     beta_rank = len(lead) + 1
     if beta.dim() == beta_rank + 1:  # [*L, 1] per step
         beta = beta.squeeze(-1)
-    return lead, (flatten(q, tq, t0, steps, True), flatten(k, tk, t0, steps, True),
-                  flatten(v, tv, t0, steps, True), flatten(g, tg, t0, steps, not scalar_gate),
-                  flatten(beta, tb if tb < beta.dim() else beta.dim() - 1, t0, steps, False))
+    cut = flatten if flat else as_rows
+    return lead, (cut(q, tq, t0, steps, True), cut(k, tk, t0, steps, True),
+                  cut(v, tv, t0, steps, True), cut(g, tg, t0, steps, not scalar_gate),
+                  cut(beta, tb if tb < beta.dim() else beta.dim() - 1, t0, steps, False))
+
+
+def as_rows(x: torch.Tensor, time_dim: int, t0: int, steps: int, features: bool) -> torch.Tensor:
+    """``x`` with its time axis ``time_dim`` cut to ``[t0, t0 + steps)`` as the view ``[*L, T, F]``
+    (``features``) or ``[*L, T]`` (``L`` the other dims; ``[1, T, *]`` without any), never a copy.
+
+    The launchers of ``codegen/kda_recurrent.py``, ``kda_chunk.py`` and ``kda_bwd.py`` address
+    the rows (the row-major index over ``L``) as at most two stride groups
+    (``kda_recurrent.input_rows``): moving the time axis of a tensor contiguous in any layout
+    leaves the ``L`` dims before it and those after it, each group contiguous with itself, so the
+    kernels read every input of the op's usual layouts in place (``[B, T, H, K]``: rows ``b·H +
+    h`` at ``b·T·H·K + h·K``). Only lead dims in three groups that do not merge (a permuted
+    tensor) make the launchers copy."""
+    if t0 or x.shape[time_dim] != steps:
+        x = x.narrow(time_dim, t0, steps)
+    x = x.movedim(time_dim, -2 if features else -1)
+    return x if x.dim() > (2 if features else 1) else x.unsqueeze(0)
 
 
 def _assemble(o_flat: torch.Tensor, lead: list, steps: int, out_dim: int) -> torch.Tensor:
@@ -141,15 +166,16 @@ def _output(lead: list, steps: int, v_dim: int, out_dim: int, dtype: torch.dtype
 #: decay is unchanged, while a gate of −inf (a hard reset, e.g. ``log(0)``) would make those
 #: kernels' differences of cumulative sums ``−inf − (−inf) = NaN``; a NaN gate stays NaN, as with
 #: ``clamp_min``. The recurrent kernel multiplies step by step and needs no floor. Defined in
-#: ``codegen/kda_chunk.py`` (the kernels render it in); the backward clamps with it
-#: (:func:`backward_kernels`).
+#: ``codegen/kda_chunk.py`` (the kernels render it in); the backward kernels (``codegen/kda_bwd.py``,
+#: :func:`backward_kernels`) floor with it too, as they load the gates.
 GATE_FLOOR = _kda_chunk.GATE_FLOOR
 
 
 def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict,
                 out: Optional[torch.Tensor] = None):
-    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``): ``(o, state [N, K, V] float32
-    or None)``, o ``[N, T, V]``, or ``out`` written in place (``[*lead, T, V]``, the launchers'
+    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``; the recurrent and chunk plans
+    also take the ``[*L, T, *]`` views of :func:`as_rows`): ``(o, state [N, K, V] float32 or
+    None)``, o ``[N, T, V]``, or ``out`` written in place (``[*lead, T, V]``, the launchers'
     ``out=``). The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` themselves."""
     if plan["plan"] == "chunk":
         from ..codegen import kda_chunk as kernels
@@ -172,13 +198,16 @@ def kda(
     h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
     out_dim: int, out_dtype: torch.dtype, want_state: bool, state_dtype: torch.dtype, plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
+    parsed = _parsed_plan(plan)
+    # the recurrent and chunk kernels read the inputs' rows in place ([*L, T, *] views, two stride
+    # groups); the parallel kernels take them flattened ([N, T, *], a copy for e.g. [B, T, H, K], B > 1)
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate,
+                                         flat=parsed["plan"] == "parallel")
     kd, vd = q.shape[-1], v.shape[-1]
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     # o in its final layout, written by the kernels through a view: no copy after them
     o, o_view = _output(lead, steps, vd, out_dim, out_dtype, q.device)
-    _, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, _parsed_plan(plan),
-                           out=o_view)
+    _, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parsed, out=o_view)
     if not want_state:
         return o, torch.empty(0, dtype=state_dtype, device=q.device)
     return o, state.reshape(*lead, kd, vd).to(state_dtype)
@@ -241,12 +270,14 @@ def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps
     kernels (:func:`fuser.codegen.kda_bwd.backward`), in the inputs' dtypes and layouts."""
     from ..codegen import kda_bwd
 
-    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
+    # the inputs and dO as [*L, T, *] views: the kernels read their rows in place (two stride groups)
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat=False)
     kd, vd = q.shape[-1], v.shape[-1]
-    do = d_o.movedim(out_dim, len(lead)).reshape(-1, steps, vd)
+    do = as_rows(d_o, out_dim, 0, steps, True)
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     dsf = d_state.reshape(-1, kd, vd) if d_state is not None else None
-    gf = gf.clamp_min(GATE_FLOOR)  # as in the forward (a −inf gate: dg there is 0, as eager's)
+    # the kernels floor the gates at GATE_FLOOR as they load them, as in the forward (a −inf gate:
+    # dg there is 0, as eager's)
     dq, dk, dv, dg, db, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f,
                                               d_final_state=dsf, scalar_gate=scalar_gate)
     tq, tk, tv, tg, tb = time_dims

@@ -1,6 +1,8 @@
 """Checks shared by the kernel test modules: relative errors, random masks, config tables,
 compiled specialisations."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,3 +199,75 @@ def check_kda_bad_out(forward, q, k, v, g, beta, **kw):
     for out, match in cases:
         with pytest.raises(ValueError, match=match):
             forward(q, k, v, g, beta, scale=0.5, out=out, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# KDA launchers' inputs with lead dims ([*lead, T, *]: rows as stride groups, no copy)
+# --------------------------------------------------------------------------------------------
+
+#: Layouts of :func:`kda_lead_layout`, and whether the launchers read them in place.
+KDA_LEAD_LAYOUTS = {"bthf": True, "bhtf": True, "three": False}
+
+
+def kda_lead_layout(x: torch.Tensor, lead: tuple, layout: str, t0: int, t: int) -> torch.Tensor:
+    """``x`` ``[R, T_total, *F]`` (rows row-major over ``lead``, ``prod(lead) = R``) stored in
+    ``layout`` and cut to the tokens ``[t0, t0 + t)``, as the lead-dim view ``[*lead, t, *F]``
+    the launchers take: ``"bthf"`` FLA's ``[B, T, H, *]`` with the time axis moved (``lead = (B,
+    H)``; two stride groups), ``"bhtf"`` ``[B, H, T, *]`` (one group), ``"three"`` lead ``(a, b,
+    h)`` stored ``[h, b, a, T, *]`` and permuted back (three groups that do not merge: the
+    launchers copy)."""
+    tt, feat = x.shape[1], tuple(x.shape[2:])
+    rest = tuple(range(4, 4 + len(feat)))
+    if layout == "bthf":
+        b, h = lead
+        view = x.reshape(b, h, tt, *feat).transpose(1, 2).contiguous().narrow(1, t0, t).movedim(1, 2)
+    elif layout == "bhtf":
+        view = x.reshape(*lead, tt, *feat).clone().narrow(len(lead), t0, t)
+    elif layout == "three":
+        perm = (2, 1, 0, 3, *rest)
+        view = x.reshape(*lead, tt, *feat).permute(*perm).contiguous().permute(*perm).narrow(3, t0, t)
+    else:
+        raise ValueError(layout)
+    lead_nd = len(lead)
+    groups = kda_recurrent.row_groups(view.shape[:lead_nd], view.stride()[:lead_nd])
+    assert (groups is not None) == KDA_LEAD_LAYOUTS[layout], (layout, view.stride())
+    return view
+
+
+def kda_lead_inputs(seed, layout, *, b=2, hq=2, group=2, t0=3, t=11, kd=12, vd=10, scalar_gate=False, h0=True,
+                    broadcast=False, dtype=torch.float32):
+    """Inputs of the KDA forward launchers with lead dims (:func:`kda_lead_layout`): q, k ``[B, Hq,
+    t, K]``, v ``[B, Hv, t, V]``, g, beta (``Hv = group · Hq``; ``"three"``: lead ``(2, B, H)``), a
+    time window ``t0 .. t0 + t`` of longer tensors; h0 ``[N, K, V]``. ``broadcast``: g and beta
+    broadcast over the value heads (a stride-0 lead dim). Returns ``(views, flat)``: the five views
+    and h0, and the same values as contiguous ``[rows, t, *]`` copies (for the reference)."""
+    lead_q = (2, b, hq) if layout == "three" else (b, hq)
+    nq = math.prod(lead_q)
+    q, k, v, g, beta, s0 = kda_inputs(seed, nq, group, t0 + t + 2, kd, vd, scalar_gate=scalar_gate, h0=h0,
+                                      dtype=dtype)
+    lead_v = lead_q[:-1] + (hq * group,)
+    views = [kda_lead_layout(x, lead, layout, t0, t) for x, lead in ((q, lead_q), (k, lead_q), (v, lead_v),
+                                                                       (g, lead_v), (beta, lead_v))]
+    if broadcast:  # one gate and beta per batch row, shared by its heads (stride 0)
+        views[3:] = [x.narrow(len(lead_v) - 1, 0, 1).expand(x.shape) for x in views[3:]]
+    flat = [x.reshape(math.prod(x.shape[:len(lead)]), *x.shape[len(lead):]).contiguous()
+            for x, lead in zip(views, (lead_q, lead_q, lead_v, lead_v, lead_v))]
+    return (*views, s0), (*flat, s0)
+
+
+def check_kda_lead_forward(forward, layout, *, tol=None, scalar_gate=False, broadcast=False, seed=30, t=11, **kw):
+    """``forward`` (a KDA forward launcher taking lead dims) on :func:`kda_lead_inputs` against the
+    float64 reference on the flat copies; inputs read in place (``input_rows`` returns them
+    themselves) unless the layout needs three groups. Returns ``(o, final state)``."""
+    views, flat = kda_lead_inputs(seed, layout, scalar_gate=scalar_gate, broadcast=broadcast, t=t)
+    for x, tail in zip(views[:5], (2, 2, 2, 1 if scalar_gate else 2, 1)):
+        assert (kda_recurrent.input_rows(x, tail)[0] is x) == KDA_LEAD_LAYOUTS[layout]
+    tol = KDA_TOL[torch.float32] if tol is None else tol
+    with launch.poison_outputs():
+        o, s = forward(*views[:5], scale=0.3, initial_state=views[5], output_final_state=True,
+                       scalar_gate=scalar_gate, **kw)
+    ref_o, ref_s = kda_reference_rows(*flat[:5], 0.3, flat[5], scalar_gate)
+    assert o.shape == ref_o.shape and not o.isnan().any() and not s.isnan().any()
+    assert rel_err(o, ref_o) < tol, f"{layout}: o relative error {rel_err(o, ref_o):.3g}"
+    assert rel_err(s, ref_s) < tol, f"{layout}: final state relative error {rel_err(s, ref_s):.3g}"
+    return o, s

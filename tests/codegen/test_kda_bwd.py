@@ -10,11 +10,11 @@ output is allocated poisoned (NaN), so an element a kernel fails to write shows 
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import rel_err
+from _kernel_checks import KDA_LEAD_LAYOUTS, kda_lead_inputs, kda_lead_layout, rel_err
 import torch
 import torch.nn.functional as F
 
-from fuser.codegen import kda_bwd, launch
+from fuser.codegen import kda_bwd, kda_recurrent, launch
 from fuser.patterns import kda_reference
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -165,6 +165,29 @@ def test_kernels_float16_mixed_dtypes_and_strides():
     got = _run(q, k, v, g, beta, do, s0.half(), ds, scalar_gate=False, chunk=16)
     want = _autograd(q, k, v, g, beta, do, s0.half(), ds, scale=kd ** -0.5, scalar_gate=False)
     _compare(got, want, 1e-3)  # the inputs are the same fp16 values: only float32 compute error
+
+
+@pytest.mark.parametrize("layout,scalar_gate,broadcast", [("bthf", False, False), ("bhtf", False, False),
+                                                         ("three", False, False), ("bthf", True, True)],
+                         ids=["bthf", "bhtf", "three", "bthf-scalar-broadcast"])
+def test_lead_dim_inputs(layout, scalar_gate, broadcast):
+    """q, k, v, g, beta and dO with lead dims (``_kernel_checks.kda_lead_layout``): [B, H, T, *]
+    views of FLA's [B, T, H, *] (B = 2, two stride groups: read in place), [B, H, T, *], lead dims
+    in three groups (copied); GQA (Hv = 2 Hq), a window from t0 = 3 of longer tensors, T = 37 in
+    chunks of 16, K = 12, V = 10; with broadcast, g and beta shared by the heads (stride 0)."""
+    views, flat = kda_lead_inputs(40, layout, t=37, scalar_gate=scalar_gate, broadcast=broadcast)
+    lead_v = views[2].shape[:-2]
+    gen = torch.Generator().manual_seed(41)
+    do_flat = torch.randn(flat[2].shape[0], 40, 10, generator=gen)
+    do = kda_lead_layout(do_flat, tuple(lead_v), layout, 3, 37)
+    assert (kda_recurrent.input_rows(do, 2)[0] is do) == KDA_LEAD_LAYOUTS[layout]
+    ds = torch.randn(flat[2].shape[0], 12, 10, generator=gen)
+    with launch.poison_outputs():
+        got = kda_bwd.backward(*views[:5], do, scale=0.3, initial_state=views[5], d_final_state=ds,
+                               scalar_gate=scalar_gate, chunk=16)
+    want = _autograd(*flat[:5], do.reshape(do_flat[:, 3:40].shape), flat[5], ds, scale=0.3, scalar_gate=scalar_gate)
+    # broadcast g, beta: the launcher's dg, dbeta are per row ([N, T]), as for the flat copies
+    _compare(got, want, 1e-4, f"{layout}: ")
 
 
 def test_bfloat16_scratch():

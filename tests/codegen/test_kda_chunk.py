@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import sympy
-from _kernel_checks import check_kda_bad_out, check_kda_out, compiled_keys, rel_err
+from _kernel_checks import check_kda_bad_out, check_kda_lead_forward, check_kda_out, compiled_keys, rel_err
 import torch
 import torch.nn.functional as F
 
@@ -214,6 +214,19 @@ def test_short_and_empty_sequences():
     q, k, v, g, beta, s0 = _inputs(9, 1, 1, 0, 24, 40)
     o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.2, initial_state=s0, output_final_state=True)
     assert o.shape == (1, 0, 40) and torch.equal(s, s0)
+
+
+@pytest.mark.parametrize("layout", ["bthf", "bhtf", "three"])
+def test_lead_dim_inputs(layout):
+    # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2: two stride groups, no copy), [B, H, T, *], a
+    # three-group lead (copied); GQA (Hv = 2 Hq); T = 37 (chunks of 16, the last ragged) from t0 = 3
+    # of a longer tensor; K = 12, V = 10
+    check_kda_lead_forward(kda_chunk.forward, layout, chunk=16, t=37)
+
+
+def test_lead_dim_inputs_scalar_gate_broadcast():
+    # scalar gate [B, H, T] and beta broadcast over the heads (stride 0), chunk 32
+    check_kda_lead_forward(kda_chunk.forward, "bthf", scalar_gate=True, broadcast=True, chunk=32, t=37)
 
 
 def test_bad_inputs():

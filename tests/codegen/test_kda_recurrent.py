@@ -10,7 +10,8 @@ run everywhere: "streamed" is forced through ``config`` with small key tiles.
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_out, compiled_keys, kda_strided_views, rel_err
+from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_lead_forward, check_kda_out, compiled_keys
+from _kernel_checks import kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
@@ -136,6 +137,33 @@ def test_bad_out():
     # out's dtype is o's: out_dtype when given
     with pytest.raises(ValueError, match=r"out has dtype torch.float32, o's is torch.float16"):
         kr.forward(q, k, v, g, beta, scale=0.5, out_dtype=torch.float16, out=torch.empty(4, 5, 20))
+
+
+@pytest.mark.parametrize("layout,config", [("bthf", REGS), ("bhtf", REGS), ("three", REGS), ("bthf", STREAM8)],
+                         ids=["bthf", "bhtf", "three", "bthf-streamed"])
+def test_lead_dim_inputs(layout, config):
+    # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2, two stride groups), [B, H, T, *], and lead
+    # dims in three groups (copied); GQA (Hv = 2 Hq), a window t0 = 3 of longer tensors, K = 12, V = 10
+    check_kda_lead_forward(kr.forward, layout, config=config)
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["own", "broadcast"])
+def test_lead_dim_inputs_scalar_gate(broadcast):
+    # the scalar gate [B, H, T] in two groups; with broadcast, g and beta shared by the heads (stride 0)
+    check_kda_lead_forward(kr.forward, "bthf", scalar_gate=True, broadcast=broadcast, config=REGS)
+
+
+def test_lead_dim_inputs_bad_shapes():
+    q, k, v, g, beta, _ = _inputs(23, 2, 2, 5, 24, 20)
+    with pytest.raises(ValueError, match=r"q and k must be \[NQ, T, K\]"):
+        kr.forward(q[0], k[0], v, g, beta, scale=0.5)               # no lead dim
+    with pytest.raises(ValueError, match=r"g must be \[N, T, K\]"):
+        kr.forward(q, k, v, g.view(2, 2, 5, 24)[:1], beta, scale=0.5)
+    with pytest.raises(ValueError, match=r"beta must be \[N, T\]"):
+        kr.forward(q, k, v, g, beta.view(4, 5, 1), scale=0.5)
+    o, _ = kr.forward(q.view(1, 2, 5, 24), k.view(1, 2, 5, 24), v.view(2, 2, 5, 20), g.view(4, 1, 5, 24),
+                      beta.view(2, 2, 5), scale=0.5)                 # any lead shapes of the right products
+    assert rel_err(o, kr.forward(q, k, v, g, beta, scale=0.5)[0]) == 0
 
 
 def test_row_groups():

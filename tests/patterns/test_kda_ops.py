@@ -303,3 +303,97 @@ def test_inlined_op_writes_o_in_place(as_on_an_h100, plan, b, out_dim):
         assert node.op == "call_function" and str(node.target) in VIEWS, (node.target, targets)
         node = node.args[0]
     assert "triton_kernel_wrapper_functional" in str(node.args[0].target)
+
+
+# --------------------------------------------------------------------------------------------
+# No copies of the inputs: the recurrent and chunk kernels read [*L, T, *] views in place
+# --------------------------------------------------------------------------------------------
+
+
+class _InputCopies:
+    """A ``TorchDispatchMode`` that runs the bodies of ``fuser::kda`` and ``fuser::kda_backward``
+    (their Python implementations, so that their own tensor ops reach the mode) and records every
+    op that copies data out of one of their tensor arguments (``copy_`` from it, ``clone``,
+    ``_to_copy``, ``clamp_min``, a ``reshape`` / ``contiguous`` that is not a view). Ops inside a
+    kernel launch (Triton's interpreter copies the arguments it is given) are not counted."""
+
+    COPYING = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.clamp_min.default",
+               "aten.reshape.default", "aten.contiguous.default", "aten._reshape_copy.default"}
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from fuser.codegen import launch
+
+        impls = {"fuser.kda.default": kda_ops.kda._init_fn, "fuser.kda_backward.default": kda_ops.kda_backward._init_fn}
+        outer = self
+        self.copies: list[str] = []
+        self.sources: set = set()
+        self.paused = False
+        real = launch.interpreter_mode
+
+        import contextlib
+
+        @contextlib.contextmanager
+        def interpreting():
+            outer.paused, before = True, outer.paused
+            try:
+                with real():
+                    yield
+            finally:
+                outer.paused = before
+
+        monkeypatch.setattr(launch, "interpreter_mode", interpreting)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = str(func)
+                if name in impls:
+                    outer.sources = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
+                    with self:
+                        return impls[name](*args, **kwargs)
+                out = func(*args, **kwargs)
+                if not outer.paused and name in outer.COPYING:
+                    src = args[1] if name == "aten.copy_.default" else args[0]
+                    if isinstance(src, torch.Tensor) and src.untyped_storage().data_ptr() in outer.sources:
+                        res = args[0] if name == "aten.copy_.default" else out
+                        if res.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+                            outer.copies.append(name)
+                return out
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16"])
+@pytest.mark.parametrize("in_dim", [1, 2])
+def test_the_inputs_are_not_copied(plan, in_dim, monkeypatch):
+    # B = 2 [B, T, H, *] (in_dim 1: two stride groups per input) and [B, H, T, *] (in_dim 2), a
+    # window t0 = 2: neither the forward nor the backward op copies q, k, v, g, beta or dO
+    if not hasattr(kda_ops.kda, "_init_fn"):
+        pytest.skip("this torch's custom_op keeps no _init_fn")
+    xs = [_layout(x, in_dim).detach().requires_grad_(True) for x in _args(t=19, b=2, h=3, seed=8)]
+    count = _InputCopies(monkeypatch)
+    with count.mode:
+        o, s = torch.ops.fuser.kda(*xs, None, [in_dim] * 5, 2, 17, 0.5, False, 1, torch.float32, True,
+                                   torch.float32, plan)
+    assert count.copies == [], count.copies
+    d_o, d_s = torch.randn(o.shape), torch.randn(s.shape)
+    with count.mode:
+        torch.autograd.backward((o, s), (d_o, d_s))
+    assert count.copies == [], count.copies
+    # the counter sees copies: the parallel plan flattens [B, T, H, *] inputs (five copies)
+    if in_dim == 1 and plan == "plan=recurrent":
+        with count.mode:
+            torch.ops.fuser.kda(*xs, None, [1] * 5, 2, 17, 0.5, False, 1, torch.float32, False, torch.float32,
+                                "plan=parallel")
+        assert len(count.copies) == 5, count.copies
+    # and the results are right (against the float64 reference, forward and backward)
+    ref = [x.detach().clone().requires_grad_(True) for x in xs]
+    fla = [x.movedim(in_dim, 1)[:, 2:19] for x in ref]
+    want_o, want_s = kda_reference.recurrent(*fla, scale=0.5, output_final_state=True)
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-5)
+    torch.autograd.backward((want_o, want_s), (d_o.double(), d_s.double()))
+    for got, exp in zip(xs, ref):
+        err = (got.grad.double() - exp.grad.double()).norm() / exp.grad.double().norm()
+        assert err < 1e-4, err
