@@ -42,7 +42,9 @@ logits (prefill); above 5e-2 (bf16, fp16; 1e-3 fp32) reads ``WRONG`` (exit statu
 
 Main table (``benchmarks/results/compile_time.md``): ``workload, shape, caches``; first call s of
 inductor and fuser; ``fuser / inductor`` (issue 11's target: ≤ 1.1×, cold and warm, on the
-training step: ✓/✗); fuser's own compile s; regions fused; ``step ms`` of both; fuser's err. The
+training step: ✓/✗); ``to first result s`` of both (import + setup + first call: the whole wait,
+whichever phase a backend loads its modules in: ``torch.compile`` with Inductor imports Inductor's
+compile stack when called, ``import fuser`` when fuser is imported) and their ratio; fuser's own compile s; regions fused; ``step ms`` of both; fuser's err. The
 details table has one row per (configuration, backend), with the first call's hits, misses and
 bypasses of Inductor's FX-graph cache and AOTAutograd's cache (``caches hit/miss/bypass``, from
 ``torch._dynamo.utils.counters``: a warm process should show hits only; a miss there means a
@@ -274,6 +276,19 @@ def write_profile(profiler, path: str, top: int) -> None:
     Path(path).write_text(buf.getvalue())
 
 
+def to_first_result(r: Optional[dict]) -> Optional[float]:
+    """import s + setup s + first call s of one record (seconds), or None when a part is missing."""
+    if not r or r.get("status") != "ok":
+        return None
+    parts = [r.get("import_s"), r.get("setup_s"), r.get("first_call_s")]
+    return None if any(p is None for p in parts) else float(sum(parts))
+
+
+def total_cell(r: Optional[dict]) -> str:
+    t = to_first_result(r)
+    return "—" if t is None else f"{t:.2f}"
+
+
 def fuser_outcome(rep) -> dict:
     """Regions fused, plans and fuser's compile times from the first call's report."""
     fused = list(rep.fused)
@@ -440,11 +455,14 @@ class CompileTimeBenchmark(common.Benchmark):
         for r in records.values():
             r["wrong"] = self.is_wrong(r)
         s = {b: r["first_call_s"] for b, r in records.items() if r.get("status") == "ok"}
+        total = {b: to_first_result(r) for b, r in records.items() if to_first_result(r) is not None}
         return {"N": self.args.seq, "workload": cfg.workload, "cache": cfg.cache,
-                "fuser": {"ratio": common.ratio(s.get("fuser"), s.get("inductor")), "shape": self.shape()}}
+                "fuser": {"ratio": common.ratio(s.get("fuser"), s.get("inductor")), "shape": self.shape(),
+                          "total_ratio": common.ratio(total.get("fuser"), total.get("inductor"))}}
 
     def main_table(self) -> str:
         headers = ["workload", "caches", "inductor first call s", "fuser first call s", "fuser / inductor",
+                   "to first result s inductor / fuser", "fuser / inductor (to first result)",
                    "fuser's own compile s", "fused", "step ms inductor / fuser", "fuser err"]
         body = []
         for cfg, recs, s in self.rows:
@@ -453,11 +471,13 @@ class CompileTimeBenchmark(common.Benchmark):
             mark = "" if ratio is None else (" ✓" if ratio <= TARGET_RATIO else " ✗")
             body.append([cfg.workload, cfg.cache, s_cell(ind), s_cell(fz),
                          (common.fmt_ratio(ratio) + mark) if ratio is not None else "—",
+                         f"{total_cell(ind)} / {total_cell(fz)}",
+                         common.fmt_ratio(s["fuser"]["total_ratio"]) if s["fuser"].get("total_ratio") is not None else "—",
                          f"{fz['fuser_compile_s']:.2f}" if fz and fz.get("fuser_compile_s") is not None else "—",
                          f"{fz['fused']} of {fz['matches']}" if fz and fz.get("fused") is not None else "—",
                          f"{ms_cell(ind)} / {ms_cell(fz)}",
                          (("WRONG " if fz.get("wrong") else "") + common.fmt_err(fz.get("rel_err"))) if fz else "—"])
-        return common.md_table(headers, body, "ll" + "r" * 4 + "lrr")
+        return common.md_table(headers, body, "ll" + "r" * 6 + "lrr")
 
     def details_table(self) -> str:
         headers = ["workload", "caches", "backend", "first call s", "step ms", "import s", "setup s",
@@ -503,7 +523,10 @@ class CompileTimeBenchmark(common.Benchmark):
             "prefill = forward under no_grad. Each cell is a fresh process: cold = empty TORCHINDUCTOR_CACHE_DIR, "
             "FUSER_CACHE_DIR and TRITON_CACHE_DIR; warm = a second process reusing them. first call s = host "
             "time of the first call to a synchronize after it (Dynamo, fuser's pass, Inductor, AOTAutograd, Triton "
-            f"compiles, the step). fuser / inductor: target ≤ {TARGET_RATIO:g}× (✓/✗). fuser's own compile s: "
+            f"compiles, the step). fuser / inductor: target ≤ {TARGET_RATIO:g}× (✓/✗). to first result s = import s + "
+            "setup s + first call s: what the process waits for before the first result (`torch.compile(model)` "
+            "with Inductor imports Inductor's compile stack in setup, when it is called; `import fuser` imports "
+            "it then). fuser's own compile s: "
             "fuser's compile phases (explain()'s compile time; compiling fuser's kernels is in none of them: "
             "on the GPU Inductor compiles them inside compile_fx, in the first call). step ms = the second call. err = worst "
             "‖x − eager‖ / ‖eager‖ over the loss and gradients (train) or the logits (prefill); above "

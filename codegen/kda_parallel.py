@@ -43,7 +43,8 @@ kernels evaluate the same WY form chunk by chunk):
 Sizes: ``T`` is a runtime argument (``do_not_specialize``); the kernels are compiled per padded
 length (``TG = max(4, next_pow2(T))`` for the Gram tiles, ``T_PAD = max(16, next_pow2(T))`` for
 the dots: at most five specialisations for T = 1..64), and per K, V and config. Any T in
-``0..MAX_T``, K, V ≥ 1 (masked, no power of two needed). Inputs of any strides (never copied),
+``0..MAX_T``, K, V ≥ 1 (masked, no power of two needed). Inputs of any strides, their rows as lead
+dims in up to two stride groups (never copied, but for three groups that do not merge),
 float32 / float16 / bfloat16 each; arithmetic and the state in float32. A scalar gate is passed
 to the kernels as a stride-0 view over the channels (no copy; the same kernels).
 """
@@ -390,7 +391,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     T ≤ :data:`MAX_T`; returns (NQ, N, T, K, V)."""
     from .kda_recurrent import check_inputs
 
-    dims = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype)
+    dims = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, lead_dims=True)
     if dims[2] > MAX_T:
         raise ValueError(f"the single-chunk parallel KDA kernels take at most MAX_T={MAX_T} tokens, got T={dims[2]}: "
                          f"use the recurrent or chunked kernels (codegen/kda_recurrent.py, the chunked form)")
@@ -407,7 +408,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     Args:
         q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row
-            ``n // group`` (grouped value heads; batch and heads flattened batch-major).
+            ``n // group`` (grouped value heads; batch and heads flattened batch-major). Every
+            input may also carry its rows as lead dims, e.g. FLA's ``[B, T, H, *]`` inputs as the
+            views ``x.movedim(1, -2)`` (``fuser.codegen.kda_recurrent.check_inputs`` with
+            ``lead_dims``): read in place when the lead dims merge into at most two stride
+            groups, else copied once (``kda_recurrent.input_rows``).
         g: log-space decay, ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``); ``g ≤ 0`` in practice
             (the decays are formed so that none overflows when ``g ≤ 0``); gates below
             ``kda_chunk.GATE_FLOOR`` are raised to it in the kernels (−inf: a hard reset; NaN
@@ -426,8 +431,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             in o's dtype (``out_dtype``, else v's), on the inputs' device
             (:func:`fuser.codegen.kda_recurrent.check_out`). Written directly when its lead dims
             merge into at most two stride groups, else through a contiguous temporary and a copy.
-        Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never copied),
-        one device; CPU tensors run in Triton's interpreter. Arithmetic in float32.
+        Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never copied,
+        but for lead dims of three or more stride groups), one device; CPU tensors run in
+        Triton's interpreter. Arithmetic in float32.
 
     Returns:
         ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when given,
@@ -459,14 +465,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             final.zero_()
         return o, final
     if scalar_gate:  # one decay per token: a stride-0 view over the channels, no copy
-        g = g.unsqueeze(-1).expand(n, t, kd)
+        g = g.unsqueeze(-1).expand(*g.shape, kd)
     interpret = launch.interpreted(device)
+    from .kda_recurrent import inputs_rows
+
+    ins, rows = inputs_rows(q, k, v, g, beta, False)
     _, module = _module(has_h0, bool(output_final_state), interpret)
     # one tensor per workspace, not slices of one buffer: when Inductor launches the kernels, a kernel
     # writing a slice makes its functionalisation copy the slice out and back (six small copy kernels)
     spaces = [torch.empty(plan[key], dtype=torch.float32, device=device)
               for key, used in (("APART", True), ("PPART", has_h0), ("DELTA", final is not None)) if used]
-    args = [q, k, v, g, beta, o_arg, *spaces] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
+    args = [*ins, o_arg, *spaces] + ([initial_state] if has_h0 else []) + ([final] if final is not None else [])
     with launch.launching(interpret):
-        module.launch_kda_parallel(*args, scale=scale, plan=plan, o_rows=o_rows)
+        module.launch_kda_parallel(*args, scale=scale, plan=plan, o_rows=o_rows, rows=rows)
     return finish_out(o, o_arg), final

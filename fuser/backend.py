@@ -219,8 +219,20 @@ def _tell(result: Any, opts: options_mod.Options) -> None:
 
 def register() -> None:
     """Register ``"fuser"`` with Dynamo unless it is already known (installed packages are
-    found through the ``torch_dynamo_backends`` entry point; registering twice fails)."""
+    found through the ``torch_dynamo_backends`` entry point; registering twice fails), and load
+    Inductor's compile stack.
+
+    Every graph fuser gets ends in Inductor's ``compile_fx``. ``torch.compile(model)`` with the
+    default backend imports that stack when it is called (about 1,500 modules, ~180 of them
+    Inductor's: 2.2 s on a 2-core CPU, measured), so its first call only compiles; without this
+    import the same modules would load inside fuser's first call (268 modules there, the H100
+    profile of the warm-cache Llama step in ``benchmarks/results/compile_time.md``: most of the
+    first call's gap to Inductor's). Importing ``fuser`` (or Dynamo resolving ``backend="fuser"``
+    through the entry point, which imports this module) therefore loads it up front: the time to
+    the first result is the same, and the first call does compile work only, as Inductor's does.
+    """
     from torch._dynamo.backends.registry import list_backends, register_backend
+    import torch._inductor.compile_fx  # noqa: F401  (see above)
 
     if "fuser" not in list_backends(exclude_tags=()):
         register_backend(compiler_fn=fuser_backend, name="fuser")

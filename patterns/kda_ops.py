@@ -19,10 +19,9 @@ out_dtype, want_state, state_dtype, plan) -> (o, state)``
 Inside, the time axis of every input is moved next to the features: ``[*L, T, *]``, a view
 (:func:`as_rows`), whose rows (the ``L`` dims, flattened row-major into ``N``) the kernels of
 ``codegen/kda_recurrent.py``, ``codegen/kda_chunk.py`` and ``codegen/kda_bwd.py`` address as at
-most two stride groups: no input is copied for the op's layouts (``[B, T, H, K]``, ``[B, H, T,
-K]``, ``[T, B, H, K]``, time windows of them). The parallel plan (``codegen/kda_parallel.py``)
-still takes ``[N, T, *]`` (:func:`flatten`: a copy when the ``L`` dims do not merge into one
-stride, e.g. ``[B, T, H, K]`` with ``B > 1``). ``o`` is allocated in its final layout and the kernels
+most two stride groups, as do those of ``codegen/kda_parallel.py``: no input is copied for the
+op's layouts (``[B, T, H, K]``, ``[B, H, T, K]``, ``[T, B, H, K]``, time windows of them).
+``o`` is allocated in its final layout and the kernels
 write it in place (the launchers' ``out=``, its rows addressed as two stride groups): no copy
 follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` as they load
 them: no kernel runs before them either.
@@ -173,8 +172,8 @@ GATE_FLOOR = _kda_chunk.GATE_FLOOR
 
 def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict,
                 out: Optional[torch.Tensor] = None):
-    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``; the recurrent and chunk plans
-    also take the ``[*L, T, *]`` views of :func:`as_rows`): ``(o, state [N, K, V] float32 or
+    """The kernels of ``plan`` on flattened inputs (``[N, T, *]``) or the ``[*L, T, *]`` views of
+    :func:`as_rows` (every plan's launchers take both): ``(o, state [N, K, V] float32 or
     None)``, o ``[N, T, V]``, or ``out`` written in place (``[*lead, T, V]``, the launchers'
     ``out=``). The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` themselves."""
     if plan["plan"] == "chunk":
@@ -199,10 +198,8 @@ def kda(
     out_dim: int, out_dtype: torch.dtype, want_state: bool, state_dtype: torch.dtype, plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     parsed = _parsed_plan(plan)
-    # the recurrent and chunk kernels read the inputs' rows in place ([*L, T, *] views, two stride
-    # groups); the parallel kernels take them flattened ([N, T, *], a copy for e.g. [B, T, H, K], B > 1)
-    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate,
-                                         flat=parsed["plan"] == "parallel")
+    # every plan's kernels read the inputs' rows in place ([*L, T, *] views, two stride groups)
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat=False)
     kd, vd = q.shape[-1], v.shape[-1]
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     # o in its final layout, written by the kernels through a view: no copy after them

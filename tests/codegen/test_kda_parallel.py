@@ -10,7 +10,8 @@ for. Every output is allocated poisoned (NaN), so an element a kernel fails to w
 from __future__ import annotations
 
 import pytest
-from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_out, compiled_keys, kda_strided_views, rel_err
+from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_lead_forward, check_kda_out, compiled_keys
+from _kernel_checks import kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
@@ -80,6 +81,19 @@ def test_config_variants(config):
     t = 37 if not config.get("STATE_DOT") else 11
     q, k, v, g, beta = q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t]
     _check(q, k, v, g, beta, h0, config=config)
+
+
+@pytest.mark.parametrize("layout", ["bthf", "bhtf", "three"])
+@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+def test_lead_dim_inputs(layout, config):
+    # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2: two stride groups, no copy), [B, H, T, *], a
+    # three-group lead (copied); GQA (Hv = 2 Hq); T = 11 from t0 = 3 of a longer tensor; K = 12, V = 10
+    check_kda_lead_forward(kp.forward, layout, config=config)
+
+
+def test_lead_dim_inputs_scalar_gate_broadcast():
+    # scalar gate [B, H, T] (a stride-0 view over the channels on top) and beta broadcast over the heads
+    check_kda_lead_forward(kp.forward, "bthf", scalar_gate=True, broadcast=True, config=DOT)
 
 
 def test_final_state_off_and_out_dtype():

@@ -182,8 +182,6 @@ def _kda(t=40, h=2, k=32, v=48, dtype=torch.bfloat16, scalar_gate=False):
 @pytest.mark.parametrize("h0,want_state", [(False, False), (True, True)], ids=["stateless", "states"])
 @pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
 def test_kda_forward_becomes_its_kernel_launches(plan, t, k, v, h0, want_state, scalar_gate):
-    if plan == "plan=parallel" and (h0 or want_state):
-        pytest.skip("the parallel plan serves loops without an initial or final state")
     q, kk, vv, g, beta = _kda(t, 2, k, v, scalar_gate=scalar_gate)
     state = torch.empty(1, 2, k, v) if h0 else None
     _check_inlined(torch.ops.fuser.kda.default,

@@ -365,7 +365,7 @@ class _InputCopies:
         self.mode = Mode()
 
 
-@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16"])
+@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=chunk;chunk=16", "plan=parallel"])
 @pytest.mark.parametrize("in_dim", [1, 2])
 def test_the_inputs_are_not_copied(plan, in_dim, monkeypatch):
     # B = 2 [B, T, H, *] (in_dim 1: two stride groups per input) and [B, H, T, *] (in_dim 2), a
@@ -382,11 +382,12 @@ def test_the_inputs_are_not_copied(plan, in_dim, monkeypatch):
     with count.mode:
         torch.autograd.backward((o, s), (d_o, d_s))
     assert count.copies == [], count.copies
-    # the counter sees copies: the parallel plan flattens [B, T, H, *] inputs (five copies)
-    if in_dim == 1 and plan == "plan=recurrent":
+    # the counter sees copies: lead dims in three stride groups (a broadcast dim between batch and
+    # heads: [B, T, 2, H, *] with stride 0) make the launchers copy each of the five inputs once
+    if in_dim == 1:
+        xs3 = [x.detach().unsqueeze(2).expand(x.shape[0], x.shape[1], 2, *x.shape[2:]) for x in xs]
         with count.mode:
-            torch.ops.fuser.kda(*xs, None, [1] * 5, 2, 17, 0.5, False, 1, torch.float32, False, torch.float32,
-                                "plan=parallel")
+            torch.ops.fuser.kda(*xs3, None, [1] * 5, 2, 17, 0.5, False, 1, torch.float32, False, torch.float32, plan)
         assert len(count.copies) == 5, count.copies
     # and the results are right (against the float64 reference, forward and backward)
     ref = [x.detach().clone().requires_grad_(True) for x in xs]
