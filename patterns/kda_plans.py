@@ -24,14 +24,18 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
     matrices split over K across programs, a per-head solve, and the final state written tile by
     tile — without an initial state the state is never read, so the floor is writing it. Any K.
-    Its per-head solve is a chain of T dependent rows (:data:`PARALLEL_SOLVE_ROW_US` each, measured);
-    it wins where the recurrent kernel must stream a large state (the blog's K = 8192, 16384 with
-    V = 1024, T = 8: 0.22 / 0.26 ms against 0.55 / 1.93 ms on the H100).
+    Its Gram sums and per-head solve are latency that grows as T² (:data:`PARALLEL_FIXED_US` and
+    the constants after it, measured); it wins where the recurrent kernel must stream a large state
+    (the blog's K = 8192, 16384 with V = 1024, T = 8: 45 / 75 µs of kernels against 548 / 1923 µs on
+    the H100) and at short T with a large state (512 × 16384: 47 against 98 µs).
 ``inductor``
     the unrolled loop as written: Inductor round-trips the state through HBM every token.
 
 The rates below are estimates until measured on the H100 (``benchmarks/kda.py``); where a number
-is NOT MEASURED it says so.
+is NOT MEASURED it says so. Known misprediction: the recurrent kernel at short T and large K·V
+with many value blocks (K×V = 512×16384, T=8, N=2: 98 µs measured, 50 estimated: its programs'
+redundant reads of q/k/g and their waves are not modelled) is picked over the parallel form
+(47 µs measured, 52 estimated); ``fuser.plan`` ``kda.plan=parallel`` forces the faster one there.
 """
 
 from __future__ import annotations
@@ -59,12 +63,17 @@ STEP_US = 0.5
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
-#: The parallel form's per-head solve: microseconds per row of its chain of T dependent rows,
-#: MEASURED on the H100 (benchmarks/results/kda_parallel.md: ``codegen/kda_parallel.forward``
-#: called directly, B=1, H=2, K=256, V=8192, bf16: T=8 0.161 ms, T=64 0.524 ms, i.e. ~6.5 µs a
-#: row; at T=8 the rest, ~0.1 ms, is the direct call's four Python launches, which Inductor's
-#: wrapper makes cheaper when the op is inlined).
-PARALLEL_SOLVE_ROW_US = 6.5
+#: The parallel form's latency besides its state traffic (prep, reduce and solve launches), in
+#: microseconds: ``PARALLEL_FIXED_US + PARALLEL_SOLVE_US_PER_T2 · T² + PARALLEL_GRAM_US_PER_KT2 · K · T²``
+#: (the solve's forward substitution walks T rows of a ``[T, T]`` tile; the Gram partials grow as
+#: ``K · T²``). MEASURED on the H100 (torch 2.11, Triton 3.6; ``codegen/kda_parallel.forward``'s
+#: kernels, device time, N=2, bf16, 2026-11-24; ``benchmarks/results/kda_parallel_tuning.md``):
+#: prep + reduce + solve at K×V = 256×8192: T = 8, 16, 32, 64: 13.7, 17.0, 67.1, 287 µs; at
+#: 8192×1024: 20.2, 28.9, 122, 519 µs (the fit: 13, 26, 84, 303 and 21, 45, 121, 426). For few
+#: rows (the short-sequence shapes it is for): latency, not throughput.
+PARALLEL_FIXED_US = 8.0
+PARALLEL_SOLVE_US_PER_T2 = 0.07
+PARALLEL_GRAM_US_PER_KT2 = 1.3e-5
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
@@ -160,7 +169,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
         # the Gram matrices (T² K twice), the h0 projections (2 T K V), the state tiles (T K V)
         flops = 4 * N * T * T * KD + (4 * N * T * KD * VD if b["h0"] is not None else 0) + 2 * N * T * KD * VD
         return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4,
-                "chain_us": PARALLEL_SOLVE_ROW_US * T}
+                "chain_us": PARALLEL_FIXED_US + (PARALLEL_SOLVE_US_PER_T2 + PARALLEL_GRAM_US_PER_KT2 * KD) * T ** 2}
     from fuser.codegen import kda_chunk
 
     # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype),
