@@ -107,6 +107,7 @@ from typing import Optional
 import torch
 
 from . import launch
+from .kda_recurrent import input_rows
 from .render import RenderedKernel, render
 
 __all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "PARALLEL",
@@ -519,8 +520,6 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     cfg = _config(config, dev, kd)
     interpret = launch.interpreted(dev)
     # every input's rows as at most two stride groups (a contiguous copy only for three or more)
-    from .kda_recurrent import input_rows
-
     (q, rw_q), (k, rw_k), (v, rw_v), (g, rw_g), (beta, rw_b), (do, rw_do) = (
         input_rows(x, tail) for x, tail in ((q, 2), (k, 2), (v, 2), (g, 1 if scalar_gate else 2), (beta, 1),
                                             (do, 2)))

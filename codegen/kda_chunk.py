@@ -730,12 +730,9 @@ def forward(
             (default): the rule of :func:`resolve_output_precision` (single-pass ``"tf32"`` for a
             bfloat16 o on a GPU, else the state path's precision). Module docstring, "Precision
             of the dots", has the error argument.
-        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
-            ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major
-            index over ``lead``, e.g. ``o.movedim(1, 2)`` of a ``[B, T, H, V]`` o), any strides,
-            in o's dtype (``out_dtype``, else v's), on the inputs' device
-            (:func:`fuser.codegen.kda_recurrent.check_out`). Written directly when its lead dims
-            merge into at most two stride groups, else through a contiguous temporary and a copy.
+        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``), as
+            :func:`fuser.codegen.kda_recurrent.forward`'s ``out`` (its shapes, strides, dtype and
+            checks, :func:`fuser.codegen.kda_recurrent.check_out`).
 
     Returns:
         ``(o, final_state)``: o ``[N, T, V]`` in ``out_dtype``, contiguous (``out`` itself when

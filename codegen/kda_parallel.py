@@ -58,7 +58,7 @@ from typing import Optional
 import torch
 
 from . import launch
-from .kda_recurrent import finish_out, out_buffer
+from .kda_recurrent import check_inputs, finish_out, inputs_rows, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
@@ -389,8 +389,6 @@ def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bo
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     """The launchers' common checks (:func:`fuser.codegen.kda_recurrent.check_inputs`) and
     T ≤ :data:`MAX_T`; returns (NQ, N, T, K, V)."""
-    from .kda_recurrent import check_inputs
-
     dims = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, lead_dims=True)
     if dims[2] > MAX_T:
         raise ValueError(f"the single-chunk parallel KDA kernels take at most MAX_T={MAX_T} tokens, got T={dims[2]}: "
@@ -425,12 +423,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         out_dtype: o's dtype (default v's).
         config: a launch config (keys of :func:`candidate_configs`, missing keys from the table's
             first row, see :func:`choose_config`); None: the table's default for this device.
-        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
-            ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major
-            index over ``lead``, e.g. ``o.movedim(1, 2)`` of a ``[B, T, H, V]`` o), any strides,
-            in o's dtype (``out_dtype``, else v's), on the inputs' device
-            (:func:`fuser.codegen.kda_recurrent.check_out`). Written directly when its lead dims
-            merge into at most two stride groups, else through a contiguous temporary and a copy.
+        out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``), as
+            :func:`fuser.codegen.kda_recurrent.forward`'s ``out`` (its shapes, strides, dtype and
+            checks, :func:`fuser.codegen.kda_recurrent.check_out`).
         Every tensor: float32, float16 or bfloat16 (they may differ), any strides (never copied,
         but for lead dims of three or more stride groups), one device; CPU tensors run in
         Triton's interpreter. Arithmetic in float32.
@@ -467,8 +462,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if scalar_gate:  # one decay per token: a stride-0 view over the channels, no copy
         g = g.unsqueeze(-1).expand(*g.shape, kd)
     interpret = launch.interpreted(device)
-    from .kda_recurrent import inputs_rows
-
     ins, rows = inputs_rows(q, k, v, g, beta, False)
     _, module = _module(has_h0, bool(output_final_state), interpret)
     # one tensor per workspace, not slices of one buffer: when Inductor launches the kernels, a kernel

@@ -184,6 +184,16 @@ def check_kda_out(forward, q, k, v, g, beta, h0, *, tol, **kw):
         assert base[~written].isnan().all() and before[~written].isnan().all(), name
 
 
+def check_kda_out_no_tokens(forward, q, k, v, g, beta, **kw):
+    """``forward`` on T = 0 inputs (``v`` ``[N, 0, V]``, N even) with ``out`` a ``[2, N/2, 0, V]``
+    view (``[B, T, H, V]`` with its time axis moved): nothing to launch, ``out`` itself returned."""
+    n, t, vd = v.shape
+    assert t == 0 and n % 2 == 0
+    out = torch.empty(2, 0, n // 2, vd).movedim(1, 2)
+    o, _ = forward(q, k, v, g, beta, scale=0.5, out=out, **kw)
+    assert o is out
+
+
 def check_kda_bad_out(forward, q, k, v, g, beta, **kw):
     n, t, vd = v.shape
     cases = [

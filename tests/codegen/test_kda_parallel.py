@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_lead_forward, check_kda_out, compiled_keys
+from _kernel_checks import check_kda_out_no_tokens
 from _kernel_checks import kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
@@ -161,9 +162,7 @@ def test_out_scalar_gate_float16_and_no_tokens():
     q, k, v, g, beta, _ = _inputs(41, 4, 2, 9, 24, 20, scalar_gate=True)
     check_kda_out(kp.forward, q, k, v, g, beta, None, tol=TOL[torch.float16], scalar_gate=True, out_dtype=torch.float16)
     q, k, v, g, beta, _ = _inputs(41, 4, 2, 0, 24, 20)
-    out = torch.empty(2, 0, 4, 20).movedim(1, 2)
-    o, _ = kp.forward(q, k, v, g, beta, scale=0.5, out=out)
-    assert o is out
+    check_kda_out_no_tokens(kp.forward, q, k, v, g, beta)
 
 
 def test_bad_out():
