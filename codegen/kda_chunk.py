@@ -671,9 +671,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
     """:func:`fuser.codegen.kda_recurrent.check_inputs` with lead dims (q, k ``[*lead_q, T, K]``,
     v ``[*lead, T, V]``, g, beta likewise, or the plain ``[N, T, *]``), ``NQ ≥ 1``, and K within
     this module's limits: ``(N, NQ, T, K, V)``. Raises ValueError naming the input."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
     nq, n, t, k_dim, v_dim = check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, lead_dims=True)
     if nq == 0:
         raise ValueError(f"v's N={n} must be a positive multiple of q's NQ={nq} (grouped value heads)")
