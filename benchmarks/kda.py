@@ -345,27 +345,14 @@ def fla_ops() -> tuple[Optional[types.ModuleType], str]:
 def planner_choice(inp: Inputs, cfg: Config, out_dtype) -> tuple[str, str, str]:
     """``(plan string for torch.ops.fuser.kda, plan name, note)``: the cheapest fuser plan of
     ``patterns/kda_plans.candidates`` for this loop's match at these shapes (a stand-in match
-    with the bindings ``patterns/kda.py`` would find)."""
-    import torch
-    import torch.fx as fx
-
+    with the bindings ``patterns/kda.py`` would find: ``kda_plans.stand_in_match``)."""
     from fuser.patterns import kda_ops
 
     try:
         from fuser.patterns import kda_plans
 
-        graph = fx.Graph()
-
-        def node(name, x):
-            n = graph.placeholder(name)
-            n.meta["val"] = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            return n
-
-        b = dict(q=node("q", inp.q), k=node("k", inp.k), v=node("v", inp.v), g=node("g", inp.g),
-                 beta=node("beta", inp.beta), h0=None, time_dims=(1,) * 5, t0=0, steps=cfg.t, scale=cfg.kd ** -0.5,
-                 scalar_gate=False, out_dim=1, out_dtype=out_dtype, want_state=True, state_dtype=torch.float32,
-                 lead=(cfg.b, cfg.h), key_dim=cfg.kd, value_dim=cfg.vd, device=inp.q.device)
-        match = types.SimpleNamespace(bindings=b, pattern="kda", location="benchmarks/kda.py")
+        match = kda_plans.stand_in_match(cfg.b * cfg.h, cfg.t, cfg.kd, cfg.vd, dtype=inp.q.dtype, gate_dtype=inp.g.dtype,
+                                         out_dtype=out_dtype, device=inp.q.device, lead=(cfg.b, cfg.h))
         from fuser.options import Options
 
         cands = kda_plans.candidates(match, types.SimpleNamespace(options=Options()))  # default options

@@ -7,13 +7,18 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     token by token; each program owns a ``[K, BLOCK_V]`` column block of one head's state for the
     whole sequence — in registers for small K, streamed through a float32 workspace for large K
     (two reads and a write of the block per token, mostly from L2). Reads every input once,
-    writes o once; the T steps are a dependency chain, so its time has a latency term
-    (``T`` × :data:`STEP_US`) besides the traffic.
+    writes o once; the T steps are a dependency chain. In registers its time is the larger of
+    its traffic and ``T`` token steps per wave of programs (:data:`RECURRENT_REGISTERS`,
+    measured): a few resident programs per SM, so ``N · cdiv(V, BLOCK_V)`` programs past that run
+    in waves (at T=8 and V=16384 there are thousands: the wave term, not the state write, is
+    its time).
 ``fuser[chunk C=<C>]``
     the chunked WY form on tensor cores: an intra-chunk kernel parallel over chunks (decays,
     ``A_kk``, ``A_qk``, the triangular solve, ``U``, ``W`` into float32 workspaces), then a pass
     sequential over the chunks carrying the state in registers (K ≤ 256). The dependency chain
-    is ``T / C`` long. Its dots take float32 operands also for 16-bit inputs (as accurate as the
+    is ``T / C`` long; at short T (a chunk or two) its first kernel has only ``N · cdiv(T, C)``
+    programs, each solving then streaming all V columns (:data:`CHUNK_PREP_US`: a measured floor
+    under the estimate). Its dots take float32 operands also for 16-bit inputs (as accurate as the
     float32 loop): the state path's as ``tf32x3`` on the GPU (three TF32 products a dot, counted
     so), the output path's (``A_qk``, ``Qg S``, ``A_qk Δ``) as single-pass TF32 when o is
     bfloat16, else as the state path's (``codegen/kda_chunk.resolve_output_precision``; one
@@ -24,22 +29,33 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     the single-chunk parallel form for T ≤ 64 (``codegen/kda_parallel.py``): the ``T × T`` Gram
     matrices split over K across programs, a per-head solve, and the final state written tile by
     tile — without an initial state the state is never read, so the floor is writing it. Any K.
-    Its Gram sums and per-head solve are latency that grows as T² (:data:`PARALLEL_FIXED_US` and
-    the constants after it, measured); it wins where the recurrent kernel must stream a large state
+    Its time (:data:`PARALLEL_FIXED_US` and the constants after it, measured) is a fixed part,
+    the Gram sums (``N · K · T²``), the solve programs in waves of one per SM (each redoes the
+    ``T``-row forward substitution: 0.4 / 14 / 75 µs a wave at ``T_PAD`` = 16 / 32 / 64) and the
+    traffic; it wins where the recurrent kernel must stream a large state
     (the blog's K = 8192, 16384 with V = 1024, T = 8: 45 / 75 µs of kernels against 548 / 1923 µs on
-    the H100) and at short T with a large state (512 × 16384: 47 against 98 µs).
+    the H100) and at short T with many value columns (512 × 16384, T = 8: 47 against 98 µs).
 ``inductor``
     the unrolled loop as written: Inductor round-trips the state through HBM every token.
 
 The rates below are estimates until measured on the H100 (``benchmarks/kda.py``); where a number
-is NOT MEASURED it says so. Known misprediction: the recurrent kernel at short T and large K·V
-with many value blocks (K×V = 512×16384, T=8, N=2: 98 µs measured, 50 estimated: its programs'
-redundant reads of q/k/g and their waves are not modelled) is picked over the parallel form
-(47 µs measured, 52 estimated); ``fuser.plan`` ``kda.plan=parallel`` forces the faster one there.
+is NOT MEASURED it says so. The recurrent, parallel and short-T chunk terms are fitted to one
+sweep of the three kernels' device times (H100, torch 2.11 / Triton 3.6, 2026-11-24, CUDA-graph
+replay, bf16 inputs, the final state returned, no h0: N ∈ {2, 16}, T ∈ {8, 16, 32, 64}, K ∈
+{64 … 1024} (chunk: ≤ 256), V ∈ {128, 1024, 8192, 16384}, 164 shapes;
+``benchmarks/kda_plan_sweep.py``, ``benchmarks/results/kda_plan_sweep.md``): median errors
+4-5%; the recurrent kernel in registers within 15% everywhere, its streamed variant (K > 1024)
+up to 2x over (part of its state stays in L2; the parallel form is 7-13x faster there anyway),
+the parallel form within −19…+23%, the chunked one within −16…+11%. Over the sweep the pick is
+the measured fastest or within 5% of it at every shape. The rates before (0.5 µs a token for the
+recurrent kernel) picked the recurrent kernel over the parallel form at short T with many value
+columns, up to 2.4x slower (K × V = 1024 × 1024, T = 8, N = 16: 150 against 47 µs; the blog's
+512 × 16384: 98 against 47 µs).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import sympy
@@ -55,30 +71,54 @@ from .kda_ops import plan_string
 #: Shape symbols: N value heads (batch × heads), T steps, K key dim, V value dim.
 N, T, KD, VD = sympy.symbols("N T K V", positive=True, integer=True)
 
-#: Latency of one token of the recurrent kernel's dependency chain, in microseconds (loads of
-#: q_t, k_t, g_t, v_t, two reductions over K, the update): MEASURED on the H100 at K=V=128
-#: (N=32, T=1024: 0.534 ms, ~0.52 µs a token). At the blog shape 256×8192 (T=8) the model gives
-#: 0.017 ms against 0.078 ms measured: the waves of short programs are not modelled.
-STEP_US = 0.5
+#: The recurrent kernel in registers, per padded K (``K_pad``, the rows of
+#: ``codegen/kda_recurrent._REGS_TABLE``' defaults: BLOCK_V 8 and 1/2/1/4/8 warps at K_pad = 64 … 1024):
+#: ``(resident programs per SM, fixed µs, µs per token)``. Its time is
+#: ``fixed + T · per_token · max(1, programs / (resident · SMs))`` with ``programs = N · cdiv(V,
+#: BLOCK_V)``, or its traffic at the HBM rate if longer. MEASURED on the H100 (module docstring's
+#: sweep; the fit's worst error 12-15% per K); K_pad below 64 takes 64's row and above 1024 the
+#: 1024 row (NOT MEASURED: the default config streams the state there).
+RECURRENT_REGISTERS = {
+    64: (7.4, 2.4, 0.286),
+    128: (4.76, 2.5, 0.424),
+    256: (3.97, 3.7, 0.575),
+    512: (1.45, 4.5, 0.494),
+    1024: (0.73, 5.0, 0.722),
+}
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
-#: The parallel form's latency besides its state traffic (prep, reduce and solve launches), in
-#: microseconds: ``PARALLEL_FIXED_US + PARALLEL_SOLVE_US_PER_T2 · T² + PARALLEL_GRAM_US_PER_KT2 · K · T²``
-#: (the solve's forward substitution walks T rows of a ``[T, T]`` tile; the Gram partials grow as
-#: ``K · T²``). MEASURED on the H100 (torch 2.11, Triton 3.6; ``codegen/kda_parallel.forward``'s
-#: kernels, device time, N=2, bf16, 2026-11-24; ``benchmarks/results/kda_parallel_tuning.md``):
-#: prep + reduce + solve at K×V = 256×8192: T = 8, 16, 32, 64: 13.7, 17.0, 67.1, 287 µs; at
-#: 8192×1024: 20.2, 28.9, 122, 519 µs (the fit: 13, 26, 84, 303 and 21, 45, 121, 426). For few
-#: rows (the short-sequence shapes it is for): latency, not throughput.
-PARALLEL_FIXED_US = 8.0
-PARALLEL_SOLVE_US_PER_T2 = 0.07
-PARALLEL_GRAM_US_PER_KT2 = 1.3e-5
+#: The chunked form at short T as a floor under its estimate: its first kernel (grid ``(chunks,
+#: N)``) runs one program per SM, each ``CHUNK_PREP_US[K_pad]`` µs plus ``CHUNK_US_PER_COLUMN +
+#: CHUNK_US_PER_ROW_COLUMN · N`` µs per value column (its solve, then ``U = T V`` over V in
+#: blocks, one after the other; the ``N`` part: the scan kernel's ``N · cdiv(V, BLOCK_V)``
+#: programs), so ``N · cdiv(T, C)`` programs run in waves of one per SM. MEASURED on the H100
+#: (torch 2.11 / Triton 3.6, 2026-11-24, ``codegen/kda_chunk.forward`` device time, N = 2 and 16,
+#: T = 8 … 64 (one chunk), K = 64 / 128 / 256, V = 128 … 16384, bf16;
+#: ``benchmarks/results/kda_plan_sweep.md``; least squares on the relative error: median 5%,
+#: worst 16%). At short T this floor is the estimate (T=64, K=256, V=8192, N=2: 563 µs measured
+#: where the traffic model says 98; without the floor the planner would pick this plan there, 4x
+#: slower than the recurrent kernel's 140 µs); at the training shapes (1024 programs) the
+#: calibrated model above it stays the estimate.
+CHUNK_PREP_US = {64: 45.0, 128: 72.0, 256: 128.0}
+CHUNK_US_PER_COLUMN = 0.046
+CHUNK_US_PER_ROW_COLUMN = 0.0026
+#: The parallel form besides its traffic (which counts at 1/:data:`PARALLEL_TRAFFIC_EFFICIENCY` of
+#: the HBM time): ``PARALLEL_FIXED_US + PARALLEL_GRAM_US · N · K · T² + PARALLEL_SOLVE_WAVE_US[T_PAD]
+#: · cdiv(solve programs, SMs)`` µs, ``T_PAD = max(16, next_pow2(T))``, solve programs ``N ·
+#: cdiv(V, BLOCK_VS)`` (``codegen/kda_parallel``'s solve grid): each solve program redoes the
+#: ``T``-row forward substitution and takes an SM to itself. MEASURED on the H100 (module
+#: docstring's sweep; least squares on the relative error: median 6%, worst 37%).
+PARALLEL_FIXED_US = 14.0
+PARALLEL_GRAM_US = 3.3e-6
+PARALLEL_SOLVE_WAVE_US = {16: 0.4, 32: 14.0, 64: 75.0}
+PARALLEL_TRAFFIC_EFFICIENCY = 1 / 1.3
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
-#: Fraction of the fp32 FMA peak the recurrent kernel's state updates reach: NOT MEASURED.
-RECURRENT_EFFICIENCY = 0.5
+#: Fraction of the fp32 FMA peak the unrolled loop's elementwise kernels reach (Inductor's plan;
+#: its traffic bounds it): NOT MEASURED.
+INDUCTOR_FP32_EFFICIENCY = 0.5
 #: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED on its own.
 CHUNK_EFFICIENCY = 0.3
 #: Measured over modelled time of the chunked forward, by the dots' dtype, applied to the chunk
@@ -138,7 +178,11 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     they run on), ``chain_us`` (the sequential dependency chain), ``launches``. The chunk plan
     also: ``flops_by_kind`` (``{tflops key: FLOPs}``, each path's dots counted with their
     products, ``kda_chunk.dot_flops``) for its ``dots`` and ``output_precision`` (None: the rule
-    of ``kda_chunk.resolve_output_precision``) as they run on a GPU."""
+    of ``kda_chunk.resolve_output_precision``) as they run on a GPU. The recurrent kernel in
+    registers and the parallel form: ``waves`` (``programs``, ``per_sm`` resident, ``fixed_us``,
+    ``wave_us``, ``whole_waves``, ``overlaps_traffic``: their measured time, see :func:`estimate`),
+    the parallel form also ``traffic_efficiency``; the chunk plan ``floor_waves`` (its first
+    kernel's programs in waves, a floor under its estimate)."""
     b = m.bindings
     eq, ev, eg, eb = _elt(b["q"]), _elt(b["v"]), _elt(b["g"]), _elt(b["beta"])
     eo = torch.finfo(b["out_dtype"]).bits // 8
@@ -151,14 +195,23 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
-        variant = kda_recurrent.choose_config(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]),
-                                              dtype=_dtype(b["q"]), device=_device(b))["VARIANT"]
+        cfg = kda_recurrent.choose_config(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]),
+                                          device=_device(b))
+        variant = cfg["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
+        resident, fixed_us, token_us = recurrent_rates(_int(b["key_dim"]))
         terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
-                 "chain_us": STEP_US * T, "variant": variant}
+                 "variant": variant, "chain_us": 0}
         if variant == "streamed":
+            # bound by its state traffic; the token chain on top (the registers rate, NOT MEASURED
+            # for this variant on its own)
             terms["state_bytes"] = 4 * N * KD * VD
+            terms["chain_us"] = token_us * T
+        else:
+            terms["waves"] = {"programs": N * sympy.ceiling(VD / cfg["BLOCK_V"]), "per_sm": resident,
+                              "fixed_us": fixed_us, "wave_us": token_us * T, "whole_waves": False,
+                              "overlaps_traffic": True}
         return terms
     if plan == "parallel":
         from fuser.codegen import kda_parallel
@@ -168,8 +221,15 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
                                         scalar_gate=b["scalar_gate"], out_bytes=eo)
         # the Gram matrices (T² K twice), the h0 projections (2 T K V), the state tiles (T K V)
         flops = 4 * N * T * T * KD + (4 * N * T * KD * VD if b["h0"] is not None else 0) + 2 * N * T * KD * VD
-        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4,
-                "chain_us": PARALLEL_FIXED_US + (PARALLEL_SOLVE_US_PER_T2 + PARALLEL_GRAM_US_PER_KT2 * KD) * T ** 2}
+        cfg = kda_parallel.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b),
+                                         n_rows=x[N], t_len=x[T])
+        t_pad = max(16, launch.next_power_of_2(max(1, x[T])))
+        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": 0,
+                "traffic_efficiency": PARALLEL_TRAFFIC_EFFICIENCY,
+                "waves": {"programs": N * sympy.ceiling(VD / cfg["BLOCK_VS"]), "per_sm": 1,
+                          "fixed_us": PARALLEL_FIXED_US + PARALLEL_GRAM_US * N * KD * T ** 2,
+                          "wave_us": PARALLEL_SOLVE_WAVE_US[min(t_pad, 64)], "whole_waves": True,
+                          "overlaps_traffic": False}}
     from fuser.codegen import kda_chunk
 
     # float32 workspaces whatever the inputs' dtypes (the float32 loop's accuracy: kda_chunk.workspace_dtype),
@@ -187,7 +247,10 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
                                  initial_state=b["h0"] is not None, final_state=b["want_state"])
     return {"bytes": nbytes, "flops": sum(by_kind.values()), "flops_by_kind": by_kind,
             "kind": "mma", "state_precision": state_precision, "output_precision": out_precision,
-            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots]}
+            "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots],
+            "floor_waves": {"programs": N * sympy.ceiling(T / chunk), "per_sm": 1, "fixed_us": 0,
+                            "wave_us": CHUNK_PREP_US[min(max(64, launch.next_power_of_2(_int(b["key_dim"]))), 256)]
+                            + (CHUNK_US_PER_COLUMN + CHUNK_US_PER_ROW_COLUMN * N) * VD, "whole_waves": True}}
 
 
 def chunk_precisions(m: Match, ctx: MatchContext) -> tuple:
@@ -224,28 +287,86 @@ def precision_note(m: Match, dots: str, requested: Optional[str], state_precisio
     return f"float32 dots: state path {state_precision}, output path {out_precision} ({why})"
 
 
+def recurrent_rates(k_dim: int) -> tuple:
+    """``(resident programs per SM, fixed µs, µs per token)`` of the recurrent kernel in registers
+    at key dim ``k_dim``: the :data:`RECURRENT_REGISTERS` row of its padded K (clamped to the
+    table's range)."""
+    k_pad = min(max(64, 1 << max(0, int(k_dim) - 1).bit_length()), max(RECURRENT_REGISTERS))
+    return RECURRENT_REGISTERS[k_pad]
+
+
+def _waves_seconds(w: dict, subs: dict, model: cm.DeviceModel) -> float:
+    """Seconds of a plan's programs run in waves: ``fixed_us + wave_us · waves``, ``waves =
+    programs / (per_sm · SMs)`` (at least 1; rounded up to whole waves where ``whole_waves``)."""
+    slots = w["per_sm"] * model.sm_count
+    ratio = cm.evaluate(w["programs"], subs) / slots
+    waves = math.ceil(ratio) if w["whole_waves"] else max(1.0, ratio)
+    return (cm.evaluate(w["fixed_us"], subs) + cm.evaluate(w["wave_us"], subs) * waves) * 1e-6
+
+
 def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> float:
-    """Milliseconds: the larger of traffic and arithmetic, plus the dependency chain, plus
-    launches. Matrix-unit FLOPs run at the rate of their kind in ``terms["flops_by_kind"]``
-    where the plan splits them (the chunk plan: its state and output paths' dots), else at the
-    inputs' ``in_kind``."""
+    """Milliseconds, plus launches. A plan with measured ``waves`` (the recurrent kernel in
+    registers, the parallel form): their time (:func:`_waves_seconds`) and the traffic at
+    ``traffic_efficiency`` of the HBM rate, the larger of the two where the waves overlap the
+    traffic, else their sum. Otherwise the larger of traffic and arithmetic, plus the dependency
+    chain: matrix-unit FLOPs run at the rate of their kind in ``terms["flops_by_kind"]`` where the
+    plan splits them (the chunk plan: its state and output paths' dots), else at the inputs'
+    ``in_kind``. ``floor_waves`` (the chunk plan's first kernel) puts its programs' waves under
+    the result."""
     nbytes = cm.evaluate(terms["bytes"], subs)
-    flops = cm.evaluate(terms["flops"], subs)
-    if terms["kind"] == "fp32":
-        t_math = flops / (model.tflops["fp32"] * 1e12 * RECURRENT_EFFICIENCY)
-    elif "flops_by_kind" in terms:
-        t_math = sum(cm.evaluate(f, subs) / (model.tflops[kind] * 1e12 * CHUNK_EFFICIENCY)
-                     for kind, f in terms["flops_by_kind"].items())
-    else:
-        t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
-    bandwidth = model.bandwidth_gbs * 1e9
+    bandwidth = model.bandwidth_gbs * 1e9 * terms.get("traffic_efficiency", 1.0)
     if "state_bytes" in terms and cm.evaluate(terms["state_bytes"], subs) > STREAMED_FAST_BYTES:
         bandwidth *= STREAMED_SLOW_EFFICIENCY
-    t = max(nbytes / bandwidth, t_math)
+    if "waves" in terms:
+        w = terms["waves"]
+        t_waves = _waves_seconds(w, subs, model)
+        t = max(nbytes / bandwidth, t_waves) if w["overlaps_traffic"] else nbytes / bandwidth + t_waves
+    else:
+        flops = cm.evaluate(terms["flops"], subs)
+        if terms["kind"] == "fp32":
+            t_math = flops / (model.tflops["fp32"] * 1e12 * INDUCTOR_FP32_EFFICIENCY)
+        elif "flops_by_kind" in terms:
+            t_math = sum(cm.evaluate(f, subs) / (model.tflops[kind] * 1e12 * CHUNK_EFFICIENCY)
+                         for kind, f in terms["flops_by_kind"].items())
+        else:
+            t_math = flops / (model.tflops[in_kind] * 1e12 * CHUNK_EFFICIENCY)
+        t = max(nbytes / bandwidth, t_math)
     t += cm.evaluate(terms["chain_us"], subs) * 1e-6
     t *= terms.get("calibration", 1.0)
+    if "floor_waves" in terms:
+        t = max(t, _waves_seconds(terms["floor_waves"], subs, model))
     t += cm.evaluate(terms["launches"], subs) * model.launch_us * 1e-6
     return t * 1e3
+
+
+def stand_in_match(n: int, t: int, k_dim: int, v_dim: int, *, dtype: torch.dtype = torch.bfloat16,
+                   gate_dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None,
+                   device="cuda", want_state: bool = True, lead: Optional[tuple] = None):
+    """A stand-in for the match ``patterns/kda.py`` finds in the blog loop on ``[B, T, H, *]``
+    inputs (``lead = (B, H)``, default ``(1, n)``): q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` in
+    ``dtype``, g ``[B, T, H, K]`` in ``gate_dtype``, beta ``[B, T, H]``, no initial state, the final
+    state returned when ``want_state``, o in ``out_dtype`` (default ``dtype``). Its nodes carry meta
+    tensors: nothing is traced or run. For estimating plans at given sizes (:func:`candidates`)
+    from benchmarks and tests."""
+    import types
+
+    import torch.fx as fx
+
+    lead = tuple(lead) if lead is not None else (1, n)
+    graph = fx.Graph()
+
+    def node(name, shape, dt):
+        x = graph.placeholder(name)
+        x.meta["val"] = torch.empty(shape, dtype=dt, device="meta")
+        return x
+
+    b0, h = lead[0], lead[-1]
+    b = dict(q=node("q", (b0, t, h, k_dim), dtype), k=node("k", (b0, t, h, k_dim), dtype),
+             v=node("v", (b0, t, h, v_dim), dtype), g=node("g", (b0, t, h, k_dim), gate_dtype),
+             beta=node("beta", (b0, t, h), dtype), h0=None, time_dims=(1,) * 5, t0=0, steps=t,
+             scale=k_dim ** -0.5, scalar_gate=False, out_dim=1, out_dtype=out_dtype or dtype, want_state=want_state,
+             state_dtype=torch.float32, lead=lead, key_dim=k_dim, value_dim=v_dim, device=torch.device(device))
+    return types.SimpleNamespace(bindings=b, pattern="kda", location="stand-in")
 
 
 def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:

@@ -335,7 +335,9 @@ def test_planner_offers_chunk_up_to_k_256_and_parallel_up_to_t_64():
     assert {c.params.get("plan") for c in small.matches[0].alternatives} == {"recurrent", "chunk", "parallel"}
     _, long = fuse(blog_loop, *_inputs("bhtk", t=70, k=32, v=32))  # past the parallel form's 64 steps
     assert {c.params.get("plan") for c in long.matches[0].alternatives} == {"recurrent", "chunk"}
-    assert long.matches[0].plan.params["plan"] == "chunk"  # one chunk boundary against 70 dependent tokens
+    # at this size the token loop is the faster one as measured (H100, benchmarks/results/kda_plan_sweep.md:
+    # N=2, T=64, K=64, V=128: recurrent 20.6 µs, chunk 54.6: two chunks cannot fill the GPU)
+    assert long.matches[0].plan.params["plan"] == "recurrent"
     _, large = fuse(blog_loop, *_inputs("bhtk", t=3, k=300, v=8))
     assert {c.params.get("plan") for c in large.matches[0].alternatives} == {"recurrent", "parallel"}
 
@@ -434,6 +436,30 @@ def test_the_chunk_estimate_counts_each_paths_products(dtype):
     est = {p: kda_plans.estimate(kda_plans.cost_terms(m, "chunk", 64, output_precision=p), big, model, "bf16")
            for p in ("tf32", "tf32x3", "ieee")}
     assert est["tf32"] < est["tf32x3"] < est["ieee"], est
+
+
+@pytest.mark.parametrize("n,t,k,v,want,measured", [
+    # device µs on the H100 (benchmarks/results/kda_plan_sweep.md): recurrent / parallel / chunk
+    (2, 8, 512, 16384, "parallel", "98 / 47 / -"),      # the kernel blog's shape the old rates got wrong
+    (2, 8, 8192, 1024, "parallel", "550 / 47 / -"),
+    (2, 16, 64, 128, "recurrent", "6.7 / 17 / 54"),
+    (2, 64, 256, 8192, "recurrent", "140 / 312 / 563"),  # the chunk plan's first kernel: two programs
+    (2, 64, 128, 1024, "recurrent", "30 / 86 / 128"),
+    (16, 4096, 128, 128, "chunk", "- / - / 854"),         # the training shape
+])
+def test_the_planner_picks_the_plan_measured_fastest(monkeypatch, n, t, k, v, want, measured):
+    import types
+
+    from fuser.codegen import launch
+    from fuser.options import Options
+    from fuser.patterns import kda_plans
+
+    monkeypatch.setattr(launch, "device_properties",
+                        lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cands = kda_plans.candidates(kda_plans.stand_in_match(n, t, k, v), types.SimpleNamespace(options=Options()))
+    est = {c.params.get("plan", c.name): c.estimate_ms for c in cands}
+    assert min(est, key=est.get) == want, (est, measured)
 
 
 def test_an_input_written_inside_the_loop_is_declined():
