@@ -33,7 +33,8 @@ not with ``saved``)
     even programs ``kda_bwd_states``' work, odd ones ``kda_bwd_dstates``'.
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
-    ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
+    ``dk4`` of ``dk`` (stored float32: in dk when that is float32, else in scratch;
+    kda_bwd_intra2 adds the rest and takes its ``dG`` term).
 ``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
 gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
@@ -43,8 +44,13 @@ gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dk`` (row side, column side) and ``dG`` stay ``[chunk, BLOCK_K]`` register tiles; every
     output is stored once.
 
-With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
-the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
+The gradients are written where the caller wants them (``out=``: views in the inputs' layouts,
+rows as two stride groups, cast to their dtypes on store), else into new float32 tensors; an
+``out`` tensor whose lead dims need three stride groups is written through a contiguous
+temporary and copied. With grouped value heads (``N = NQ·group``) dq and dk are computed per value
+head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch: float32
+``[N, T, K]`` (G; per-head dq, dk when ``group > 1``; ``dk4`` when ``group = 1`` and dk is not
+float32),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
 (:data:`SCRATCH`) ``[N, T, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
 gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U,
@@ -110,8 +116,8 @@ from . import launch
 from .kda_recurrent import _prod, check_shapes, input_rows, row_groups
 from .render import RenderedKernel, render
 
-__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "PARALLEL",
-           "SAVED_KEYS", "SCRATCH"]
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "GRADS",
+           "PARALLEL", "SAVED_KEYS", "SCRATCH"]
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]

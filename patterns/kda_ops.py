@@ -27,7 +27,10 @@ follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOO
 them: no kernel runs before them either.
 
 Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
-:data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
+:data:`KERNEL_BACKWARD_MAX_DIM`, reading the inputs and dO in place as the forward's kernels do
+and writing dq, dk, dv, dg, dβ in place too: each allocated once like its input (its strides
+and dtype; zeros when the loop's window leaves part of the time axis out), the kernels writing
+the window's ``[*L, T, *]`` view (``kda_bwd.backward``'s ``out=``), no copy after them; larger heads by autograd through the float64 chunked reference
 (``patterns/kda_reference.chunked``) — exact, slow (PyTorch ops per chunk, float64).
 """
 
