@@ -33,7 +33,8 @@ not with ``saved``)
     even programs ``kda_bwd_states``' work, odd ones ``kda_bwd_dstates``'.
 ``kda_bwd_intra1``, grid ``(n_chunks, N)``
     ``dv``, ``dβ``, ``dA_qk``, ``dA_kk`` (through ``dM``, ``dL = −Mᵀ dM Mᵀ``), and the ``W`` term
-    ``dk4`` of ``dk`` (stored in dk; kda_bwd_intra2 adds the rest and takes its ``dG`` term).
+    ``dk4`` of ``dk`` (stored float32: in dk when that is float32, else in scratch;
+    kda_bwd_intra2 adds the rest and takes its ``dG`` term).
 ``kda_bwd_intra2``, grid ``(n_chunks, N, cdiv(K, BLOCK_K))`` (one K block per program; the scalar
 gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dq``, ``dk`` (per value head): the state terms, the pairwise-decay terms per 16-row
@@ -43,8 +44,13 @@ gate, whose ``dG`` sums over K, runs every K block in one program)
     ``dk`` (row side, column side) and ``dG`` stay ``[chunk, BLOCK_K]`` register tiles; every
     output is stored once.
 
-With grouped value heads (``N = NQ·group``) dq and dk are computed per value head and summed over
-the group in PyTorch. Scratch: float32 ``[N, T, K]`` (G; and per-head dq, dk when ``group > 1``),
+The gradients are written where the caller wants them (``out=``: views in the inputs' layouts,
+rows as two stride groups, cast to their dtypes on store), else into new float32 tensors; an
+``out`` tensor whose lead dims need three stride groups is written through a contiguous
+temporary and copied. With grouped value heads (``N = NQ·group``) dq and dk are computed per value
+head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch: float32
+``[N, T, K]`` (G; per-head dq, dk when ``group > 1``; ``dk4`` when ``group = 1`` and dk is not
+float32),
 ``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
 (:data:`SCRATCH`) ``[N, T, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
 gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U,
@@ -107,11 +113,11 @@ from typing import Optional
 import torch
 
 from . import launch
-from .kda_recurrent import input_rows
+from .kda_recurrent import _prod, check_shapes, input_rows, row_groups
 from .render import RenderedKernel, render
 
-__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "PARALLEL",
-           "SAVED_KEYS", "SCRATCH"]
+__all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "GRADS",
+           "PARALLEL", "SAVED_KEYS", "SCRATCH"]
 
 TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
@@ -126,57 +132,28 @@ SAVED_KEYS = ("chunk_states",)
 # --------------------------------------------------------------------------------------------
 
 
-def _rows_shape(x, tail: int):
-    """``(prod(lead), trailing dims)`` of ``x`` ``[*lead, *tail dims]`` with at least one lead dim,
-    or None when ``x`` has too few dims."""
-    if x.dim() <= tail:
-        return None
-    rows = 1
-    for d in x.shape[:x.dim() - tail]:
-        rows *= int(d)
-    return rows, tuple(x.shape[x.dim() - tail:])
-
-
 def _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, lead_dims: bool = False):
-    """(NQ, N, T, K, V, group) after checking the kernel interface's shapes (ValueError).
+    """(NQ, N, T, K, V, group) after checking the kernel interface's shapes (ValueError): q, k,
+    v, g, beta and the initial state as the forward launchers check them
+    (``kda_recurrent.check_shapes``), do ``[N, T, V]``, d_final_state ``[N, K, V]``.
 
     With ``lead_dims`` (:func:`backward`) an input may carry its rows as several lead dims (at
     least one), row ``n`` the row-major index over them: q, k ``[*lead_q, T, K]`` (one shape,
     ``prod(lead_q) = NQ``), v and do ``[*lead, T, V]``, g ``[*lead, T(, K)]``, beta ``[*lead,
     T]`` with ``prod(lead) = N`` for each (``codegen/kda_recurrent.input_rows`` addresses them)."""
+    nq, n, t, kd, vd = check_shapes(q, k, v, g, beta, initial_state, scalar_gate, lead_dims=lead_dims)
+    if not isinstance(do, torch.Tensor):
+        raise ValueError(f"do (the gradient of o) must be a torch.Tensor, got {type(do).__name__}")
     if lead_dims:
-        sq, sv = _rows_shape(q, 2), _rows_shape(v, 2)
-        if sq is None or k.shape != q.shape:
-            raise ValueError(f"q and k must be [NQ, T, K] (or [*lead, T, K]) of one shape, got {tuple(q.shape)} and "
-                             f"{tuple(k.shape)}")
-        nq, (t, kd) = sq
-        if sv is None or sv[1][0] != t or nq == 0 or sv[0] % nq:
-            raise ValueError(f"v must be [N, T, V] (or [*lead, T, V]) with T={t} and N a multiple of NQ={nq}, got "
-                             f"{tuple(v.shape)}")
-        n, (_, vd) = sv
-        same = lambda x, tail, want: _rows_shape(x, tail) == (n, want)  # noqa: E731
-        note = " (or [*lead, ...] with prod(lead) = N)"
+        do_ok = do.dim() >= 3 and _prod(do.shape[:-2]) == n and tuple(do.shape[-2:]) == (t, vd)
     else:
-        if q.dim() != 3 or k.shape != q.shape:
-            raise ValueError(f"q and k must be [NQ, T, K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-        nq, t, kd = q.shape
-        if v.dim() != 3 or v.shape[1] != t or nq == 0 or v.shape[0] % nq:
-            raise ValueError(f"v must be [N, T, V] with T={t} and N a multiple of NQ={nq}, got {tuple(v.shape)}")
-        n, _, vd = v.shape
-        same = lambda x, tail, want: tuple(x.shape) == (n, *want)  # noqa: E731
-        note = ""
-    want_g = (n, t) if scalar_gate else (n, t, kd)
-    if not same(g, 1 if scalar_gate else 2, want_g[1:]):
-        raise ValueError(f"g must be {'[N, T]' if scalar_gate else '[N, T, K]'} = {want_g}{note}"
-                         f"{' (scalar_gate=True)' if scalar_gate else ''}, got {tuple(g.shape)}")
-    if not same(beta, 1, (t,)):
-        raise ValueError(f"beta must be [N, T] = {(n, t)}{note}, got {tuple(beta.shape)}")
-    if not same(do, 2, (t, vd)):
+        do_ok = tuple(do.shape) == (n, t, vd)
+    if not do_ok:
+        note = " (or [*lead, T, V] with prod(lead) = N)" if lead_dims else ""
         raise ValueError(f"do (the gradient of o) must be [N, T, V] = {(n, t, vd)}{note}, got {tuple(do.shape)}")
-    for name, x in (("initial_state", initial_state), ("d_final_state", d_final_state)):
-        if x is not None and tuple(x.shape) != (n, kd, vd):
-            raise ValueError(f"{name} must be [N, K, V] = {(n, kd, vd)}, got {tuple(x.shape)}")
-    return nq, n, t, kd, vd, n // nq
+    if d_final_state is not None and tuple(d_final_state.shape) != (n, kd, vd):
+        raise ValueError(f"d_final_state must be [N, K, V] = {(n, kd, vd)}, got {tuple(d_final_state.shape)}")
+    return nq, n, t, kd, vd, (n // nq if nq else 1)
 
 
 def reference_backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_state=None,
@@ -437,7 +414,7 @@ def _launch(kernel, grid, args, kwargs, stages: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved):
+def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved, out):
     dims = _check_shapes(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, lead_dims=True)
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
              "d_final_state": d_final_state}
@@ -464,12 +441,67 @@ def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gat
                                  f"before every chunk of {chunk} tokens), got {tuple(states.shape)}")
             if states.dtype not in launch.DTYPES or states.device != q.device:
                 raise ValueError("saved['chunk_states'] must be a float tensor on q's device (float32 preferred)")
+    if out is not None:
+        _check_out(out, _grad_shapes(dims, scalar_gate), q.device)
     return dims, states
+
+
+#: The gradients :func:`backward` writes into its ``out=`` tuple, in that order.
+GRADS = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def _grad_shapes(dims, scalar_gate: bool) -> tuple:
+    """The flat shapes of :data:`GRADS` (``dims`` = (NQ, N, T, K, V, group)): dq, dk ``[NQ, T,
+    K]``, dv ``[N, T, V]``, dg ``[N, T, K]`` (``[N, T]`` with ``scalar_gate``), dbeta ``[N, T]``."""
+    nq, n, t, kd, vd, _ = dims
+    return (nq, t, kd), (nq, t, kd), (n, t, vd), (n, t) if scalar_gate else (n, t, kd), (n, t)
+
+
+def _check_out(out, shapes, device) -> None:
+    """Check :func:`backward`'s ``out`` against the flat gradient shapes ``shapes``
+    (:func:`_grad_shapes`); ValueError naming the gradient and the fix."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(GRADS):
+        raise ValueError(f"out must be a tuple (dq, dk, dv, dg, dbeta) of five tensors or None, got "
+                         f"{type(out).__name__}{f' of {len(out)}' if isinstance(out, (tuple, list)) else ''}")
+    for name, x, want in zip(GRADS, out, shapes):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"out's {name} must be a torch.Tensor, got {type(x).__name__}")
+        tail = len(want) - 1
+        lead = x.shape[:x.dim() - tail]
+        if x.dim() <= tail or _prod(lead) != want[0] or tuple(x.shape[x.dim() - tail:]) != want[1:]:
+            raise ValueError(f"out's {name} must be {list(want)} (or [*lead, {', '.join(map(str, want[1:]))}] with "
+                             f"prod(lead) = {want[0]}), got {tuple(x.shape)}")
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"out's {name} must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"out's {name} is on {x.device}, the inputs on {device}")
+        if any(st == 0 and size > 1 for size, st in zip(x.shape, x.stride())):
+            raise ValueError(f"out's {name} overlaps itself (stride 0 in {tuple(x.stride())}, shape "
+                             f"{tuple(x.shape)}): pass a tensor with its own memory per element")
+
+
+def _out_rows(x: torch.Tensor, tail: int, shape, device) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``(x_arg, rows)``: how the kernels write the gradient ``x`` (``[*lead, T(, F)]``, ``tail``
+    trailing dims): ``x`` itself, its lead dims as at most two stride groups
+    (``kda_recurrent.row_groups``), or, when they need three, a contiguous temporary of the flat
+    ``shape`` in ``x``'s dtype (copied into ``x`` after the kernels: :func:`_finish_out`)."""
+    lead = x.dim() - tail
+    rows = row_groups(x.shape[:lead], x.stride()[:lead])
+    if rows is None:
+        tmp = launch.empty(shape, x.dtype, device)
+        return tmp, (1, tmp.stride(0), 0)
+    return x, rows
+
+
+def _finish_out(x: torch.Tensor, x_arg: torch.Tensor) -> None:
+    """``x`` after the kernels wrote ``x_arg`` (:func:`_out_rows`): the temporary copied in."""
+    if x_arg is not x:
+        x.copy_(x_arg.view(x.shape))
 
 
 def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_state=None,
              scalar_gate: bool = False, chunk: int = 64, config: Optional[dict] = None,
-             saved: Optional[dict] = None):
+             saved: Optional[dict] = None, out: Optional[tuple] = None):
     """Gradients of KDA (the interface of the KDA forward launchers) from ``do``.
 
     Args:
@@ -501,22 +533,44 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
             ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
             chunk computes them: the sequential recompute of the states is then skipped.
+        out: the gradients preallocated, written in place, or None (new float32 ones): a tuple
+            ``(dq, dk, dv, dg, dbeta)`` (:data:`GRADS`), dq, dk ``[*lead_q, T, K]`` with
+            ``prod(lead_q) = NQ``, dv ``[*lead, T, V]``, dg ``[*lead, T, K]`` (``[*lead, T]``
+            with ``scalar_gate``), dbeta ``[*lead, T]`` with ``prod(lead) = N`` (``[NQ, T, K]``
+            etc. the plain case; row ``n`` the row-major index over the lead dims, as for the
+            inputs: e.g. the gradients of FLA's ``[B, T, H, *]`` inputs as the views
+            ``movedim(1, -2)``, or a time window ``narrow`` of them), any strides but no stride
+            0 on a dim longer than 1, each float32, float16 or bfloat16 (the op passes the
+            inputs' dtypes; the kernels accumulate in float32 and round as they store), on the
+            inputs' device; none may overlap another or an input. The kernels write each one
+            directly when its lead dims merge into at most two stride groups
+            (``kda_recurrent.row_groups``; any tensor with the time axis moved), else through a
+            contiguous temporary and a copy. With grouped value heads (``group > 1``) dq and dk
+            are computed per value head in float32 scratch and summed over the group into
+            ``out``'s dq, dk (``torch.sum(..., out=)``, whatever their layout). dh0 is not in
+            ``out``: it is always a new float32 ``[N, K, V]``.
 
     Returns:
-        ``(dq, dk, dv, dg, dbeta, dh0)``, float32: dq, dk ``[NQ, T, K]`` (summed over the value
-        heads of a group), dv ``[N, T, V]``, dg shaped like g, dbeta ``[N, T]``, dh0
-        ``[N, K, V]`` (None without ``initial_state``).
+        ``(dq, dk, dv, dg, dbeta, dh0)``: with ``out``, its five tensors themselves (in their
+        own shapes and dtypes); else float32 contiguous dq, dk ``[NQ, T, K]`` (summed over the
+        value heads of a group), dv ``[N, T, V]``, dg ``[N, T, K]`` (``[N, T]`` with
+        ``scalar_gate``), dbeta ``[N, T]``. dh0 ``[N, K, V]`` float32 (None without
+        ``initial_state``). Gradients of broadcast inputs (a stride-0 lead dim) are per row, not
+        summed.
 
     Raises:
         ValueError: wrong ranks or shapes, an unsupported dtype, inputs on several devices, a
-            chunk not in :data:`CHUNKS`, a bad config or ``saved``.
+            chunk not in :data:`CHUNKS`, a bad config or ``saved``, an ``out`` that is not five
+            tensors of the gradients' shapes (or lead-dim forms), float dtypes and device, or
+            one overlapping itself (:func:`_check_out`).
     """
-    (nq, n, t, kd, vd, group), states_in = _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state,
-                                                          scalar_gate, chunk, saved)
+    dims, states_in = _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved,
+                                    out)
+    nq, n, t, kd, vd, group = dims
     dev = q.device
     f32 = torch.float32
     if t == 0 or n == 0 or kd == 0 or vd == 0:
-        return _empty_grads((nq, n, t, kd, vd, group), scalar_gate, initial_state, d_final_state, dev)
+        return _empty_grads(dims, scalar_gate, initial_state, d_final_state, dev, out)
     cfg = _config(config, dev, kd)
     interpret = launch.interpreted(dev)
     # every input's rows as at most two stride groups (a contiguous copy only for three or more)
@@ -551,11 +605,25 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     d_states = emp((n, nc, kd, vd), sd, dev)
     r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_prep for kda_bwd_dstates)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
-    dq_v = emp((n, t, kd), f32, dev)
-    dk_v = emp((n, t, kd), f32, dev)
-    dv = emp((n, t, vd), f32, dev)
-    dg = emp(gshape, f32, dev)
-    dbeta = emp((n, t), f32, dev)
+    # the gradients: out's tensors (written through their row groups, or a temporary for three
+    # groups), else new float32 ones; dq, dk per value head in float32 scratch when group > 1, summed
+    # below; dk4 (kda_bwd_intra1's term of dk, read back by kda_bwd_intra2) kept float32
+    shapes = _grad_shapes(dims, scalar_gate)
+    grads = tuple(out) if out is not None else tuple(emp(shape, f32, dev) for shape in shapes)
+    (dq_a, rw_dq), (dk_a, rw_dk), (dv_a, rw_dv), (dg_a, rw_dg), (db_a, rw_db) = (
+        _out_rows(x, len(shape) - 1, shape, dev) if group == 1 or i > 1 else (x, None)
+        for i, (x, shape) in enumerate(zip(grads, shapes)))
+    if group > 1:
+        dq_v, dk_v = emp((n, t, kd), f32, dev), emp((n, t, kd), f32, dev)
+        rw_dq = rw_dk = (1, dq_v.stride(0), 0)
+        dk4, rw_dk4 = dk_v, rw_dk
+    elif dk_a.dtype == f32:
+        dq_v, dk_v = dq_a, dk_a
+        dk4, rw_dk4 = dk_a, rw_dk
+    else:
+        dq_v, dk_v = dq_a, dk_a
+        dk4 = emp((n, t, kd), f32, dev)
+        rw_dk4 = (1, dk4.stride(0), 0)
     dh0 = emp((n, kd, vd), f32, dev) if initial_state is not None else None
     h0 = initial_state if initial_state is not None else delta      # a placeholder pointer, never read
     dht = d_final_state if d_final_state is not None else delta
@@ -593,33 +661,40 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
                      num_warps=ws, **common), sst)
         _launch(mod.kda_bwd_intra1, (nc, n), (
             k, v, beta, do, g_c, a_kk, m_inv, states, delta, d_delta, d_aqk, d_akk,
-            dk_v, dv, dbeta,
-            *st(k, rw_k), *st(v, rw_v), *st(beta, rw_b, 1), *st(do, rw_do), *states.stride(),
+            dk4, dv_a, db_a,
+            *st(k, rw_k), *st(v, rw_v), *st(beta, rw_b, 1), *st(do, rw_do),
+            *st(dk4, rw_dk4), *st(dv_a, rw_dv), *st(db_a, rw_db, 1), *states.stride(),
             t, group), *par("intra1"))
         _launch(mod.kda_bwd_intra2, (nc, n, 1 if scalar_gate else launch.cdiv(kd, kc["intra2"]["BLOCK_K"])), (
             q, k, do, g_c, states, d_states, delta, d_aqk, d_akk,
-            dq_v, dk_v, dg,
-            *st(q, rw_q), *st(k, rw_k), *st(do, rw_do), *states.stride(),
-            t, nc, group, float(scale)), *par("intra2"))
+            dk4, dq_v, dk_v, dg_a,
+            *st(q, rw_q), *st(k, rw_k), *st(do, rw_do),
+            *st(dk4, rw_dk4), *st(dq_v, rw_dq), *st(dk_v, rw_dk), *st(dg_a, rw_dg, 1 if scalar_gate else 2),
+            *states.stride(), t, nc, group, float(scale)), *par("intra2"))
+    dq, dk, dv, dg, dbeta = grads
     if group > 1:
-        dq = dq_v.view(nq, group, t, kd).sum(1)
-        dk = dk_v.view(nq, group, t, kd).sum(1)
+        # the sum over each group's value heads, written into dq, dk in their own layouts
+        for x, per_head in ((dq, dq_v), (dk, dk_v)):
+            torch.sum(per_head.view(*x.shape[:-2], group, t, kd), dim=x.dim() - 2, out=x)
     else:
-        dq, dk = dq_v, dk_v
+        _finish_out(dq, dq_a)
+        _finish_out(dk, dk_a)
+    for x, x_arg in ((dv, dv_a), (dg, dg_a), (dbeta, db_a)):
+        _finish_out(x, x_arg)
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def _empty_grads(dims, scalar_gate, initial_state, d_final_state, device):
+def _empty_grads(dims, scalar_gate, initial_state, d_final_state, device, out=None):
     """The gradients when there is nothing to compute (T, N, K or V zero; ``dims`` = (NQ, N, T,
     K, V, group)): zeros in :func:`backward`'s shapes (``[NQ, T, K]``, ..., whatever the inputs'
-    lead dims), and dh0 the gradient of the final state (the final state is the initial state
-    when T = 0)."""
-    nq, n, t, kd, vd, _ = dims
+    lead dims), or ``out``'s tensors zeroed; dh0 the gradient of the final state (the final
+    state is the initial state when T = 0)."""
     f32 = torch.float32
-    z = lambda *shape: torch.zeros(shape, dtype=f32, device=device)  # noqa: E731
     dh0 = None
     if initial_state is not None:
         dh0 = torch.zeros(initial_state.shape, dtype=f32, device=device)
-        if d_final_state is not None and t == 0:
+        if d_final_state is not None and dims[2] == 0:
             dh0 += d_final_state.to(f32)
-    return (z(nq, t, kd), z(nq, t, kd), z(n, t, vd), z(n, t) if scalar_gate else z(n, t, kd), z(n, t), dh0)
+    if out is not None:
+        return (*(x.zero_() for x in out), dh0)
+    return (*(torch.zeros(shape, dtype=f32, device=device) for shape in _grad_shapes(dims, scalar_gate)), dh0)

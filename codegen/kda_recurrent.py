@@ -61,6 +61,7 @@ from .render import RenderedKernel, render
 
 __all__ = [
     "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "check_out", "check_inputs",
+    "check_shapes",
     "input_rows", "inputs_rows", "row_groups",
     "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
 ]
@@ -336,6 +337,33 @@ def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, *, lea
     Raises:
         ValueError: naming the input and the fix.
     """
+    nq, n, t, kd, vd = check_shapes(q, k, v, g, beta, initial_state, scalar_gate, lead_dims=lead_dims)
+    if kd < 1 or vd < 1:
+        raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if initial_state is not None:
+        tensors["initial_state"] = initial_state
+    for name, x in tensors.items():
+        if x.dtype not in launch.DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast it first)")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: put every input on one device")
+    if out_dtype is not None and out_dtype not in launch.DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    return nq, n, t, kd, vd
+
+
+def check_shapes(q, k, v, g, beta, initial_state, scalar_gate, *, lead_dims: bool = False):
+    """The shape checks of :func:`check_inputs` (and of the KDA backward, ``kda_bwd``): q, k,
+    v, g, beta tensors of the interface's shapes (with ``lead_dims``, their lead-dim forms),
+    ``initial_state`` ``[N, K, V]`` or None. No dtype, device or size (K, V ≥ 1) check.
+
+    Returns:
+        ``(NQ, N, T, K, V)``.
+
+    Raises:
+        ValueError: naming the input and the fix.
+    """
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
@@ -352,8 +380,6 @@ def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, *, lea
     if n % nq if nq else n:
         raise ValueError(f"v must be [N, T={t}, V]{lead_note} with N a multiple of NQ={nq} (value row n reads "
                          f"q/k row n // (N // NQ)), got {tuple(v.shape)}")
-    if kd < 1 or vd < 1:
-        raise ValueError(f"K and V must be >= 1, got K={kd}, V={vd}")
     want_g = (n, t) if scalar_gate else (n, t, kd)
     g_tail = g.dim() - (1 if scalar_gate else 2)
     g_ok = (tuple(g.shape) == want_g if not lead_dims else
@@ -370,14 +396,6 @@ def check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype, *, lea
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, kd, vd):
             shape = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
             raise ValueError(f"initial_state must be [N, K, V] = {(n, kd, vd)} or None, got {shape}")
-        tensors["initial_state"] = initial_state
-    for name, x in tensors.items():
-        if x.dtype not in launch.DTYPES:
-            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast it first)")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}: put every input on one device")
-    if out_dtype is not None and out_dtype not in launch.DTYPES:
-        raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     return nq, n, t, kd, vd
 
 

@@ -223,6 +223,18 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     return out
 
 
+def empty_like(x: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(x)`` (``x``'s shape, dtype, device and, for a dense ``x``, strides),
+    poisoned as :func:`empty` is."""
+    out = torch.empty_like(x)
+    value = getattr(_poison, "value", None)
+    if value is None and _POISON_ENV:
+        value = float("nan")
+    if value is not None and out.numel():
+        out.fill_(value)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Autotuning: time candidate configs on the device once per key, cache the winner on disk.
 # --------------------------------------------------------------------------------------------

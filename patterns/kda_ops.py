@@ -27,7 +27,10 @@ follows them. The chunk and parallel kernels floor the gates at :data:`GATE_FLOO
 them: no kernel runs before them either.
 
 Backward: the chunked backward kernels (``codegen/kda_bwd.py``) for K, V ≤
-:data:`KERNEL_BACKWARD_MAX_DIM`; larger heads by autograd through the float64 chunked reference
+:data:`KERNEL_BACKWARD_MAX_DIM`, reading the inputs and dO in place as the forward's kernels do
+and writing dq, dk, dv, dg, dβ in place too: each allocated once like its input (its strides
+and dtype; zeros when the loop's window leaves part of the time axis out), the kernels writing
+the window's ``[*L, T, *]`` view (``kda_bwd.backward``'s ``out=``), no copy after them; larger heads by autograd through the float64 chunked reference
 (``patterns/kda_reference.chunked``) — exact, slow (PyTorch ops per chunk, float64).
 """
 
@@ -239,32 +242,36 @@ def _backward(ctx, d_o, d_state):
     args = dict(time_dims=time_dims, t0=t0, steps=steps, scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
     d_state = d_state if want_state and d_state is not None and d_state.numel() else None
     if max(q.shape[-1], v.shape[-1]) <= KERNEL_BACKWARD_MAX_DIM:
-        dq, dk, dv, dg, db, dh0 = kda_backward(q, k, v, g, beta, h0, d_o.contiguous(), d_state, time_dims, t0, steps,
-                                               scale, scalar_gate, out_dim)
+        # dO read in place too (its rows as two stride groups; any strides, a broadcast one included)
+        dq, dk, dv, dg, db, dh0 = kda_backward(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps, scale,
+                                               scalar_gate, out_dim)
         grads = (dq, dk, dv, dg, db, dh0 if h0 is not None else None)
     else:
         grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state, **args)
     return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
-def _unflatten(x: torch.Tensor, like: torch.Tensor, time_dim: int, t0: int, steps: int) -> torch.Tensor:
-    """A gradient ``[N, T, *]`` (or ``[N, T]``) back in the layout of the input ``like`` (the time
-    axis at ``time_dim``; zeros outside ``[t0, t0 + steps)``), in ``like``'s dtype."""
-    lead = list(like.shape)
-    del lead[time_dim]
-    features = x.dim() == 3
-    shaped = x.reshape(*(lead[:-1] if features else lead), steps, *( [x.shape[-1]] if features else []))
-    shaped = shaped.movedim(-2 if features else -1, time_dim)
-    if shaped.shape == like.shape:
-        return shaped.to(like.dtype)
-    full = torch.zeros_like(like)
-    full.narrow(time_dim, t0, steps).copy_(shaped.reshape(full.narrow(time_dim, t0, steps).shape))
-    return full
+def _grad_buffers(q, k, v, g, beta, time_dims, t0, steps, scalar_gate):
+    """The gradients of q, k, v, g, beta, allocated once each in its input's layout and dtype
+    (``empty_like``: the strides the fake implementation promises), and the ``[*L, T, *]`` views of
+    their written window the backward kernels take as ``out=`` (cut as :func:`_inputs` cuts the
+    inputs, beta's trailing size-1 dim included): ``(full, views)``. A window that leaves part of
+    the time axis out (``t0 > 0`` or ``steps`` short of it) zero-fills the buffers (the gradient
+    there is 0); the kernels write the rest."""
+    full = [launch.empty_like(x) for x in (q, k, v, g, beta)]
+    _, views = _inputs(*full, time_dims, t0, steps, scalar_gate, flat=False)
+    for x, view in zip(full, views):
+        if view.numel() != x.numel():  # a window of the time axis: 0 outside it
+            x.zero_()
+    return full, views
 
 
 def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
     """Gradients of :func:`kda` with respect to ``q, k, v, g, beta, h0`` by the chunked backward
-    kernels (:func:`fuser.codegen.kda_bwd.backward`), in the inputs' dtypes and layouts."""
+    kernels (:func:`fuser.codegen.kda_bwd.backward`), in the inputs' dtypes and layouts: the
+    kernels write dq, dk, dv, dg, dbeta where they are returned (``out=``, views of tensors
+    allocated like the inputs), no copy after them; dh0 (``[N, K, V]`` float32 from the
+    kernels) is copied into ``h0``'s layout and dtype."""
     from ..codegen import kda_bwd
 
     # the inputs and dO as [*L, T, *] views: the kernels read their rows in place (two stride groups)
@@ -273,16 +280,14 @@ def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps
     do = as_rows(d_o, out_dim, 0, steps, True)
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     dsf = d_state.reshape(-1, kd, vd) if d_state is not None else None
+    grads, views = _grad_buffers(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
     # the kernels floor the gates at GATE_FLOOR as they load them, as in the forward (a −inf gate:
     # dg there is 0, as eager's)
-    dq, dk, dv, dg, db, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f,
-                                              d_final_state=dsf, scalar_gate=scalar_gate)
-    tq, tk, tv, tg, tb = time_dims
-    beta_like = beta.squeeze(-1) if beta.dim() == len(lead) + 2 else beta
-    out = [_unflatten(dq, q, tq, t0, steps), _unflatten(dk, k, tk, t0, steps), _unflatten(dv, v, tv, t0, steps),
-           _unflatten(dg, g, tg, t0, steps), _unflatten(db, beta_like, tb, t0, steps).reshape(beta.shape),
-           dh0.reshape(h0.shape).to(h0.dtype) if (h0 is not None and dh0 is not None) else None]
-    return tuple(out)
+    *_, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f, d_final_state=dsf,
+                               scalar_gate=scalar_gate, out=views)
+    if h0 is not None and dh0 is not None:
+        return (*grads, torch.empty_like(h0).copy_(dh0.view(h0.shape)))
+    return (*grads, None)
 
 
 def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
@@ -330,13 +335,10 @@ def kda_backward(
     """The backward of :func:`kda` by the kernels (an op of its own, so that AOTAutograd traces
     the backward graph without running them): ``(dq, dk, dv, dg, dbeta, dh0)`` shaped like the
     inputs (``dh0`` empty without ``h0``)."""
-    grads = backward_kernels(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
-                             scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
-    like = (q, k, v, g, beta, h0)
-    # in the inputs' own strides, as the fake implementation says (empty_like keeps them)
-    out = [torch.empty_like(x).copy_(gr) for x, gr in zip(like[:5], grads[:5])]
-    out.append(torch.empty_like(h0).copy_(grads[5]) if h0 is not None and grads[5] is not None else q.new_empty(0))
-    return tuple(out)
+    # allocated in the inputs' own strides (empty_like), as the fake implementation says
+    *grads, dh0 = backward_kernels(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
+                                   scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+    return (*grads, dh0 if dh0 is not None else q.new_empty(0))
 
 
 @kda_backward.register_fake

@@ -190,6 +190,92 @@ def test_lead_dim_inputs(layout, scalar_gate, broadcast):
     _compare(got, want, 1e-4, f"{layout}: ")
 
 
+OUT_CASES = [
+    # id, layout of the inputs and the outs, group, scalar gate, h0, dtypes of (dq, dk, dv, dg, dbeta)
+    ("bthf_fp32", "bthf", 1, False, True, (torch.float32,) * 5),          # dk4 in dk itself
+    ("bthf_gva_fp32", "bthf", 2, False, True, (torch.float32,) * 5),      # dq, dk summed into out
+    ("bthf_half_qkv", "bthf", 1, False, False, (torch.float16,) * 3 + (torch.float32,) * 2),  # dk4 scratch
+    ("bhtf_scalar_gate", "bhtf", 1, True, False, (torch.float32,) * 5),
+    ("three_fp32", "three", 1, False, True, (torch.float32,) * 5),        # every out through a temporary
+    ("three_gva_scalar_half", "three", 2, True, True, (torch.float16,) * 5),
+]
+
+
+@pytest.mark.parametrize("case", OUT_CASES, ids=[c[0] for c in OUT_CASES])
+def test_out_written_in_place(case):
+    """``out=(dq, dk, dv, dg, dbeta)``: the gradients written into the caller's tensors, views in
+    the layouts of ``_kernel_checks.kda_lead_layout`` (a window t0 = 3 of longer, NaN-poisoned
+    tensors; "three": lead dims in three stride groups, written through a temporary and copied),
+    in their own dtypes; ``backward`` returns them themselves; every element of them is written
+    and matches autograd through the float64 recurrence; the memory around them (the rest of
+    the time axis, padding) keeps its NaN. T = 37 in chunks of 16, K = 12, V = 10."""
+    _, layout, group, scalar_gate, h0, dtypes = case
+    views, flat = kda_lead_inputs(50, layout, t=37, group=group, scalar_gate=scalar_gate, h0=h0)
+    lead_q, lead_v = tuple(views[0].shape[:-2]), tuple(views[2].shape[:-2])
+    n, kd, vd = flat[2].shape[0], 12, 10
+    gen = torch.Generator().manual_seed(51)
+    do_flat = torch.randn(n, 40, vd, generator=gen)
+    do = kda_lead_layout(do_flat, lead_v, layout, 3, 37)
+    ds = torch.randn(n, kd, vd, generator=gen)
+    feats = ((lead_q, kd), (lead_q, kd), (lead_v, vd), (lead_v, None if scalar_gate else kd), (lead_v, None))
+    outs = []
+    for (lead, feat), dtype in zip(feats, dtypes):
+        rows = 1
+        for d in lead:
+            rows *= d
+        nan = torch.full((rows, 42, *(() if feat is None else (feat,))), float("nan"), dtype=dtype)
+        outs.append(kda_lead_layout(nan, lead, layout, 3, 37))
+    bases = [x._base if x._base is not None else x for x in outs]
+    with launch.poison_outputs():
+        got = kda_bwd.backward(*views[:5], do, scale=0.3, initial_state=views[5], d_final_state=ds,
+                               scalar_gate=scalar_gate, chunk=16, out=tuple(outs))
+    assert all(a is b for a, b in zip(got[:5], outs))
+    assert (got[5] is None) == (not h0)
+    want = _autograd(*flat[:5], do.reshape(do_flat[:, 3:40].shape), flat[5], ds, scale=0.3, scalar_gate=scalar_gate)
+    flat_got = [x.reshape(w.shape) for x, w in zip(got[:5], want[:5])] + [got[5]]
+    tol = 1e-4 if all(d == torch.float32 for d in dtypes) else 2e-3
+    _compare(flat_got, want, tol, f"{case[0]}: ")
+    for name, x, base in zip(NAMES, outs, bases):
+        written = torch.zeros(base.shape, dtype=torch.bool)
+        written.as_strided(x.shape, x.stride(), x.storage_offset()).fill_(True)
+        assert base[~written].isnan().all(), f"{case[0]}: {name} written outside out"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(out=[torch.zeros(1, 5, 8)] * 4), "five tensors"),
+    (dict(dq=torch.zeros(1, 6, 8)), r"out's dq must be \[1, 5, 8\]"),
+    (dict(dv=torch.zeros(3, 5, 8)), r"out's dv must be .*prod\(lead\) = 2"),
+    (dict(dg=torch.zeros(2, 5)), "out's dg must be"),
+    (dict(dbeta=torch.zeros(2, 5, dtype=torch.float64)), "out's dbeta must be float32, float16 or bfloat16"),
+    (dict(dk=torch.zeros(1, 5, 8, device="meta")), "out's dk is on meta"),
+    (dict(dv=torch.zeros(1, 5, 8).expand(2, 5, 8)), "out's dv overlaps itself"),
+    (dict(dq=[[0.0]]), "out's dq must be a torch.Tensor"),
+])
+def test_bad_out(change, match):
+    args = [torch.zeros(1, 5, 8), torch.zeros(1, 5, 8), torch.zeros(2, 5, 8), torch.zeros(2, 5, 8),
+            torch.zeros(2, 5), torch.zeros(2, 5, 8)]
+    out = change.pop("out", None)
+    if out is None:
+        grads = dict(dq=torch.zeros(1, 5, 8), dk=torch.zeros(1, 5, 8), dv=torch.zeros(2, 5, 8),
+                     dg=torch.zeros(2, 5, 8), dbeta=torch.zeros(2, 5))
+        grads.update(change)
+        out = tuple(grads.values())
+    with pytest.raises(ValueError, match=match):
+        kda_bwd.backward(*args, scale=1.0, chunk=16, out=out)
+
+
+def test_out_with_no_tokens_is_zeroed():
+    q, k, v, g, beta, do, s0, ds = _inputs(1, 1, 2, 0, 8, 8)
+    outs = tuple(torch.empty(x.shape) for x in (q, k, v, g, beta))
+    got = kda_bwd.backward(q, k, v, g, beta, do, scale=1.0, initial_state=s0, d_final_state=ds, chunk=16, out=outs)
+    assert all(a is b for a, b in zip(got[:5], outs))
+    # K = 0: nothing to compute; every gradient is 0, written into out
+    q, k, v, g, beta, do, s0, ds = _inputs(2, 1, 1, 5, 0, 4)
+    outs = tuple(torch.full(x.shape, float("nan")) for x in (q, k, v, g, beta))
+    got = kda_bwd.backward(q, k, v, g, beta, do, scale=1.0, chunk=16, out=outs)
+    assert all(a is b and (a == 0).all() for a, b in zip(got[:5], outs))
+
+
 def test_bfloat16_scratch():
     """``config={"scratch": "bfloat16"}`` (the GPU default for 16-bit inputs): W, KG, QG and the
     chunk states held in bfloat16, on float32 inputs here; gates near -30."""

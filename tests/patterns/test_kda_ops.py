@@ -73,6 +73,63 @@ def test_gradients_of_a_window_are_zero_outside_it(dim):
         assert err < 1e-4, err
 
 
+GRAD_LAYOUTS = [
+    # id, time dim of every input, scalar gate, beta [*L, 1] per step, h0, t0, steps of T, q/k/v dtype
+    ("bhtf_scalar_gate_h0_window", 2, True, False, True, 3, 13, 19, torch.float32),
+    ("bthf_beta_trailing_one_whole", 1, False, True, False, 0, 21, 21, torch.float32),
+    ("tbhf_half_window", 0, False, False, True, 2, 15, 19, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", GRAD_LAYOUTS, ids=[c[0] for c in GRAD_LAYOUTS])
+def test_gradients_in_the_inputs_layouts_poisoned(case):
+    # the backward kernels write each gradient into a tensor allocated like its input (its shape,
+    # strides and dtype), through a view of the loop's window; allocations poisoned (NaN): every
+    # element in the window is written, every one outside it is exactly 0. B = 2, H = 3, K = 12,
+    # V = 10 (T and steps no multiple of the chunk); float64 autograd through the recurrence is
+    # the oracle
+    from fuser.codegen import launch
+
+    _, td, scalar_gate, beta_one, with_h0, t0, steps, t, dtype = case
+    gen = torch.Generator().manual_seed(21)
+    b, h, kd, vd = 2, 3, 12, 10
+    q = torch.randn(b, t, h, kd, generator=gen)
+    k = F.normalize(torch.randn(b, t, h, kd, generator=gen), dim=-1)
+    v = torch.randn(b, t, h, vd, generator=gen)
+    g = -F.softplus(torch.randn(b, t, h, *(() if scalar_gate else (kd,)), generator=gen))
+    beta = torch.rand(b, t, h, *((1,) if beta_one else ()), generator=gen)
+    h0 = torch.randn(b, h, kd, vd, generator=gen) if with_h0 else None
+    xs = [_layout(x, td).to(dtype if i < 3 else torch.float32).requires_grad_(True)
+          for i, x in enumerate((q, k, v, g, beta))]
+    h0 = h0.requires_grad_(True) if with_h0 else None
+    with launch.poison_outputs():
+        o, s = torch.ops.fuser.kda(*xs, h0, [td] * 5, t0, steps, 0.5, scalar_gate, 1, torch.float32, True,
+                                   torch.float32, "plan=chunk;chunk=16")
+        d_o, d_s = torch.randn(o.shape, generator=gen), torch.randn(s.shape, generator=gen)
+        torch.autograd.backward((o, s), (d_o, d_s))
+    leaves = [x.detach().double().requires_grad_(True) for x in xs] + ([h0.detach().double().requires_grad_(True)]
+                                                                         if with_h0 else [])
+    fla = [x.movedim(td, 1)[:, t0:t0 + steps] for x in leaves[:5]]
+    if scalar_gate:
+        fla[3] = fla[3][..., None].expand(*fla[3].shape, kd)
+    if beta_one:
+        fla[4] = fla[4][..., 0]
+    wo, ws = kda_reference.recurrent(*fla, scale=0.5, initial_state=leaves[5] if with_h0 else None,
+                                     output_final_state=True)
+    torch.autograd.backward((wo, ws), (d_o.double(), d_s.double()))
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    for name, x, leaf in zip(("q", "k", "v", "g", "beta", "h0"), xs + ([h0] if with_h0 else []), leaves):
+        got = x.grad
+        assert got.shape == x.shape and got.dtype == x.dtype and got.stride() == x.stride(), name
+        assert not got.isnan().any(), f"{name}: an element of the gradient was never written"
+        if name != "h0":
+            outside = torch.ones(x.shape[td], dtype=torch.bool)
+            outside[t0:t0 + steps] = False
+            assert (got.index_select(td, outside.nonzero()[:, 0]) == 0).all(), f"{name}: nonzero outside the window"
+        err = (got.double() - leaf.grad).norm() / leaf.grad.norm()
+        assert err < tol, f"{name}: relative error {err:.3g}"
+
+
 def test_plan_strings():
     defaults = {"dots": "float32", "output_precision": None}
     assert kda_ops.plan_string("chunk", 32) == "plan=chunk;chunk=32"
@@ -321,8 +378,11 @@ class _InputCopies:
     """A ``TorchDispatchMode`` that runs the bodies of ``fuser::kda`` and ``fuser::kda_backward``
     (their Python implementations, so that their own tensor ops reach the mode) and records every
     op that copies data out of one of their tensor arguments (``copy_`` from it, ``clone``,
-    ``_to_copy``, ``clamp_min``, a ``reshape`` / ``contiguous`` that is not a view). Ops inside a
-    kernel launch (Triton's interpreter copies the arguments it is given) are not counted."""
+    ``_to_copy``, ``clamp_min``, a ``reshape`` / ``contiguous`` that is not a view) into
+    ``copies``, and every such op inside the bodies whose source is none of their arguments (a
+    copy of what the kernels wrote: a gradient moved into its input's layout) into
+    ``result_copies``. Ops inside a kernel launch (Triton's interpreter copies the arguments it
+    is given) are not counted."""
 
     COPYING = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.clamp_min.default",
                "aten.reshape.default", "aten.contiguous.default", "aten._reshape_copy.default"}
@@ -335,8 +395,10 @@ class _InputCopies:
         impls = {"fuser.kda.default": kda_ops.kda._init_fn, "fuser.kda_backward.default": kda_ops.kda_backward._init_fn}
         outer = self
         self.copies: list[str] = []
+        self.result_copies: list[str] = []
         self.sources: set = set()
         self.paused = False
+        self.inside = False
         real = launch.interpreter_mode
 
         import contextlib
@@ -358,15 +420,22 @@ class _InputCopies:
                 name = str(func)
                 if name in impls:
                     outer.sources = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
-                    with self:
-                        return impls[name](*args, **kwargs)
+                    outer.inside, before = True, outer.inside
+                    try:
+                        with self:
+                            return impls[name](*args, **kwargs)
+                    finally:
+                        outer.inside = before
                 out = func(*args, **kwargs)
                 if not outer.paused and name in outer.COPYING:
                     src = args[1] if name == "aten.copy_.default" else args[0]
-                    if isinstance(src, torch.Tensor) and src.untyped_storage().data_ptr() in outer.sources:
-                        res = args[0] if name == "aten.copy_.default" else out
-                        if res.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+                    res = args[0] if name == "aten.copy_.default" else out
+                    if (isinstance(src, torch.Tensor) and isinstance(res, torch.Tensor)
+                            and res.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()):
+                        if src.untyped_storage().data_ptr() in outer.sources:
                             outer.copies.append(name)
+                        elif outer.inside:
+                            outer.result_copies.append(name)
                 return out
 
         self.mode = Mode()
@@ -376,7 +445,8 @@ class _InputCopies:
 @pytest.mark.parametrize("in_dim", [1, 2])
 def test_the_inputs_are_not_copied(plan, in_dim, monkeypatch):
     # B = 2 [B, T, H, *] (in_dim 1: two stride groups per input) and [B, H, T, *] (in_dim 2), a
-    # window t0 = 2: neither the forward nor the backward op copies q, k, v, g, beta or dO
+    # window t0 = 2: neither the forward nor the backward op copies q, k, v, g, beta or dO, nor
+    # what its kernels wrote (the backward kernels write the gradients in the inputs' layouts)
     if not hasattr(kda_ops.kda, "_init_fn"):
         pytest.skip("this torch's custom_op keeps no _init_fn")
     xs = [_layout(x, in_dim).detach().requires_grad_(True) for x in _args(t=19, b=2, h=3, seed=8)]
@@ -384,18 +454,33 @@ def test_the_inputs_are_not_copied(plan, in_dim, monkeypatch):
     with count.mode:
         o, s = torch.ops.fuser.kda(*xs, None, [in_dim] * 5, 2, 17, 0.5, False, 1, torch.float32, True,
                                    torch.float32, plan)
-    assert count.copies == [], count.copies
+    assert count.copies == [] and count.result_copies == [], (count.copies, count.result_copies)
     d_o, d_s = torch.randn(o.shape), torch.randn(s.shape)
     with count.mode:
         torch.autograd.backward((o, s), (d_o, d_s))
-    assert count.copies == [], count.copies
+    assert count.copies == [] and count.result_copies == [], (count.copies, count.result_copies)
     # the counter sees copies: lead dims in three stride groups (a broadcast dim between batch and
     # heads: [B, T, 2, H, *] with stride 0) make the launchers copy each of the five inputs once
     if in_dim == 1:
         xs3 = [x.detach().unsqueeze(2).expand(x.shape[0], x.shape[1], 2, *x.shape[2:]) for x in xs]
         with count.mode:
             torch.ops.fuser.kda(*xs3, None, [1] * 5, 2, 17, 0.5, False, 1, torch.float32, False, torch.float32, plan)
-        assert len(count.copies) == 5, count.copies
+        assert len(count.copies) == 5 and count.result_copies == [], (count.copies, count.result_copies)
+        # dense inputs whose lead dims are three stride groups ([B, T, 2, H, *] stored [H, 2, B, T, *]):
+        # the backward copies the five inputs, and its kernels write the five gradients (allocated
+        # like the inputs) through temporaries, copied in
+        xs3 = [x.detach().unsqueeze(2).expand(x.shape[0], x.shape[1], 2, *x.shape[2:]).permute(3, 2, 0, 1, *range(4, x.dim() + 1))
+               .contiguous().permute(2, 3, 1, 0, *range(4, x.dim() + 1)).requires_grad_(True) for x in xs]
+        assert all(x.stride(2) > x.stride(0) and not x.is_contiguous() for x in xs3)
+        with count.mode:
+            o3, s3 = torch.ops.fuser.kda(*xs3, None, [1] * 5, 2, 17, 0.5, False, 1, torch.float32, True,
+                                         torch.float32, plan)
+        count.copies.clear()
+        with count.mode:
+            torch.autograd.backward((o3, s3), (torch.randn(o3.shape), torch.randn(s3.shape)))
+        assert len(count.copies) == 5 and count.result_copies == ["aten.copy_.default"] * 5, (
+            count.copies, count.result_copies)
+        assert all(x.grad.stride() == x.stride() for x in xs3)
     # and the results are right (against the float64 reference, forward and backward)
     ref = [x.detach().clone().requires_grad_(True) for x in xs]
     fla = [x.movedim(in_dim, 1)[:, 2:19] for x in ref]
