@@ -47,6 +47,7 @@ import torch
 
 from fuser import costmodel as cm
 from fuser.codegen import launch
+from fuser.graph import shape
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
@@ -108,12 +109,18 @@ def _int(x) -> int:
 
 
 def shapes(m: Match) -> dict:
-    """Shape symbol -> value at the example shapes."""
+    """Shape symbol -> value at the example shapes, read from q and v (``[*lead, K]`` and
+    ``[*lead, V]`` a step, their time dims left out) through ``fuser.graph.shape``: while the pass
+    plans, a DTensor's local shard shape (``fuser.distributed.planning_view``; N is then the
+    value heads of one rank)."""
     b = m.bindings
+    tq, tv = b["time_dims"][0], b["time_dims"][2]  # INPUTS order: q, k, v, g, beta
+    q, v = list(shape(b["q"])), list(shape(b["v"]))
+    del q[tq], v[tv]
     n = 1
-    for d in b["lead"]:
+    for d in q[:-1]:
         n *= _int(d)
-    return {N: n, T: int(b["steps"]), KD: _int(b["key_dim"]), VD: _int(b["value_dim"])}
+    return {N: n, T: int(b["steps"]), KD: _int(q[-1]), VD: _int(v[-1])}
 
 
 def _dtype(node) -> torch.dtype:
@@ -151,7 +158,8 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
-        variant = kda_recurrent.choose_config(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]),
+        x = shapes(m)
+        variant = kda_recurrent.choose_config(k_dim=x[KD], v_dim=x[VD],
                                               dtype=_dtype(b["q"]), device=_device(b))["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
@@ -292,7 +300,8 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     if plan.params.get("impl") != "fuser":
         return []
     b = m.bindings
-    kw = dict(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]), device=_device(b),
+    x = shapes(m)
+    kw = dict(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b),
               scalar_gate=b["scalar_gate"], initial_state=b["h0"] is not None, output_final_state=b["want_state"])
     if plan.params["plan"] == "parallel":
         from fuser.codegen import kda_parallel
