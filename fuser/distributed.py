@@ -33,9 +33,24 @@ graph's fake DTensors under :class:`torch.distributed.tensor.debug.CommDebugMode
 reason to decline it when it cannot (any input sharded along a dim the region reduces over: the
 sequence dim of context parallelism, a feature dim, a ``Partial`` input).
 
+**Planning on each rank's shapes.** A graph's fake values are DTensors with *global* shapes
+(``H`` heads where each rank runs ``H/tp``). The pass plans every match inside
+:func:`planning_view`, in which :func:`fuser.graph.val` — and so every shape a pattern reads for
+its cost model, plan choices and the kernels it names — shows a DTensor as a tensor of its
+:func:`local_shape`: the largest shard any rank holds (``ceil(size / mesh size)`` per ``Shard``;
+an uneven split is planned on its larger piece, so that resource checks hold on every rank and
+every rank plans alike). Symbolic sizes stay symbolic (``(s + n - 1) // n``). The estimates
+``explain()`` shows are then per rank, and it says on which local shapes (:func:`planning_note`).
+Where DTensor would redistribute the emitted fused op's inputs (a dim sharded that the op's rule
+does not keep sharded, e.g. the value feature dim, which the region computes locally), the
+kernels run on gathered shapes: the pass sees DTensor communicate for the replacement
+(:func:`communication`) and plans the match again on the global shapes
+(:func:`gathered_note`). Matching and emitting always see the global values.
+
 Sources: DTensor's ``register_sharding`` documentation and ``expand_to_full_mesh_op_strategy``
 (torch/distributed/tensor/_ops/utils.py); ring attention in
-torch/distributed/tensor/experimental/_context_parallel/_attention.py.
+torch/distributed/tensor/experimental/_context_parallel/_attention.py; the shard sizes of
+``Shard.local_shard_size_and_offset`` (torch/distributed/tensor/placement_types.py).
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -312,6 +328,213 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
                     raise NotImplementedError(f"node {n.name} ({n.op})")
     counts = comm.get_comm_counts()
     return {str(k): int(v) for k, v in counts.items() if v}
+
+
+# --------------------------------------------------------------------------------------------
+# Planning on each rank's shapes
+# --------------------------------------------------------------------------------------------
+
+def _ceil_div(size: Any, n: int) -> Any:
+    """``ceil(size / n)`` for an int or a SymInt (``(size + n - 1) // n``: ``torch.chunk``'s
+    chunk size, and DTensor's ``Shard.local_shard_size_and_offset`` ``full_chunk_size``; on a
+    SymInt a new symbolic size, no guard)."""
+    return (size + n - 1) // n
+
+
+def local_shape(value: Any) -> tuple:
+    """The shape of the largest local shard of ``value`` over the ranks of its mesh; a plain
+    tensor's own shape.
+
+    Args:
+        value: a DTensor (or a spec: anything with ``shape``, ``placements`` and ``device_mesh``
+            or ``mesh``), or a tensor.
+
+    Returns:
+        A tuple of ints or SymInts (dynamic shapes: symbolic sizes stay symbolic). For each mesh
+        dim ``i`` in order, a ``Shard(d)`` placement splits dim ``d`` as ``torch.chunk`` does into
+        ``mesh.size(i)`` pieces, the first ones of ``ceil(size / mesh.size(i))`` elements
+        (DTensor's ``Shard.local_shard_size_and_offset``; several mesh dims sharding one dim
+        split it in turn, ``ceil(ceil(s / a) / b) = ceil(s / (a·b))``); ``Replicate`` and
+        ``Partial`` keep the size. A ``_StridedShard`` (FSDP2 + TP parameters) divides the size
+        only when it splits evenly into ``split_factor · mesh.size(i)`` pieces (then every rank
+        holds ``size / mesh.size(i)``), else keeps it.
+
+    This is the size of rank 0's shard (the ranks with mesh coordinate 0), which no other rank's
+    exceeds: an uneven split (5 heads on 2 ranks: 3 and 2) plans every rank on the larger, so that
+    checks of a kernel's resources (tiles, shared memory, registers) hold on every rank, and
+    every rank plans the same way (the same kernels and graph on each). ``torch.distributed.tensor
+    ._utils.compute_local_shape_and_global_offset`` gives the calling rank's own shape instead
+    (and is private); the tests compare the two on rank 0.
+    """
+    placements = getattr(value, "placements", None)
+    mesh = getattr(value, "device_mesh", None) or getattr(value, "mesh", None)
+    sizes = list(value.shape)
+    if placements is None or mesh is None:
+        return tuple(sizes)
+    for i, p in enumerate(placements):
+        factor = getattr(p, "split_factor", None)  # _StridedShard (not is_shard() in torch 2.13)
+        if factor is None and not (hasattr(p, "is_shard") and p.is_shard()):
+            continue  # Replicate, Partial
+        d = p.dim if p.dim >= 0 else p.dim + len(sizes)
+        n = mesh.size(i)
+        if factor is not None:
+            if isinstance(sizes[d], int) and isinstance(factor, int) and sizes[d] % (factor * n) == 0:
+                sizes[d] = sizes[d] // n
+            continue
+        sizes[d] = _ceil_div(sizes[d], n)
+    return tuple(sizes)
+
+
+def _same_sizes(a: Sequence, b: Sequence) -> bool:
+    if len(a) != len(b):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(x == y if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y))
+               for x, y in zip(a, b))
+
+
+def local_value(value: Any) -> Any:
+    """``value`` with every DTensor in it (a tensor, or a tuple or list of values) replaced by a
+    tensor of its :func:`local_shape`, with its dtype, device and ``requires_grad``; anything
+    else as given.
+
+    The replacement is the DTensor's own local tensor (a fake tensor in a graph's metadata: this
+    rank's shard) when that has the local shape; otherwise (an uneven split, this rank holding a
+    smaller shard) a new empty tensor of the local shape — made by the local tensor's fake mode,
+    or on the ``meta`` device for a real DTensor (nothing allocated). ``value`` itself is never
+    changed.
+    """
+    if isinstance(value, (tuple, list)):
+        return type(value)(local_value(v) for v in value)
+    DTensor = _dtensor_type()
+    if DTensor is None or not isinstance(value, DTensor):
+        return value
+    shape = local_shape(value)
+    local = value._local_tensor
+    if not _same_sizes(tuple(local.shape), shape):
+        if getattr(local, "fake_mode", None) is not None:
+            with local.fake_mode:
+                local = torch.empty(shape, dtype=local.dtype, device=local.device)
+        else:
+            local = torch.empty(shape, dtype=local.dtype, device="meta")
+    if local.requires_grad != value.requires_grad:
+        local = local.detach().requires_grad_(value.requires_grad)
+    return local
+
+
+def planning_view() -> contextlib.AbstractContextManager:
+    """A block in which :func:`fuser.graph.val` shows each DTensor as a tensor of its
+    :func:`local_shape` (:func:`local_value`): the pass plans a match inside it, so that every
+    shape a pattern reads for its cost model, its plan choices and the kernels it names (through
+    ``val``, ``shape``, ``ndim``...) is one rank's — the shapes DTensor runs the fused op's
+    kernels on when every input is sharded along the op's parallel dims (its sharding rules);
+    the costs ``explain()`` shows are then per rank. Matching and emitting see the global values.
+    """
+    from .graph import values_viewed
+
+    return values_viewed(local_value)
+
+
+def sharded_inputs(match: Any) -> list:
+    """``[(node, value)]`` of the DTensor values the replacement of ``match`` reads (its
+    ``inputs``; where it names none, what its region reads from outside it, in graph order) whose
+    local shard is smaller than the whole (a ``Shard`` placement on a mesh dim of size > 1); empty
+    on a torch without DTensor."""
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return []
+    out = []
+    nodes = [a for a in getattr(match, "inputs", ()) if isinstance(a, fx.Node)] or _outside(match.region)
+    for a in dict.fromkeys(nodes):
+        v = _meta_value(a)
+        if isinstance(v, DTensor) and not _same_sizes(tuple(v.shape), local_shape(v)):
+            out.append((a, v))
+    return out
+
+
+def planning_note(match: Any) -> str:
+    """What ``explain()`` says of a match planned on local shapes (see :func:`planning_view`):
+    ``""`` when none of its inputs is a sharded DTensor (:func:`sharded_inputs`), else e.g.
+    ``planned on the local shard shapes 'q' [2, 2, 16, 8] of the global [2, 4, 16, 8]
+    (Shard(dim=1) over 2 ranks), ...; the estimates are per rank``."""
+    groups: dict = {}  # the text after the names -> the names (q, k, v alike: said once)
+    uneven = False
+    for a, v in sharded_inputs(match):
+        mesh = v.device_mesh
+        local = local_shape(v)
+        over = " x ".join(str(mesh.size(i)) for i in range(mesh.ndim))
+        text = (f"{_sizes(local)} of the global {_sizes(v.shape)} "
+                f"({', '.join(repr(p) for p in v.placements)} over {over} ranks)")
+        groups.setdefault(text, []).append(f"'{a.name}'")
+        n = math.prod(mesh.size(i) for i, p in enumerate(v.placements) if p.is_shard())
+        uneven |= not _same_sizes((math.prod(local) * n,), (math.prod(v.shape),))
+    if not groups:
+        return ""
+    parts = [f"{', '.join(names)} {text}" for text, names in groups.items()]
+    return ("planned on the local shard shapes " + "; ".join(parts) + "; the estimates are per rank"
+            + ("; an uneven split is planned on its largest shard" if uneven else ""))
+
+
+def gathered_note(communication: Optional[str]) -> str:
+    """What ``explain()`` says of a match planned again on the global shapes because its fused
+    op, planned on the local ones, made DTensor communicate (``communication``, from
+    :func:`communication`); ``""`` for None."""
+    if not communication:
+        return ""
+    return (f"planned on the global shapes: DTensor would redistribute the fused op's inputs ({communication}) "
+            "to the placements its sharding rule takes, so its kernels run on more than the local shards")
+
+
+def communication(nodes: Sequence[fx.Node]) -> Optional[str]:
+    """The collectives DTensor runs for ``nodes`` (a replacement just emitted, in graph order) on
+    the graph's fake values of what they read from outside (e.g. ``"all_gather_into_tensor x1"``),
+    or None when none (or no DTensor is involved). Run as :func:`sharding_decline` runs a region
+    (fresh clones of the values, under ``CommDebugMode``); a replacement that cannot be run that
+    way is reported as communicating (``"unknown: <exception type>"``: nothing proves it local).
+    """
+    DTensor = _dtensor_type()
+    if DTensor is None or not nodes:
+        return None
+    inside = set(nodes)
+    outside: dict = {}
+    for n in nodes:
+        for a in flat_args(n):
+            if a not in inside:
+                outside.setdefault(a, None)
+    values = {a: _meta_value(a) for a in outside}
+    if not any(isinstance(v, DTensor) for v in values.values()):
+        return None
+    try:
+        comms = _collectives(list(nodes), values, frozenset(inside))
+    except Exception as exc:  # noqa: BLE001 - nothing proves it local
+        log.debug("fuser: could not run the replacement on its DTensor values: %r", exc)
+        return f"unknown: running it on its DTensor values failed ({type(exc).__name__})"
+    return ", ".join(f"{k} x{v}" for k, v in sorted(comms.items())) or None
+
+
+def _sizes(shape: Sequence) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _meta_value(node: Any) -> Any:
+    """A node's value metadata as the graph holds it (never through a planning view)."""
+    from .graph import _meta_val
+
+    return _meta_val(node)
+
+
+def _outside(region: frozenset) -> list:
+    """The nodes a region reads from outside it, in the order its nodes (in graph order) read them."""
+    if not region:
+        return []
+    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)}
+    outside: dict = {}
+    for n in sorted(region, key=order.__getitem__):
+        for a in flat_args(n):
+            if a not in region and isinstance(a, fx.Node):
+                outside.setdefault(a, None)
+    return list(outside)
 
 
 # --------------------------------------------------------------------------------------------

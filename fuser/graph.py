@@ -13,18 +13,21 @@ feeding ``s`` to later users; :meth:`GraphView.operand` returns the mutating nod
 patterns see the value a user actually reads.
 
 The module also holds the helpers on single nodes that the pass and the patterns share:
-:func:`val` reads a node's value metadata, :func:`annotate` sets it on a node a rewrite
-inserted, :func:`location` names the user code behind a node.
+:func:`val` reads a node's value metadata (seen through :func:`values_viewed` while the pass
+plans: per-rank shapes of DTensors, ``fuser/distributed.py``), :func:`annotate` sets it on a
+node a rewrite inserted, :func:`location` names the user code behind a node.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
 import operator
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -71,8 +74,35 @@ def _varargs(node: fx.Node, start: int, name: str) -> tuple:
     return tuple(rest)
 
 
-def val(node: Any) -> Any:
-    """A node's value metadata: a (fake) tensor, SymInt or Python value; None if unknown."""
+#: The function :func:`val` passes each value through, or None (see :func:`values_viewed`).
+_value_view: contextvars.ContextVar[Optional[Callable[[Any], Any]]] = contextvars.ContextVar(
+    "fuser_value_view", default=None)
+
+
+@contextlib.contextmanager
+def values_viewed(view: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside the block, :func:`val` (and so :func:`shape`, :func:`ndim`, :func:`dtype`,
+    :func:`is_tensor`) returns ``view(value)`` instead of a node's value metadata.
+
+    The pass plans inside such a block: ``fuser.distributed.planning_view`` shows every DTensor
+    as a tensor of its local shard's shape, so that the patterns' cost models, plan choices and
+    the kernels they render for reports see the shapes each rank's kernels run on, while matching
+    and emitting (outside the block) see the graph's own values. The graph's metadata is never
+    written. Blocks nest (the innermost view applies) and are per thread and per task
+    (a :class:`contextvars.ContextVar`).
+
+    Args:
+        view: value -> value; called with every non-None value :func:`val` would return
+            (tensors, SymInts, tuples of them, Python values) and must return the others as given.
+    """
+    token = _value_view.set(view)
+    try:
+        yield
+    finally:
+        _value_view.reset(token)
+
+
+def _meta_val(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return node
     for key in ("example_value", "val"):
@@ -83,6 +113,14 @@ def val(node: Any) -> Any:
     if tm is not None and hasattr(tm, "shape"):
         return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
     return None
+
+
+def val(node: Any) -> Any:
+    """A node's value metadata: a (fake) tensor, SymInt or Python value; None if unknown.
+    Inside :func:`values_viewed`, that value as the block's view shows it."""
+    v = _meta_val(node)
+    view = _value_view.get()
+    return view(v) if view is not None and v is not None else v
 
 
 def is_tensor(x: Any) -> bool:

@@ -11,6 +11,7 @@ Each application is timed by phase (:class:`fuser.report.CompileTimes`, on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -391,42 +392,66 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             if why:
                 decline(m, why)
                 continue
-        cands = timer.wrap("plan", pattern.candidates)(m, ctx)
-        plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
-        m.plan, m.alternatives, m.reason = plan, cands, reason
-        if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
+        # planned on each rank's shapes (DTensors seen as their local shards; a plain graph: as
+        # is); planned again on the global shapes when DTensor would gather the fused op's inputs
+        # (a dim sharded that its sharding rule does not keep sharded): its kernels would run on
+        # the gathered shapes, which the plan must not underestimate
+        status, gathers = "", None
+        for local in (True, False):
+            with distributed.planning_view() if local else contextlib.nullcontext():
+                cands = timer.wrap("plan", pattern.candidates)(m, ctx)
+                plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
+            m.plan, m.alternatives, m.reason = plan, cands, reason
+            m.sharding = distributed.planning_note(m) if local else distributed.gathered_note(gathers)
+            if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
+                status = "left"
+                break
+            if local:
+                # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read
+                # a proxy built outside every region from now on: the same values, whether or not
+                # the emission below succeeds
+                try:
+                    why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
+                except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
+                    why = f"internal error while re-pointing metadata readers: {exc!r}"
+                if why:
+                    decline(m, why)
+                    status = "declined"
+                    break
+            before = set(gm.graph.nodes)
+            try:
+                with distributed.planning_view() if local else contextlib.nullcontext():
+                    m.kernels = timer.wrap("render", pattern.kernels)(m, plan)  # for the shapes they run on
+                with timer.phase("emit"):
+                    new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
+                    for name, node in new.items():
+                        mismatch = _mismatch(node, m.outputs[name])
+                        if mismatch:
+                            raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
+                    if local and m.sharding:
+                        gathers = distributed.communication([n for n in gm.graph.nodes if n not in before])
+                        if gathers:
+                            _undo(gm.graph, before)
+                            continue
+                    new = _protect_saved(m, new, view, gm.graph, before)
+                    _replace(m, new, gm.graph)
+                status = "fused"
+            except Exception as exc:  # a bug in a pattern must not break the user's model
+                _undo(gm.graph, before)
+                log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location,
+                            plan.name, exc)
+                result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
+                                                 m.root.name, graph_index))
+                status = "failed"
+            break
+        if status == "left":
             result.matches.append(m)
             log.info("fuser: %s at %s left as written (%s): %s", m.pattern, m.location, plan.name, reason)
             continue
-        # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read a
-        # proxy built outside every region from now on: the same values, whether or not the
-        # emission below succeeds
-        try:
-            why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
-        except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
-            why = f"internal error while re-pointing metadata readers: {exc!r}"
-        if why:
-            decline(m, why)
+        if status != "fused":
             continue
-        before = set(gm.graph.nodes)
-        try:
-            m.kernels = timer.wrap("render", pattern.kernels)(m, plan)
-            with timer.phase("emit"):
-                new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
-                for name, node in new.items():
-                    mismatch = _mismatch(node, m.outputs[name])
-                    if mismatch:
-                        raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
-                new = _protect_saved(m, new, view, gm.graph, before)
-                _replace(m, new, gm.graph)
-            replaced.update({m.outputs[name]: node for name, node in new.items()})
-            erased |= m.region
-        except Exception as exc:  # a bug in a pattern must not break the user's model
-            _undo(gm.graph, before)
-            log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location, plan.name, exc)
-            result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
-                                             m.root.name, graph_index))
-            continue
+        replaced.update({m.outputs[name]: node for name, node in new.items()})
+        erased |= m.region
         result.matches.append(m)
         log.info("fuser: fused %s at %s with plan %s (%s)", m.pattern, m.location, plan.name, reason)
         for k in m.kernels:

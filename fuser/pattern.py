@@ -76,6 +76,9 @@ class Match:
         outputs: the region's values read outside it, by name (``{"out": root}`` unless the
             pattern names several, e.g. ``{"out": pv, "score": column_sum}``). ``emit`` returns
             one replacement per name; the pass routes each output's readers to it.
+        sharding: for a match whose inputs are sharded DTensors, which local shard shapes it was
+            planned on (its estimates are per rank; ``fuser.distributed.planning_note``), shown
+            by ``explain``; ``""`` otherwise.
     """
 
     pattern: str
@@ -93,6 +96,7 @@ class Match:
     insert_before: Optional[fx.Node] = None
     protected: list = dataclasses.field(default_factory=list)
     outputs: dict = dataclasses.field(default_factory=dict)
+    sharding: str = ""
 
     def __post_init__(self) -> None:
         if not self.outputs:

@@ -240,6 +240,8 @@ class Report:
             plan = m.plan.name if m.plan else "-"
             lines.append(f"  [{i}] {m.pattern} at {m.location} (graph {m.graph_index}) -> plan {plan}")
             lines += _wrap("      why: ", m.reason, 11)
+            if m.sharding:
+                lines += _wrap("      per rank: ", m.sharding, 16)
             lines += _wrap("      recognised: ", ", ".join(f"{k}={v}" for k, v in m.summary.items()), 18)
             for c in m.alternatives:
                 mark = "*" if c is m.plan else " "

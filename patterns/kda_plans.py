@@ -63,6 +63,7 @@ import torch
 
 from fuser import costmodel as cm
 from fuser.codegen import launch
+from fuser.graph import shape
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
@@ -148,12 +149,18 @@ def _int(x) -> int:
 
 
 def shapes(m: Match) -> dict:
-    """Shape symbol -> value at the example shapes."""
+    """Shape symbol -> value at the example shapes, read from q and v (``[*lead, K]`` and
+    ``[*lead, V]`` a step, their time dims left out) through ``fuser.graph.shape``: while the pass
+    plans, a DTensor's local shard shape (``fuser.distributed.planning_view``; N is then the
+    value heads of one rank)."""
     b = m.bindings
+    tq, tv = b["time_dims"][0], b["time_dims"][2]  # INPUTS order: q, k, v, g, beta
+    q, v = list(shape(b["q"])), list(shape(b["v"]))
+    del q[tq], v[tv]
     n = 1
-    for d in b["lead"]:
+    for d in q[:-1]:
         n *= _int(d)
-    return {N: n, T: int(b["steps"]), KD: _int(b["key_dim"]), VD: _int(b["value_dim"])}
+    return {N: n, T: int(b["steps"]), KD: _int(q[-1]), VD: _int(v[-1])}
 
 
 def _dtype(node) -> torch.dtype:
@@ -195,12 +202,12 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
-        cfg = kda_recurrent.choose_config(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]),
-                                          device=_device(b))
+        x = shapes(m)
+        cfg = kda_recurrent.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b))
         variant = cfg["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
-        resident, fixed_us, token_us = recurrent_rates(_int(b["key_dim"]))
+        resident, fixed_us, token_us = recurrent_rates(x[KD])
         terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
                  "variant": variant, "chain_us": 0}
         if variant == "streamed":
@@ -249,7 +256,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
             "kind": "mma", "state_precision": state_precision, "output_precision": out_precision,
             "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots],
             "floor_waves": {"programs": N * sympy.ceiling(T / chunk), "per_sm": 1, "fixed_us": 0,
-                            "wave_us": CHUNK_PREP_US[min(max(64, launch.next_power_of_2(_int(b["key_dim"]))), 256)]
+                            "wave_us": CHUNK_PREP_US[min(max(64, launch.next_power_of_2(shapes(m)[KD])), 256)]
                             + (CHUNK_US_PER_COLUMN + CHUNK_US_PER_ROW_COLUMN * N) * VD, "whole_waves": True}}
 
 
@@ -413,7 +420,8 @@ def kernels_for(m: Match, plan: Candidate) -> list:
     if plan.params.get("impl") != "fuser":
         return []
     b = m.bindings
-    kw = dict(k_dim=_int(b["key_dim"]), v_dim=_int(b["value_dim"]), dtype=_dtype(b["q"]), device=_device(b),
+    x = shapes(m)
+    kw = dict(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b),
               scalar_gate=b["scalar_gate"], initial_state=b["h0"] is not None, output_final_state=b["want_state"])
     if plan.params["plan"] == "parallel":
         from fuser.codegen import kda_parallel
