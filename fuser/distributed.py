@@ -42,10 +42,11 @@ an uneven split is planned on its larger piece, so that resource checks hold on 
 every rank plans alike). Symbolic sizes stay symbolic (``(s + n - 1) // n``). The estimates
 ``explain()`` shows are then per rank, and it says on which local shapes (:func:`planning_note`).
 Where DTensor would redistribute the emitted fused op's inputs (a dim sharded that the op's rule
-does not keep sharded, e.g. the value feature dim, which the region computes locally), the
-kernels run on gathered shapes: the pass sees DTensor communicate for the replacement
-(:func:`communication`) and plans the match again on the global shapes
-(:func:`gathered_note`). Matching and emitting always see the global values.
+does not keep sharded, e.g. the value feature dim, which the region computes locally), fusing
+would gather what the program keeps sharded: the pass sees DTensor communicate for the
+replacement (:func:`communication`), undoes it and leaves the region as written, saying why
+(:func:`gather_reason`), as it does for a region that itself needs communication. Matching and
+emitting always see the global values.
 
 Sources: DTensor's ``register_sharding`` documentation and ``expand_to_full_mesh_op_strategy``
 (torch/distributed/tensor/_ops/utils.py); ring attention in
@@ -476,14 +477,14 @@ def planning_note(match: Any) -> str:
             + ("; an uneven split is planned on its largest shard" if uneven else ""))
 
 
-def gathered_note(communication: Optional[str]) -> str:
-    """What ``explain()`` says of a match planned again on the global shapes because its fused
-    op, planned on the local ones, made DTensor communicate (``communication``, from
-    :func:`communication`); ``""`` for None."""
-    if not communication:
-        return ""
-    return (f"planned on the global shapes: DTensor would redistribute the fused op's inputs ({communication}) "
-            "to the placements its sharding rule takes, so its kernels run on more than the local shards")
+def gather_reason(communication: str) -> str:
+    """Why a match is left as written when its fused op, emitted, would make DTensor
+    communicate (``communication``, from :func:`communication`) where the region's own ops run
+    on each rank's shards without it."""
+    return (f"its fused op would make DTensor redistribute the inputs ({communication}) to the placements the op's "
+            "sharding rule takes (batch and head dims sharded, nothing else), where the code as written runs on "
+            "each rank's shards without communication: fusing would gather the sharded inputs (more memory and "
+            "traffic than the program); left as written")
 
 
 def communication(nodes: Sequence[fx.Node]) -> Optional[str]:

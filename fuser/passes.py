@@ -392,35 +392,29 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             if why:
                 decline(m, why)
                 continue
-        # planned on each rank's shapes (DTensors seen as their local shards; a plain graph: as
-        # is); planned again on the global shapes when DTensor would gather the fused op's inputs
-        # (a dim sharded that its sharding rule does not keep sharded): its kernels would run on
-        # the gathered shapes, which the plan must not underestimate
-        status, gathers = "", None
-        for local in (True, False):
-            with distributed.planning_view() if local else contextlib.nullcontext():
-                cands = timer.wrap("plan", pattern.candidates)(m, ctx)
-                plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
-            m.plan, m.alternatives, m.reason = plan, cands, reason
-            m.sharding = distributed.planning_note(m) if local else distributed.gathered_note(gathers)
-            if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
-                status = "left"
-                break
-            if local:
-                # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read
-                # a proxy built outside every region from now on: the same values, whether or not
-                # the emission below succeeds
-                try:
-                    why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
-                except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
-                    why = f"internal error while re-pointing metadata readers: {exc!r}"
-                if why:
-                    decline(m, why)
-                    status = "declined"
-                    break
+        # planned on each rank's shapes (DTensors seen as their local shards; a plain graph: as is)
+        with distributed.planning_view():
+            cands = timer.wrap("plan", pattern.candidates)(m, ctx)
+            plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
+        m.plan, m.alternatives, m.reason = plan, cands, reason
+        m.sharding = distributed.planning_note(m)
+        status = ""
+        if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
+            status = "left"
+        else:
+            # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read a
+            # proxy built outside every region from now on: the same values, whether or not the
+            # emission below succeeds
+            try:
+                why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
+            except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
+                why = f"internal error while re-pointing metadata readers: {exc!r}"
+            if why:
+                decline(m, why)
+                continue
             before = set(gm.graph.nodes)
             try:
-                with distributed.planning_view() if local else contextlib.nullcontext():
+                with distributed.planning_view():
                     m.kernels = timer.wrap("render", pattern.kernels)(m, plan)  # for the shapes they run on
                 with timer.phase("emit"):
                     new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
@@ -428,11 +422,16 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                         mismatch = _mismatch(node, m.outputs[name])
                         if mismatch:
                             raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
-                    if local and m.sharding:
-                        gathers = distributed.communication([n for n in gm.graph.nodes if n not in before])
-                        if gathers:
-                            _undo(gm.graph, before)
-                            continue
+                    # the region's own ops ran on each rank's shards without communication
+                    # (sharding_decline); a fused op whose sharding rule keeps fewer dims sharded
+                    # would make DTensor gather its inputs: more memory and traffic than the
+                    # program as written
+                    gathers = distributed.communication([n for n in gm.graph.nodes if n not in before]) \
+                        if m.sharding else None
+                    if gathers:
+                        _undo(gm.graph, before)
+                        decline(m, distributed.gather_reason(gathers))
+                        continue
                     new = _protect_saved(m, new, view, gm.graph, before)
                     _replace(m, new, gm.graph)
                 status = "fused"
@@ -443,7 +442,6 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                 result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
                                                  m.root.name, graph_index))
                 status = "failed"
-            break
         if status == "left":
             result.matches.append(m)
             log.info("fuser: %s at %s left as written (%s): %s", m.pattern, m.location, plan.name, reason)

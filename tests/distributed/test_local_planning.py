@@ -177,18 +177,20 @@ def test_attention_estimates_are_the_local_shards_and_explain_says_so(mesh):
     assert "an uneven split is planned on its largest shard" in m.sharding
 
 
-def test_fused_op_that_gathers_is_planned_on_the_global_shapes(mesh):
-    """v sharded along its feature dim: the region computes it locally, but the fused op's rule
-    keeps only batch and heads sharded, so DTensor gathers v for it: its kernels run on the whole
-    v, and the plan is made on the global shapes."""
+def test_a_fused_op_that_would_gather_is_declined(mesh):
+    """v sharded along its feature dim: the region computes it on each rank's shard, but the
+    fused op's rule keeps only batch and heads sharded, so DTensor would gather v for it: left as
+    written, with the reason."""
     q, k, v = (torch.randn(2, 4, 256, 64) for _ in range(3))
     rq, rk = (DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in (q, k))
-    m = _plan(attention, rq, rk, _sharded(v, mesh, 3))
-    assert m.sharding.startswith("planned on the global shapes") and "all_gather" in m.sharding
-    want = _plan(attention, q, k, v)
-    assert [c.estimate_ms for c in m.alternatives] == [c.estimate_ms for c in want.alternatives]
-    local = _plan(attention, q, k, v.chunk(2, dim=3)[0].contiguous())
-    assert [c.estimate_ms for c in m.alternatives] != [c.estimate_ms for c in local.alternatives]
+    sv = _sharded(v, mesh, 3)
+    _, result = fuse(attention, rq, rk, sv)
+    assert not result.matches
+    (r,) = result.rejected
+    assert "would make DTensor redistribute" in r.reason and "all_gather" in r.reason and "left as written" in r.reason
+    # and the same attention on plain tensors fuses
+    _, plain = fuse(attention, q, k, v)
+    assert [m.pattern for m in plain.matches] == ["attention"]
 
 
 @pytest.mark.parametrize("heads", [4, 5], ids=["even", "uneven"])
