@@ -689,7 +689,11 @@ def backward(
                 else:  # one reused buffer per side, sized by the first (largest) chunk
                     if workspace[i] is None or workspace[i].numel() < q.numel():
                         workspace[i] = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-                    accs.append(workspace[i][: q.numel()].view(q.shape))
+                    # the whole buffer as a view, not a slice, where it fits exactly (always for
+                    # one chunk): written through a slice, it would be scattered back into the
+                    # buffer by a copy kernel when Inductor functionalises the launch
+                    ws = workspace[i] if workspace[i].numel() == q.numel() else workspace[i][: q.numel()]
+                    accs.append(ws.view(q.shape))
             args += accs
         with launch.launching(interpret):
             module.launch_bwd(
