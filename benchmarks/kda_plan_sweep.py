@@ -30,8 +30,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import math
 import statistics
 import sys
 import time
@@ -118,7 +118,8 @@ def measure(plans, budget_s: float) -> list[dict]:
                 continue
             fwd = launchers[plan]
             try:
-                row[plan] = round(device_us(lambda: fwd(q, kk, vv, g, beta, scale=k ** -0.5, output_final_state=True)), 2)
+                call = functools.partial(fwd, q, kk, vv, g, beta, scale=k ** -0.5, output_final_state=True)
+                row[plan] = round(device_us(call), 2)
             except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
                 row[plan + "_error"] = common.short_error(exc, 200)
         print(json.dumps(row), flush=True)

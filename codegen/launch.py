@@ -214,19 +214,17 @@ _POISON_ENV = os.environ.get("FUSER_POISON_OUTPUTS", "0") == "1"  # read once: e
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.empty``, poisoned (NaN) inside :func:`poison_outputs`, or in every call when
     ``FUSER_POISON_OUTPUTS=1`` was set when fuser was imported."""
-    out = torch.empty(shape, dtype=dtype, device=device)
-    value = getattr(_poison, "value", None)
-    if value is None and _POISON_ENV:
-        value = float("nan")
-    if value is not None and out.numel():
-        out.fill_(value)
-    return out
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
 
 
 def empty_like(x: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(x)`` (``x``'s shape, dtype, device and, for a dense ``x``, strides),
     poisoned as :func:`empty` is."""
-    out = torch.empty_like(x)
+    return _poisoned(torch.empty_like(x))
+
+
+def _poisoned(out: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with the poison value when one is in force (:func:`empty`), else as is."""
     value = getattr(_poison, "value", None)
     if value is None and _POISON_ENV:
         value = float("nan")

@@ -11,7 +11,6 @@ Each application is timed by phase (:class:`fuser.report.CompileTimes`, on
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import operator

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 pytest.importorskip("torch.distributed.tensor")
@@ -33,18 +32,6 @@ from test_kda import blog_loop  # noqa: E402  (tests/patterns/test_kda.py)
 OPTIONS = {"fuser.interpret": True}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spec(shape, placements, mesh_shape):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -41,18 +40,7 @@ def _on_device():
         yield
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh(DEVICE, (2,))
-    finally:
-        dist.destroy_process_group()
+MESH_DEVICE = DEVICE  # the mesh fixture's device (conftest.py)
 
 
 def _local(t: torch.Tensor, p) -> torch.Tensor:
