@@ -5,6 +5,7 @@ under a minute; ``-m "not bench"`` leaves them out."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -157,6 +158,25 @@ def test_kda_smoke(tmp_path):
                 assert_measured([r])
     assert all(r["status"] in ("unavailable", "skip") for impl in ("fla_recurrent", "fla_chunk")
                for r in records(data, impl))  # FLA needs a GPU; fused_recurrent_kda has no backward
+
+
+def test_kda_plan_sweep_rereads_a_measured_run(tmp_path):
+    # the committed H100 sweep re-evaluated with this checkout's cost model (no GPU needed): every
+    # shape gets the three estimates and a pick, and the pick's regret is stated
+    runs = ROOT / "benchmarks" / "results" / "kda_plan_sweep.json"
+    out = tmp_path / "sweep.md"
+    r = subprocess.run([sys.executable, str(BENCH / "kda_plan_sweep.py"), "--from-json", str(runs), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["summary"]["shapes"] == len(data["rows"]) == 164
+    assert data["summary"]["regret_max"] >= 1.0
+    text = out.read_text()
+    assert "estimates: re-evaluated" in text and "| pick" in text
+    # --measure needs a GPU: a clear error, not a traceback
+    r = subprocess.run([sys.executable, str(BENCH / "kda_plan_sweep.py"), "--measure"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and "--measure needs a CUDA GPU" in r.stderr
 
 
 def test_overhead_smoke(tmp_path):
