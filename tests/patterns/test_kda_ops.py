@@ -130,6 +130,44 @@ def test_gradients_in_the_inputs_layouts_poisoned(case):
         assert err < tol, f"{name}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("plan", ["plan=chunk;chunk=16", "plan=recurrent"])
+def test_gradients_of_inputs_that_are_views_with_gaps_broadcasts_or_aliases(plan):
+    # the gradients are allocated like the inputs (empty_like): inputs that are not dense views
+    # of their own memory get dense gradients that autograd routes back. q, k, v sliced out of one
+    # fused projection [B, T, H, 2K + V] (strides with gaps); k the same tensor as q in one case;
+    # beta a [B, T, 1] broadcast over the heads (stride 0). float64 autograd through the
+    # recurrence is the oracle, on the leaves (the projection, beta's [B, T, 1])
+    from fuser.codegen import launch
+
+    gen = torch.Generator().manual_seed(5)
+    b, t, h, kd, vd = 2, 19, 3, 12, 10
+    proj = (torch.randn(b, t, h, 2 * kd + vd, generator=gen) * 0.3).requires_grad_(True)
+    g0 = (-F.softplus(torch.randn(b, t, h, kd, generator=gen))).requires_grad_(True)
+    b0 = torch.rand(b, t, 1, generator=gen).requires_grad_(True)
+
+    def inputs(p, gl, bl, alias):
+        q, k, v = p[..., :kd], p[..., kd:2 * kd], p[..., 2 * kd:]
+        return q, (q if alias else k), v, gl, bl.expand(b, t, h)
+
+    for alias in (False, True):
+        for x in (proj, g0, b0):
+            x.grad = None
+        q, k, v, g, beta = inputs(proj, g0, b0, alias)
+        assert not q.is_contiguous() and beta.stride(-1) == 0
+        with launch.poison_outputs():
+            o, st = torch.ops.fuser.kda(q, k, v, g, beta, None, [1] * 5, 0, t, 0.5, False, 1, torch.float32, True,
+                                        torch.float32, plan)
+            d_o, d_s = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
+            torch.autograd.backward((o, st), (d_o, d_s))
+        leaves = [x.detach().double().requires_grad_(True) for x in (proj, g0, b0)]
+        wo, ws = kda_reference.recurrent(*inputs(*leaves, alias), scale=0.5, output_final_state=True)
+        torch.autograd.backward((wo, ws), (d_o.double(), d_s.double()))
+        for name, x, leaf in zip(("proj", "g", "beta"), (proj, g0, b0), leaves):
+            assert not x.grad.isnan().any(), (alias, name)
+            err = (x.grad.double() - leaf.grad).norm() / leaf.grad.norm()
+            assert err < 1e-4, (alias, name, float(err))
+
+
 def test_plan_strings():
     defaults = {"dots": "float32", "output_precision": None}
     assert kda_ops.plan_string("chunk", 32) == "plan=chunk;chunk=32"
