@@ -264,14 +264,8 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     if DTensor is None:
         return None
     region = match.region
-    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)} if region else {}
-    nodes = sorted(region, key=order.__getitem__)
-    outside: dict = {}
-    for n in nodes:
-        for a in flat_args(n):
-            if a not in region:
-                outside.setdefault(a, None)
-    values = {a: val(a) for a in outside}
+    nodes = _in_graph_order(region)
+    values = {a: val(a) for a in _read_from_outside(nodes)}
     sharded = {a: v for a, v in values.items() if isinstance(v, DTensor)}
     if not sharded and not any(isinstance(val(n), DTensor) for n in nodes):
         return None
@@ -446,7 +440,8 @@ def sharded_inputs(match: Any) -> list:
     if DTensor is None:
         return []
     out = []
-    nodes = [a for a in getattr(match, "inputs", ()) if isinstance(a, fx.Node)] or _outside(match.region)
+    nodes = ([a for a in getattr(match, "inputs", ()) if isinstance(a, fx.Node)]
+             or _read_from_outside(_in_graph_order(match.region)))
     for a in dict.fromkeys(nodes):
         v = _meta_value(a)
         if isinstance(v, DTensor) and not _same_sizes(tuple(v.shape), local_shape(v)):
@@ -497,17 +492,11 @@ def communication(nodes: Sequence[fx.Node]) -> Optional[str]:
     DTensor = _dtensor_type()
     if DTensor is None or not nodes:
         return None
-    inside = set(nodes)
-    outside: dict = {}
-    for n in nodes:
-        for a in flat_args(n):
-            if a not in inside:
-                outside.setdefault(a, None)
-    values = {a: _meta_value(a) for a in outside}
+    values = {a: _meta_value(a) for a in _read_from_outside(nodes)}
     if not any(isinstance(v, DTensor) for v in values.values()):
         return None
     try:
-        comms = _collectives(list(nodes), values, frozenset(inside))
+        comms = _collectives(list(nodes), values, frozenset(nodes))
     except Exception as exc:  # noqa: BLE001 - nothing proves it local
         log.debug("fuser: could not run the replacement on its DTensor values: %r", exc)
         return f"unknown: running it on its DTensor values failed ({type(exc).__name__})"
@@ -525,17 +514,19 @@ def _meta_value(node: Any) -> Any:
     return _meta_val(node)
 
 
-def _outside(region: frozenset) -> list:
-    """The nodes a region reads from outside it, in the order its nodes (in graph order) read them."""
-    if not region:
+def _in_graph_order(nodes) -> list:
+    """``nodes`` (of one graph) sorted in graph order."""
+    if not nodes:
         return []
-    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)}
-    outside: dict = {}
-    for n in sorted(region, key=order.__getitem__):
-        for a in flat_args(n):
-            if a not in region and isinstance(a, fx.Node):
-                outside.setdefault(a, None)
-    return list(outside)
+    order = {n: i for i, n in enumerate(next(iter(nodes)).graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
+def _read_from_outside(nodes: Sequence[fx.Node]) -> list:
+    """The nodes that ``nodes`` (in the order given) read and that are not among them, each once,
+    in the order they are first read."""
+    inside = set(nodes)
+    return list(dict.fromkeys(a for n in nodes for a in flat_args(n) if a not in inside))
 
 
 # --------------------------------------------------------------------------------------------

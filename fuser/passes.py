@@ -397,58 +397,49 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
         m.sharding = distributed.planning_note(m)
-        status = ""
         if plan.params.get("impl") == "inductor" or plan.params.get("keep"):
-            status = "left"
-        else:
-            # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read a
-            # proxy built outside every region from now on: the same values, whether or not the
-            # emission below succeeds
-            try:
-                why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
-            except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
-                why = f"internal error while re-pointing metadata readers: {exc!r}"
-            if why:
-                decline(m, why)
-                continue
-            before = set(gm.graph.nodes)
-            try:
-                with distributed.planning_view():
-                    m.kernels = timer.wrap("render", pattern.kernels)(m, plan)  # for the shapes they run on
-                with timer.phase("emit"):
-                    new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
-                    for name, node in new.items():
-                        mismatch = _mismatch(node, m.outputs[name])
-                        if mismatch:
-                            raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
-                    # the region's own ops ran on each rank's shards without communication
-                    # (sharding_decline); a fused op whose sharding rule keeps fewer dims sharded
-                    # would make DTensor gather its inputs: more memory and traffic than the
-                    # program as written
-                    gathers = distributed.communication([n for n in gm.graph.nodes if n not in before]) \
-                        if m.sharding else None
-                    if gathers:
-                        _undo(gm.graph, before)
-                        decline(m, distributed.gather_reason(gathers))
-                        continue
-                    new = _protect_saved(m, new, view, gm.graph, before)
-                    _replace(m, new, gm.graph)
-                status = "fused"
-            except Exception as exc:  # a bug in a pattern must not break the user's model
-                _undo(gm.graph, before)
-                log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location,
-                            plan.name, exc)
-                result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
-                                                 m.root.name, graph_index))
-                status = "failed"
-        if status == "left":
             result.matches.append(m)
             log.info("fuser: %s at %s left as written (%s): %s", m.pattern, m.location, plan.name, reason)
             continue
-        if status != "fused":
+        # readers of a region node's metadata alone (kvpress' ones_like(attn_weights)) read a
+        # proxy built outside every region from now on: the same values, whether or not the
+        # emission below succeeds
+        try:
+            why = _proxy_readers(m, view, gm.graph, regions, readers=metadata_readers.get(id(m)))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's model
+            why = f"internal error while re-pointing metadata readers: {exc!r}"
+        if why:
+            decline(m, why)
             continue
-        replaced.update({m.outputs[name]: node for name, node in new.items()})
-        erased |= m.region
+        before = set(gm.graph.nodes)
+        try:
+            with distributed.planning_view():
+                m.kernels = timer.wrap("render", pattern.kernels)(m, plan)  # for the shapes they run on
+            with timer.phase("emit"):
+                new = _as_outputs(m, pattern.emit(m, plan, gm.graph))
+                for name, node in new.items():
+                    mismatch = _mismatch(node, m.outputs[name])
+                    if mismatch:
+                        raise RuntimeError(f"the replacement of output '{name}' {mismatch}")
+                # the region's own ops ran on each rank's shards without communication
+                # (sharding_decline); a fused op whose sharding rule keeps fewer dims sharded
+                # would make DTensor gather its inputs: more memory and traffic than the program
+                gathers = distributed.communication([n for n in gm.graph.nodes if n not in before]) \
+                    if m.sharding else None
+                if gathers:
+                    _undo(gm.graph, before)
+                    decline(m, distributed.gather_reason(gathers))
+                    continue
+                new = _protect_saved(m, new, view, gm.graph, before)
+                _replace(m, new, gm.graph)
+            replaced.update({m.outputs[name]: node for name, node in new.items()})
+            erased |= m.region
+        except Exception as exc:  # a bug in a pattern must not break the user's model
+            _undo(gm.graph, before)
+            log.warning("fuser: %s at %s: emitting plan %s failed: %r; not fused", m.pattern, m.location, plan.name, exc)
+            result.rejected.append(Rejection(m.pattern, f"internal error while rewriting: {exc!r}", m.location,
+                                             m.root.name, graph_index))
+            continue
         result.matches.append(m)
         log.info("fuser: fused %s at %s with plan %s (%s)", m.pattern, m.location, plan.name, reason)
         for k in m.kernels:
