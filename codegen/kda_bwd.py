@@ -113,7 +113,7 @@ from typing import Optional
 import torch
 
 from . import launch
-from .kda_recurrent import _prod, check_shapes, input_rows, row_groups
+from .kda_recurrent import _prod, check_shapes, finish_out, input_rows, row_groups
 from .render import RenderedKernel, render
 
 __all__ = ["backward", "reference_backward", "bwd_kernel", "candidate_configs", "kernel_config", "CHUNKS", "GRADS",
@@ -484,19 +484,13 @@ def _out_rows(x: torch.Tensor, tail: int, shape, device) -> tuple[torch.Tensor, 
     """``(x_arg, rows)``: how the kernels write the gradient ``x`` (``[*lead, T(, F)]``, ``tail``
     trailing dims): ``x`` itself, its lead dims as at most two stride groups
     (``kda_recurrent.row_groups``), or, when they need three, a contiguous temporary of the flat
-    ``shape`` in ``x``'s dtype (copied into ``x`` after the kernels: :func:`_finish_out`)."""
+    ``shape`` in ``x``'s dtype (copied into ``x`` after the kernels: ``kda_recurrent.finish_out``)."""
     lead = x.dim() - tail
     rows = row_groups(x.shape[:lead], x.stride()[:lead])
     if rows is None:
         tmp = launch.empty(shape, x.dtype, device)
         return tmp, (1, tmp.stride(0), 0)
     return x, rows
-
-
-def _finish_out(x: torch.Tensor, x_arg: torch.Tensor) -> None:
-    """``x`` after the kernels wrote ``x_arg`` (:func:`_out_rows`): the temporary copied in."""
-    if x_arg is not x:
-        x.copy_(x_arg.view(x.shape))
 
 
 def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_state=None,
@@ -677,10 +671,10 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         for x, per_head in ((dq, dq_v), (dk, dk_v)):
             torch.sum(per_head.view(*x.shape[:-2], group, t, kd), dim=x.dim() - 2, out=x)
     else:
-        _finish_out(dq, dq_a)
-        _finish_out(dk, dk_a)
+        finish_out(dq, dq_a)
+        finish_out(dk, dk_a)
     for x, x_arg in ((dv, dv_a), (dg, dg_a), (dbeta, db_a)):
-        _finish_out(x, x_arg)
+        finish_out(x, x_arg)
     return dq, dk, dv, dg, dbeta, dh0
 
 

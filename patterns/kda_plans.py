@@ -196,18 +196,18 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     gate = 1 if b["scalar_gate"] else KD
     io = N * T * (2 * KD * eq + VD * ev + gate * eg + eb) + N * T * VD * eo
     state = N * KD * VD * 4 * ((1 if b["h0"] is not None else 0) + (1 if b["want_state"] else 0))
+    x = shapes(m)  # the example shapes, for choices made on numbers (configs, measured tables)
     if plan == "inductor":
         return {"bytes": io + INDUCTOR_STATE_PASSES * 4 * N * KD * VD * T, "flops": 8 * N * T * KD * VD,
                 "kind": "fp32", "launches": 3 * T, "chain_us": 0}
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
-        x = shapes(m)
         cfg = kda_recurrent.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b))
         variant = cfg["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
-        resident, fixed_us, token_us = recurrent_rates(x[KD])
+        resident, fixed_us, token_us = by_k_pad(RECURRENT_REGISTERS, x[KD])
         terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
                  "variant": variant, "chain_us": 0}
         if variant == "streamed":
@@ -223,7 +223,6 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     if plan == "parallel":
         from fuser.codegen import kda_parallel
 
-        x = shapes(m)  # its traffic model takes numbers: the example shapes
         nbytes = kda_parallel.hbm_bytes(x[N], x[N], x[T], x[KD], x[VD], eq, b["h0"] is not None, b["want_state"],
                                         scalar_gate=b["scalar_gate"], out_bytes=eo)
         # the Gram matrices (T² K twice), the h0 projections (2 T K V), the state tiles (T K V)
@@ -256,7 +255,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
             "kind": "mma", "state_precision": state_precision, "output_precision": out_precision,
             "launches": 2, "chain_us": CHUNK_US * sympy.ceiling(T / chunk), "calibration": CHUNK_CALIBRATION[dots],
             "floor_waves": {"programs": N * sympy.ceiling(T / chunk), "per_sm": 1, "fixed_us": 0,
-                            "wave_us": CHUNK_PREP_US[min(max(64, launch.next_power_of_2(shapes(m)[KD])), 256)]
+                            "wave_us": by_k_pad(CHUNK_PREP_US, x[KD])
                             + (CHUNK_US_PER_COLUMN + CHUNK_US_PER_ROW_COLUMN * N) * VD, "whole_waves": True}}
 
 
@@ -294,12 +293,11 @@ def precision_note(m: Match, dots: str, requested: Optional[str], state_precisio
     return f"float32 dots: state path {state_precision}, output path {out_precision} ({why})"
 
 
-def recurrent_rates(k_dim: int) -> tuple:
-    """``(resident programs per SM, fixed µs, µs per token)`` of the recurrent kernel in registers
-    at key dim ``k_dim``: the :data:`RECURRENT_REGISTERS` row of its padded K (clamped to the
-    table's range)."""
-    k_pad = min(max(64, 1 << max(0, int(k_dim) - 1).bit_length()), max(RECURRENT_REGISTERS))
-    return RECURRENT_REGISTERS[k_pad]
+def by_k_pad(table: dict, k_dim: int):
+    """The row of a measured table keyed by padded K (powers of two: :data:`RECURRENT_REGISTERS`,
+    :data:`CHUNK_PREP_US`) for key dim ``k_dim``: ``next_power_of_2(k_dim)`` clamped to the
+    table's smallest and largest keys."""
+    return table[min(max(min(table), launch.next_power_of_2(int(k_dim))), max(table))]
 
 
 def _waves_seconds(w: dict, subs: dict, model: cm.DeviceModel) -> float:
