@@ -51,6 +51,21 @@ def attention(q, k, v):
     return p @ v
 
 
+def _head_layout(mesh, batch: int) -> tuple[tuple[int, ...], int]:
+    """``(lead dims before the heads, the heads' dim)`` of the head-sharded attention tests.
+
+    ``[B, H, N, D]`` with H sharded where this torch's DTensor runs that matmul in eager (2.13);
+    torch 2.11's cannot (its view rule refuses to flatten ``[B, H]`` with H sharded: "Attempted to
+    flatten multiple dimensions, with dimension 1 being sharded", in eager as under Dynamo), so
+    there the heads lead, ``[H, N, D]``: the same head sharding, a plain batched matmul."""
+    x = _sharded(torch.randn(2, 2, 3, 4), mesh, 1)
+    try:
+        x @ x.transpose(-2, -1)
+    except Exception:  # noqa: BLE001 - torch's sharding propagation refuses the program itself
+        return (), 0
+    return (batch,), 1
+
+
 # -- the shape ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("global_shape, placements, mesh_shape, want", [
@@ -149,18 +164,21 @@ def test_kda_plan_is_chosen_on_the_local_heads(mesh):
 
 def test_attention_estimates_are_the_local_shards_and_explain_says_so(mesh):
     """Uneven heads (5 over 2 ranks) with a dynamic sequence length: planned on the larger shard,
-    3 heads, as the same attention on plain [7, 3, N, 8] tensors; explain() says it."""
-    q, k, v = (torch.randn(7, 5, 48, 8) for _ in range(3))
-    ds = [_sharded(x, mesh, 1) for x in (q, k, v)]
+    3 heads, as the same attention on plain ``[7, 3, N, 8]`` tensors (``[3, N, 8]`` where the heads
+    lead, :func:`_head_layout`); explain() says it."""
+    lead, hd = _head_layout(mesh, 7)
+    q, k, v = (torch.randn(*lead, 5, 48, 8) for _ in range(3))
+    ds = [_sharded(x, mesh, hd) for x in (q, k, v)]
     for x in ds:
-        torch._dynamo.mark_dynamic(x, 2)
+        torch._dynamo.mark_dynamic(x, hd + 1)
     m = _plan(attention, *ds)
-    plain = [x.chunk(2, dim=1)[0].contiguous() for x in (q, k, v)]
+    plain = [x.chunk(2, dim=hd)[0].contiguous() for x in (q, k, v)]
     for x in plain:
-        torch._dynamo.mark_dynamic(x, 2)
+        torch._dynamo.mark_dynamic(x, hd + 1)
     want = _plan(attention, *plain)
     assert [c.estimate_ms for c in m.alternatives] == [c.estimate_ms for c in want.alternatives]
-    assert "[7, 3, s" in m.sharding and "of the global [7, 5, s" in m.sharding
+    before = "".join(f"{d}, " for d in lead)
+    assert f"[{before}3, s" in m.sharding and f"of the global [{before}5, s" in m.sharding, m.sharding
     assert "an uneven split is planned on its largest shard" in m.sharding
 
 
@@ -185,14 +203,15 @@ def test_compiled_on_head_shards_equals_eager(mesh, heads):
     """End to end: attention and a KDA loop compiled on head-sharded DTensors (this rank's shards:
     no collective runs) equal eager on the same local shards; explain() shows the local shapes."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, heads, 16, 8) for _ in range(3))
+    lead, hd = _head_layout(mesh, 2)
+    q, k, v = (torch.randn(*lead, heads, 16, 8) for _ in range(3))
     kda = _kda_inputs(1, 5, heads, 12, 20)
     torch._dynamo.reset()
     with fuser.report.collecting() as rep:
-        out = torch.compile(attention, backend="fuser", options=OPTIONS)(*(_sharded(x, mesh, 1) for x in (q, k, v)))
+        out = torch.compile(attention, backend="fuser", options=OPTIONS)(*(_sharded(x, mesh, hd) for x in (q, k, v)))
         o, s = torch.compile(blog_loop, backend="fuser", options=OPTIONS)(*(_sharded(x, mesh, 1) for x in kda))
     assert [m.pattern for m in rep.fused] == ["attention", "kda"]
-    want = attention(*(x.chunk(2, dim=1)[0] for x in (q, k, v)))
+    want = attention(*(x.chunk(2, dim=hd)[0] for x in (q, k, v)))
     torch.testing.assert_close(out.to_local(), want, rtol=1e-5, atol=1e-5)
     wo, ws = blog_loop(*(x.chunk(2, dim=1)[0].contiguous() for x in kda))
     torch.testing.assert_close(o.to_local(), wo, rtol=1e-4, atol=1e-4)
@@ -200,5 +219,6 @@ def test_compiled_on_head_shards_equals_eager(mesh, heads):
     text = str(rep)
     assert text.count("per rank: planned on the local shard shapes") == 2, text
     local = (heads + 1) // 2
-    assert f"[2, {local}, 16, 8] of the global [2, {heads}, 16, 8]" in rep.fused[0].sharding
+    before = "".join(f"{d}, " for d in lead)
+    assert f"[{before}{local}, 16, 8] of the global [{before}{heads}, 16, 8]" in rep.fused[0].sharding
     assert f"[1, {local}, 5, 12] of the global [1, {heads}, 5, 12]" in rep.fused[1].sharding
