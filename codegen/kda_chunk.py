@@ -295,7 +295,20 @@ _INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
 #          (64, 16, 4, 2) 1.58.
 # Kernel 1, BLOCK_K1 {16, 32, 64} x warps {4, 8} at K=128: (32, 4 warps) 0.83 ms best (16: 0.96,
 # 64: 0.98, 8 warps: 1.22; it spills at 255 registers); K=64 0.49 ms, K=256 1.51 ms; 1 stage a
-# little slower at K=64/256. Every other row (fp32, other GPUs): NOT MEASURED (guesses): kernel 2
+# little slower at K=64/256.
+# sm90 float32 dots (the default), MEASURED on the H100 (2026-11-24, B=1, T=4096, H=16, K=V, bf16
+# inputs, Triton 3.6; one kernel's keys varied at a time, device time of both kernels under
+# CUDA-graph replay; benchmarks/kda_chunk_configs.py, benchmarks/results/kda_chunk_configs.md):
+#   K=128: the previous first row (64, 32, 4, 2 | 32, 32, 4, 2) 852-861 µs; now (64, 16, 4, 2 |
+#          16, 32, 4, 2) 789 (kernel 1 BLOCK_K1 32: 829; kernel 2 BLOCK_V 32: 817, 1 stage 961,
+#          BLOCK_K 128: 796);
+#   K=64:  previous (64, 16, 4, 3 | 32, 32, 4, 2) 548 µs; now (64, 16, 4, 3 | 16, 32, 4, 2) 437;
+#   K=256: kernel 2 at two stages does not fit in shared memory (the previous first two rows were
+#          compiled and skipped at every first call); (128, 16, 4, 1 | 32, 32, 4, 1) 1674 µs, (64, 16,
+#          4, 1 | ...) 1727. Kernel 1's BLOCK_K1 16 at K=256: NOT MEASURED.
+# Faults (illegal memory access; such configs are refused when given, :func:`faulting_config`):
+# kernel 1 at 8 warps, kernel 2 at 8 warps with BLOCK_V 16, kernel 2 at 3 stages with K=128.
+# Every other row (other GPUs): NOT MEASURED (guesses): kernel 2
 # keeps K x BLOCK_V float32 state (<= 8K elements per program at 4 warps) plus [C, BLOCK_V]
 # U/D/O tiles; a small BLOCK_V gives more programs (N * V / BLOCK_V), each sequential over T.
 # Key: (device kind, K bucket <= 64 / <= 128 / <= 256, size of the dots' dtype).
@@ -306,13 +319,16 @@ _TABLE = {
                        _cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 16, 4, 3, 32, 64, 4, 2)],
     ("sm90", 256, 2): [_cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 32, 8, 2, 32, 64, 4, 2),
                        _cfg(64, 16, 4, 2, 32, 64, 4, 2)],
-    ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 32, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 1)],
-    ("sm90", 128, 4): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(64, 16, 4, 2, 32, 32, 4, 1)],
-    # one stage last: with single-pass TF32 output-path dots the scan kernel stages its state
+    ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 16, 32, 4, 2), _cfg(64, 16, 4, 3, 32, 32, 4, 2),
+                      _cfg(64, 32, 4, 2, 32, 32, 4, 1)],
+    ("sm90", 128, 4): [_cfg(64, 16, 4, 2, 16, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 2),
+                       _cfg(64, 16, 4, 2, 32, 32, 4, 1)],
+    # one stage first: with single-pass TF32 output-path dots the scan kernel stages its state
     # blocks in shared memory per pipeline stage, 317-352 KB at two stages for K=256 (compiled
-    # for sm90; the H100 has 227 KB), 32 KB at one (launch.launch_first_fitting picks it)
-    ("sm90", 256, 4): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1),
-                       _cfg(64, 16, 4, 1, 32, 32, 4, 1)],
+    # for sm90; the H100 has 227 KB), 32 KB at one; launch.launch_first_fitting skips the last
+    # row's two stages if they do not fit either
+    ("sm90", 256, 4): [_cfg(128, 16, 4, 1, 32, 32, 4, 1), _cfg(64, 16, 4, 1, 32, 32, 4, 1),
+                       _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
     ("cuda", 64, 2): [_cfg(64, 32, 4, 3, 32, 64, 4, 2), _cfg(32, 32, 4, 2, 32, 32, 4, 1)],
     ("cuda", 128, 2): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
     ("cuda", 256, 2): [_cfg(64, 16, 4, 2, 32, 32, 4, 1), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
@@ -511,14 +527,46 @@ def _check_config(cfg: dict) -> dict:
     return cfg
 
 
+def faulting_config(cfg: dict, k_dim: int, dtype: torch.dtype, device) -> Optional[str]:
+    """Why ``cfg`` is refused on this device, or None: launch configs of the kinds that made an
+    illegal memory access (the CUDA context lost, every later call in the process failing) with
+    float32 dots (``dtype``: the dots' dtype), MEASURED on the H100 with Triton 3.6 (2026-11-24,
+    B=1, T=4096, H=16, bf16 inputs; ``benchmarks/kda_chunk_configs.py``,
+    ``benchmarks/results/kda_chunk_configs.md``): kernel 1 at 8 warps (K = 64 and 128); kernel 2
+    at 8 warps with BLOCK_V 16 (K = 64, 128, 256; at 8 warps it was 20-30% slower wherever it
+    ran); kernel 2 at 3 pipeline stages with K = 128 (at K ≤ 64 the table's default runs 3). The
+    same configs with bfloat16 dots ran. Not root-caused: our masks and workspace bounds do not
+    depend on warps or stages."""
+    if dtype != torch.float32 or launch.device_kind(device) == "interpreter":
+        return None
+    if cfg["num_warps1"] >= 8:
+        return "kernel 1 at 8 or more warps (num_warps1)"
+    if cfg["num_warps"] >= 8:
+        return "kernel 2 at 8 or more warps (num_warps)"
+    if cfg["num_stages"] >= 3 and k_dim > 64:
+        return "kernel 2 at 3 or more num_stages with K > 64"
+    return None
+
+
 def _configs(config: Optional[dict], k_dim: int, v_dim: int, dtype: torch.dtype, device) -> list[dict]:
-    """The given config alone (missing keys from the default), or every candidate (default first)."""
+    """The given config alone (missing keys from the default), or every candidate (default first).
+
+    Raises:
+        ValueError: unknown keys, a bad value (``_check_config``), or a config measured to fault
+            (:func:`faulting_config`).
+    """
     cands = candidate_configs(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device)
     if config:
         unknown = set(config) - set(cands[0])
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(cands[0])}")
-        return [_check_config({**cands[0], **config})]
+        cfg = _check_config({**cands[0], **config})
+        why = faulting_config(cfg, k_dim, dtype, device)
+        if why:
+            raise ValueError(f"KDA chunked forward: config {cfg} is refused with float32 dots: {why} made an "
+                             "illegal memory access on the H100 (Triton 3.6); use num_warps and num_warps1 <= 4 and, "
+                             "for K > 64, num_stages <= 2 (or dots='bfloat16')")
+        return [cfg]
     return [_check_config(c) for c in cands]
 
 

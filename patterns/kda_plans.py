@@ -125,12 +125,14 @@ CHUNK_EFFICIENCY = 0.3
 #: Measured over modelled time of the chunked forward, by the dots' dtype, applied to the chunk
 #: plan's estimate (the model counts each dot with its products, ``kda_chunk.dot_flops``: three a
 #: dot under tf32x3, one under TF32). MEASURED on the H100 (torch 2.11, Triton 3.6; B=1, T=4096,
-#: H=16, bf16; benchmarks/results/kda_chunk_output_tf32*.md, 2026-11-24): float32 dots, K=V =
-#: 64/128/256, output path TF32: 0.551/0.854/1.73 ms against 0.229/0.357/0.824 modelled (2.41,
-#: 2.39, 2.10), tf32x3 everywhere: 0.617/1.04/2.35 against 0.243/0.423/1.03 (2.54, 2.46, 2.29):
-#: geometric mean 2.35; bfloat16 dots, K=V = 64/128: 0.210/0.341 against 0.195/0.243 (1.08,
-#: 1.40): 1.25. (Kernel 1 spills registers; the float32 tiles double its shared-memory traffic.)
-CHUNK_CALIBRATION = {"float32": 2.35, "bfloat16": 1.25}
+#: H=16, bf16): float32 dots at the launch configs of 2026-11-24, later
+#: (benchmarks/results/kda_chunk_configs.md), K=V = 64/128/256, output path TF32 (the default for
+#: a bf16 o): 0.437/0.789/1.674 ms against 0.229/0.357/0.824 modelled (1.91, 2.21, 2.03):
+#: geometric mean 2.05 (at the configs before: 0.551/0.854/1.73, 2.35; tf32x3 everywhere
+#: 0.617/1.04/2.35 against 0.243/0.423/1.03, benchmarks/results/kda_chunk_output_tf32*.md);
+#: bfloat16 dots, K=V = 64/128: 0.210/0.341 against 0.195/0.243 (1.08, 1.40): 1.25. (Kernel 1
+#: spills registers; the float32 tiles double its shared-memory traffic.)
+CHUNK_CALIBRATION = {"float32": 2.05, "bfloat16": 1.25}
 #: State passes (float32 reads + writes of the whole state) Inductor's unrolled loop makes per
 #: token, fitted to the issue's three measurements on the H100 (B=1, T=8, H=2; bf16): K×V =
 #: 256×8192 0.247 ms, 8192×1024 0.798 ms, 16384×1024 1.497 ms (model: 0.28, 0.82, 1.53 ms with

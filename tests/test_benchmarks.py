@@ -179,6 +179,22 @@ def test_kda_plan_sweep_rereads_a_measured_run(tmp_path):
     assert r.returncode != 0 and "--measure needs a CUDA GPU" in r.stderr
 
 
+
+def test_kda_chunk_configs_needs_a_gpu_and_tries_blocks_within_k():
+    """benchmarks/kda_chunk_configs.py measures on the GPU only (a clear error without one); its
+    grids stay within the problem's K."""
+    r = subprocess.run([sys.executable, str(BENCH / "kda_chunk_configs.py"), "--dims", "64"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr
+    sys.path.insert(0, str(BENCH))
+    try:
+        import kda_chunk_configs
+    finally:
+        sys.path.remove(str(BENCH))
+    for kernel in ("k1", "k2"):
+        assert all(c[0] <= 64 for c in kda_chunk_configs.grid(kernel, 64))
+        assert len(kda_chunk_configs.grid(kernel, 128)) > len(kda_chunk_configs.grid(kernel, 64)) > 0
+
 def test_overhead_smoke(tmp_path):
     """Every op in both modes: the default rows measured (host µs per call, checked against eager,
     fuser's op fused, its compile phases reported); the CUDA-graph rows skipped on the CPU."""

@@ -338,6 +338,25 @@ def test_configs_kernels_and_costs():
     assert int(kda_chunk.hbm_bytes(nq=2, n=4, t=t, k_dim=64, v_dim=32, chunk=32).subs(t, 100)) == kda_chunk.hbm_bytes(nq=2, **kw)
 
 
+
+def test_configs_that_faulted_are_refused_with_the_fix(monkeypatch):
+    """Given configs of the kinds that made an illegal memory access on the H100 with float32 dots
+    (kda_chunk.faulting_config) raise a ValueError naming the fix; the tables hold none of them;
+    the same configs pass with bfloat16 dots and in the interpreter (no such fault there)."""
+    f32, gpu = torch.float32, torch.device("cuda")
+    interpreter = launch.device_kind
+    monkeypatch.setattr(launch, "device_kind", lambda d: "interpreter" if torch.device(d).type == "cpu" else "sm90")
+    assert interpreter(CPU) == "interpreter"
+    for bad, k_dim in (({"num_warps1": 8}, 64), ({"num_warps": 8}, 128), ({"num_stages": 3}, 128)):
+        with pytest.raises(ValueError, match="illegal memory access.*num_warps and num_warps1 <= 4"):
+            kda_chunk._configs(bad, k_dim, k_dim, f32, gpu)
+        assert kda_chunk._configs(bad, k_dim, k_dim, torch.bfloat16, gpu)
+        assert kda_chunk._configs(bad, k_dim, k_dim, f32, CPU)
+    assert kda_chunk._configs({"num_stages": 3}, 64, 64, f32, gpu)  # K <= 64 runs 3 stages (the default)
+    for (dev, bucket, size), cands in kda_chunk._TABLE.items():
+        for c in cands:
+            assert kda_chunk.faulting_config(c, bucket, torch.float32 if size == 4 else torch.bfloat16, gpu) is None
+
 # -- 16-bit inputs: as close to the exact result as the eager float32 loop ------------------------
 
 def _mild_or_softplus(gen, shape, gate):
