@@ -275,7 +275,7 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - nothing proves the region local: decline
         log.debug("fuser: could not run the %s region on its DTensor values: %r", match.pattern, exc)
         return (f"its inputs are DTensors ({described}) and running the region on them to check that each "
-                f"rank can compute it from its own shards failed ({type(exc).__name__}); not fused")
+                f"rank can compute it from its own shards failed ({_first_line(exc)}); not fused")
     if comms:
         what = ", ".join(f"{k} x{v}" for k, v in sorted(comms.items()))
         return (f"its inputs are DTensors sharded so that computing the region needs communication ({described}; "
@@ -283,6 +283,25 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
                 "context parallelism, whose ring attention must stay PyTorch's own — and the fused op would "
                 "gather the shards; left as written")
     return None
+
+
+_SIZE_METHODS = frozenset({"size", "stride", "dim", "ndimension", "numel", "storage_offset"})
+
+
+def _is_size_query(n: fx.Node) -> bool:
+    """Whether ``n`` only reads a tensor's metadata (``x.size(1)``, ``aten.sym_size.int``, ...)."""
+    if n.op == "call_method":
+        return n.target in _SIZE_METHODS
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        return name.split(".")[0] in {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
+    return False
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    """``Type: first line of the message`` of ``exc``, cut at ``limit`` characters."""
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _placements(v: Any) -> str:
@@ -312,6 +331,11 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
             for n in nodes:
                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
                     env[n] = None
+                    continue
+                if _is_size_query(n) and val(n) is not None:
+                    # a size never communicates: the graph's own value (a SymInt under dynamic
+                    # shapes; torch 2.11's DTensor cannot dispatch aten::size on fake values)
+                    env[n] = val(n)
                     continue
                 args = fx.node.map_arg(n.args, load)
                 kwargs = fx.node.map_arg(n.kwargs, load)
