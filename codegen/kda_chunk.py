@@ -307,7 +307,8 @@ _INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
 #          compiled and skipped at every first call); (128, 16, 4, 1 | 32, 32, 4, 1) 1674 µs, (64, 16,
 #          4, 1 | ...) 1727. Kernel 1's BLOCK_K1 16 at K=256: NOT MEASURED.
 # Faults (illegal memory access; such configs are refused when given, :func:`faulting_config`):
-# kernel 1 at 8 warps, kernel 2 at 8 warps with BLOCK_V 16, kernel 2 at 3 stages with K=128.
+# kernel 1 at 8 warps, kernel 2 at 8 warps with BLOCK_V 16 (every 8-warp kernel 2 is refused: 20-30%
+# slower where it ran), kernel 2 at 3 stages with K=128.
 # Every other row (other GPUs): NOT MEASURED (guesses): kernel 2
 # keeps K x BLOCK_V float32 state (<= 8K elements per program at 4 warps) plus [C, BLOCK_V]
 # U/D/O tiles; a small BLOCK_V gives more programs (N * V / BLOCK_V), each sequential over T.
