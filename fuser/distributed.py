@@ -285,19 +285,6 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     return None
 
 
-_SIZE_METHODS = frozenset({"size", "stride", "dim", "ndimension", "numel", "storage_offset"})
-
-
-def _is_size_query(n: fx.Node) -> bool:
-    """Whether ``n`` only reads a tensor's metadata (``x.size(1)``, ``aten.sym_size.int``, ...)."""
-    if n.op == "call_method":
-        return n.target in _SIZE_METHODS
-    if n.op == "call_function":
-        name = getattr(n.target, "__name__", "")
-        return name.split(".")[0] in {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
-    return False
-
-
 def _first_line(exc: BaseException, limit: int = 240) -> str:
     """``Type: first line of the message`` of ``exc``, cut at ``limit`` characters."""
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -331,11 +318,6 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
             for n in nodes:
                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
                     env[n] = None
-                    continue
-                if _is_size_query(n) and val(n) is not None:
-                    # a size never communicates: the graph's own value (a SymInt under dynamic
-                    # shapes; torch 2.11's DTensor cannot dispatch aten::size on fake values)
-                    env[n] = val(n)
                     continue
                 args = fx.node.map_arg(n.args, load)
                 kwargs = fx.node.map_arg(n.kwargs, load)
@@ -523,7 +505,7 @@ def communication(nodes: Sequence[fx.Node]) -> Optional[str]:
         comms = _collectives(list(nodes), values, frozenset(nodes))
     except Exception as exc:  # noqa: BLE001 - nothing proves it local
         log.debug("fuser: could not run the replacement on its DTensor values: %r", exc)
-        return f"unknown: running it on its DTensor values failed ({type(exc).__name__})"
+        return f"unknown: running it on its DTensor values failed ({_first_line(exc)})"
     return ", ".join(f"{k} x{v}" for k, v in sorted(comms.items())) or None
 
 

@@ -49,6 +49,16 @@ def reads_metadata_of_first_arg(n: fx.Node) -> bool:
     return n.op == "call_method" and n.target in ("new_ones", "new_zeros", "new_full")
 
 
+def is_metadata_query(n: fx.Node) -> bool:
+    """True for a node that reads only a tensor's sizes or metadata, never its values:
+    ``x.size(1)``, ``x.dim()``, ``x.numel()``, ``x.stride()``, ``aten.sym_size`` and the like,
+    ``getattr(x, "shape")`` / ``dtype`` / ``device`` / ... (its value is the graph's recorded one)."""
+    name = _target_name(n)
+    return (n.op == "call_method" and name in _SIZE_METHODS) or (
+        n.op == "call_function" and (name in ("sym_size", "sym_stride", "sym_numel") or
+                                     (n.target is getattr and n.args[1] in _META_ATTRS)))
+
+
 class NotStatic(Exception):
     """The value depends on data (an input tensor, randomness), not only on sizes."""
 
@@ -195,10 +205,7 @@ class StaticEvaluator:
             if name in _RANDOM:
                 raise NotStatic(f"uses random op '{name}'")
             # sizes and metadata of any tensor are static even when its data is not
-            if (n.op == "call_method" and name in _SIZE_METHODS) or (
-                n.op == "call_function" and (name in ("sym_size", "sym_stride", "sym_numel") or
-                                             (n.target is getattr and n.args[1] in _META_ATTRS))
-            ):
+            if is_metadata_query(n):
                 v = val(n)
                 symbols |= free_symbols(v)
                 if v is None and isinstance(n.args[0], fx.Node):
@@ -254,11 +261,7 @@ class StaticEvaluator:
             if n.op == "get_attr":
                 env[n] = self._attr(n)
                 continue
-            name = _target_name(n)
-            if (n.op == "call_method" and name in _SIZE_METHODS) or (
-                n.op == "call_function" and (name in ("sym_size", "sym_stride", "sym_numel") or
-                                             (n.target is getattr and n.args[1] in _META_ATTRS))
-            ):
+            if is_metadata_query(n):
                 v = val(n)
                 if v is None or isinstance(v, torch.Tensor):
                     # e.g. getattr(x, "shape") with no recorded value: take it from x
