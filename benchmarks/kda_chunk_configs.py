@@ -56,19 +56,13 @@ def worker(kd: int, kernel: str, dots: str, heads: int, t: int, done: set, budge
     import functools
 
     import torch
-    import torch.nn.functional as F
 
     from fuser.codegen import kda_chunk
-    from kda_plan_sweep import device_us
+    from kda_plan_sweep import device_us, inputs
 
     start = time.perf_counter()
     torch.manual_seed(0)
-    dev = "cuda"
-    q = F.normalize(torch.randn(heads, t, kd, device=dev), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(heads, t, kd, device=dev), dim=-1).bfloat16()
-    v = torch.randn(heads, t, kd, device=dev).bfloat16()
-    g = -F.softplus(torch.randn(heads, t, kd, device=dev))
-    beta = torch.sigmoid(torch.randn(heads, t, device=dev)).bfloat16()
+    q, k, v, g, beta = inputs(heads, t, kd, kd)
     dt = kda_chunk.workspace_dtype(dots)
     default = kda_chunk.candidate_configs(k_dim=kd, v_dim=kd, dtype=dt, device=q.device)[0]
     call = functools.partial(kda_chunk.forward, q, k, v, g, beta, scale=kd ** -0.5, output_final_state=True,

@@ -92,6 +92,20 @@ def device_us(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def inputs(n: int, t: int, k: int, v: int, device: str = "cuda") -> tuple:
+    """``(q, k, v, g, beta)`` on ``[N, T, *]`` from the global RNG: bf16 q, k l2-normalised over
+    K, v ``randn``, beta ``sigmoid(randn)``; g ``−softplus(randn)`` in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    q = F.normalize(torch.randn(n, t, k, device=device), dim=-1).bfloat16()
+    kk = F.normalize(torch.randn(n, t, k, device=device), dim=-1).bfloat16()
+    vv = torch.randn(n, t, v, device=device).bfloat16()
+    g = -F.softplus(torch.randn(n, t, k, device=device))
+    beta = torch.sigmoid(torch.randn(n, t, device=device)).bfloat16()
+    return q, kk, vv, g, beta
+
+
 def measure(plans, budget_s: float) -> list[dict]:
     """Device µs of each plan's launcher at each shape of :func:`grid` (until ``budget_s``)."""
     import torch
@@ -106,12 +120,7 @@ def measure(plans, budget_s: float) -> list[dict]:
         if time.perf_counter() - start > budget_s:
             print(f"time budget of {budget_s:g} s reached", flush=True)
             break
-        dev = "cuda"
-        q = torch.nn.functional.normalize(torch.randn(n, t, k, device=dev), dim=-1).bfloat16()
-        kk = torch.nn.functional.normalize(torch.randn(n, t, k, device=dev), dim=-1).bfloat16()
-        vv = torch.randn(n, t, v, device=dev).bfloat16()
-        g = -torch.nn.functional.softplus(torch.randn(n, t, k, device=dev))
-        beta = torch.sigmoid(torch.randn(n, t, device=dev)).bfloat16()
+        q, kk, vv, g, beta = inputs(n, t, k, v)
         row = {"N": n, "T": t, "K": k, "V": v}
         for plan in plans:
             if plan in limits and not limits[plan](n, t, k, v):
