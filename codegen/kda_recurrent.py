@@ -60,7 +60,8 @@ from . import launch
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "check_out", "check_inputs",
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "registers_model_row",
+    "REGISTERS_MODEL", "hbm_bytes", "check_out", "check_inputs",
     "check_shapes",
     "input_rows", "inputs_rows", "row_groups",
     "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
@@ -138,7 +139,8 @@ def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int) -> d
 #             (512, 16, 8) 1.22, (256, 8, 4) 1.47; 16384-element tiles at 4 warps spill (20-30 ms)
 #   streamed  K=16384, V=128, N=4, T=16:   (1024, 8, 8) 0.817, (1024, 8, 4) 0.949, (512, 8, 8) 1.04
 # num_stages made no difference (the loads are pipelined by hand). BLOCK_V 8 was best or within
-# 3% everywhere: the most programs, and a token's latency barely grows with the tile.
+# 3% at these shapes (few programs); past one wave of programs wider blocks win (REGISTERS_MODEL,
+# which orders the configs when N and T are known; this table is the order without them).
 # The "cuda" rows (other GPUs) take the same configs, NOT MEASURED. K <= 64: NOT MEASURED.
 _REGS_TABLE = {  # K_pad -> registers configs (BLOCK_V, num_warps), best first
     4: [(8, 1), (16, 1)], 8: [(8, 1), (16, 1)], 16: [(8, 1), (16, 1)], 32: [(8, 1), (16, 1)],
@@ -150,6 +152,119 @@ _REGS_TABLE = {  # K_pad -> registers configs (BLOCK_V, num_warps), best first
     2048: [(8, 8)],  # 16384 elements: a second candidate only, NOT MEASURED
 }
 _STREAMED = [(1024, 8, 8), (512, 8, 8), (512, 16, 8)]  # (BLOCK_K, BLOCK_V, num_warps), best first
+
+#: The registers variant's device time per launch config, for the shape at hand: ``K_pad ->
+#: {(BLOCK_V, num_warps): (resident programs per SM, fixed µs, µs per token)}``, the time being
+#: ``fixed + T · per_token · max(1, N · cdiv(V, BLOCK_V) / (resident · SMs))`` (``patterns/kda_plans``' estimate):
+#: the programs run in waves of a few per SM, each walking the T tokens. MEASURED on the H100
+#: (torch 2.11 / Triton 3.6, 2026-11-24; bf16 inputs, g float32, the final state returned;
+#: ``benchmarks/kda_recurrent_configs.py``, ``benchmarks/results/kda_recurrent_configs.md``):
+#: 1218 device times at N ∈ {2, 16}, T ∈ {8, 64, 256}, V ∈ {128 … 16384}, K ∈ {64 … 1024}, the
+#: fit within 2-9% (median) and 8-19% (worst) per config. Configs with more than 128 state elements
+#: a thread were not tried (they spill: K=256, BLOCK_V 32, 1 warp ran 1055 µs where 4 warps took 47);
+#: K=512, BLOCK_V 16, 2 warps spills and is left out. :func:`candidate_configs` orders the registers
+#: configs by this model when N is known: against BLOCK_V 8 everywhere (the table above) the
+#: pick is 1.10x faster at the median, up to 1.77x (K=64, V=8192, N=16, T=64: 296 -> 167 µs, BLOCK_V 64,
+#: 1 warp), never more than 8% slower than the measured fastest. The "cuda" kind (other GPUs) uses
+#: it with its own SM count, NOT MEASURED; K_pad below 64 keeps :data:`_REGS_TABLE`'s order, NOT MEASURED.
+REGISTERS_MODEL = {
+    64: {
+        (8, 1): (7.03, 2.42, 0.282),
+        (8, 2): (5.81, 2.4, 0.361),
+        (8, 4): (3.28, 2.55, 0.367),
+        (8, 8): (2.46, 2.35, 0.426),
+        (16, 1): (5.81, 2.57, 0.379),
+        (16, 2): (4.8, 2.39, 0.407),
+        (16, 4): (2.71, 2.64, 0.488),
+        (16, 8): (1.85, 2.46, 0.473),
+        (32, 1): (4.8, 3.01, 0.568),
+        (32, 2): (3.28, 2.83, 0.481),
+        (32, 4): (1.85, 2.53, 0.534),
+        (32, 8): (1.39, 2.6, 0.603),
+        (64, 1): (3.97, 3.29, 0.721),
+        (64, 2): (2.46, 3, 0.579),
+        (64, 4): (1.39, 2.9, 0.87),
+        (64, 8): (1.26, 2.94, 0.846),
+    },
+    128: {
+        (8, 1): (4.8, 2.84, 0.373),
+        (8, 2): (4.8, 2.71, 0.431),
+        (8, 4): (3.6, 2.71, 0.448),
+        (8, 8): (2.24, 2.54, 0.531),
+        (16, 1): (4.8, 2.92, 0.622),
+        (16, 2): (3.28, 2.64, 0.459),
+        (16, 4): (2.71, 2.59, 0.468),
+        (16, 8): (1.68, 2.61, 0.67),
+        (32, 1): (5.28, 3.06, 1.53),
+        (32, 2): (2.46, 3.17, 0.659),
+        (32, 4): (2.04, 2.64, 0.568),
+        (32, 8): (1.39, 2.93, 0.96),
+        (64, 2): (2.46, 4.06, 1.5),
+        (64, 4): (1.39, 3.28, 0.757),
+        (64, 8): (0.949, 3.52, 1.48),
+    },
+    256: {
+        (8, 1): (4.36, 4.62, 0.625),
+        (8, 2): (3.6, 4.52, 0.571),
+        (8, 4): (2.98, 4.4, 0.539),
+        (8, 8): (2.24, 4.43, 0.667),
+        (16, 1): (2.98, 5.49, 1.81),
+        (16, 2): (2.24, 5.37, 0.664),
+        (16, 4): (2.04, 4.67, 0.57),
+        (16, 8): (1.53, 4.68, 0.611),
+        (32, 2): (2.71, 5.67, 2.1),
+        (32, 4): (1.26, 4.73, 0.736),
+        (32, 8): (1.26, 5, 0.864),
+        (64, 4): (1.15, 6.34, 1.54),
+        (64, 8): (0.863, 6.31, 1.1),
+    },
+    512: {
+        (8, 1): (3.6, 5, 1.93),
+        (8, 2): (2.46, 5.74, 0.809),
+        (8, 4): (1.53, 5.71, 0.537),
+        (8, 8): (1.53, 5.45, 0.641),
+        (16, 4): (1.26, 5.06, 0.783),
+        (16, 8): (1.15, 5.08, 0.768),
+        (32, 4): (1.26, 6.53, 1.77),
+        (32, 8): (0.863, 6.27, 1.24),
+    },
+    1024: {
+        (8, 2): (2.24, 7.25, 2.1),
+        (8, 4): (1.15, 6.02, 0.875),
+        (8, 8): (0.863, 6.21, 0.854),
+        (16, 4): (1.26, 6.83, 2.09),
+        (16, 8): (0.863, 6.45, 1.2),
+    },
+}
+
+
+def registers_model_row(k_pad: int, block_v: int, num_warps: int) -> tuple[float, float, float]:
+    """``(resident programs per SM, fixed µs, µs per token)`` of a registers config
+    (:data:`REGISTERS_MODEL`): K_pad clamped into the measured 64 … 1024; a config not measured
+    takes the measured row at that K_pad with the nearest BLOCK_V, then the nearest warps (an
+    estimate, NOT MEASURED for that config)."""
+    table = REGISTERS_MODEL[min(max(k_pad, 64), 1024)]
+    if (block_v, num_warps) in table:
+        return table[(block_v, num_warps)]
+    near = min(table, key=lambda c: (abs(math.log2(c[0] / block_v)), abs(math.log2(c[1] / num_warps))))
+    return table[near]
+
+
+@functools.lru_cache(maxsize=4096)
+def _registers_order(k_pad: int, v_dim: int, n_rows: int, sm_count: int) -> tuple:
+    """:data:`REGISTERS_MODEL`'s configs at ``k_pad`` (``BLOCK_V`` no wider than V's padded
+    size), fastest first by the time of a token (``per_token · waves``), then the fixed part.
+    Independent of T, so a new sequence length never changes the config (nor compiles a kernel);
+    over the measured shapes ordering by the whole time at the real T picked no better (regret
+    1.005 against 1.004)."""
+    v_pad = max(4, launch.next_power_of_2(v_dim))
+    cfgs = [c for c in REGISTERS_MODEL[k_pad] if c[0] <= max(8, v_pad)]
+
+    def key(c):
+        resident, fixed, token = REGISTERS_MODEL[k_pad][c]
+        return token * max(1.0, n_rows * -(-v_dim // c[0]) / (resident * sm_count)), fixed
+
+    return tuple(sorted(cfgs, key=key))
 
 
 def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
@@ -165,12 +280,15 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
         k_dim, v_dim: K and V.
         dtype: the inputs' dtype (unused by the current tables: the state is float32 either way).
         device: the tensors' device (``launch.device_kind``: interpreter, sm90, cuda).
-        n_rows: N, the value rows (batch × value heads), if known. The measured tables take the
-            smallest BLOCK_V (8: the most programs, ``N · cdiv(V, 8)``) whatever N, so it is
-            unused for now; kept for the planner's calls.
+        n_rows: N, the value rows (batch × value heads), if known. Then, on a GPU, at K_pad
+            64 … 1024, the registers configs are those of :data:`REGISTERS_MODEL` ordered by
+            their modelled time of a token at this N and V (how many programs ``N · cdiv(V,
+            BLOCK_V)`` run in how many waves decides BLOCK_V and the warps; not T: a new length
+            keeps the config); otherwise :data:`_REGS_TABLE`'s order (BLOCK_V 8: the most
+            programs). A new N may pick another config: one more kernel compiled, once.
 
     The registers variant comes first up to ``K_pad = REGISTERS_MAX_K`` (1024), the streamed one
-    above. sm90 rows measured on the H100 (see the table's comment); "cuda" rows are the same,
+    above. sm90 rows measured on the H100 (see the tables' comments); "cuda" rows are the same,
     not measured.
     """
     if k_dim < 1 or v_dim < 1:
@@ -190,7 +308,11 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
         return cands
 
     regs: list[dict] = []
-    for bv, warps in _REGS_TABLE.get(k_pad, []):
+    if n_rows and k_pad in REGISTERS_MODEL:
+        order = _registers_order(k_pad, int(v_dim), int(n_rows), launch.sm_count(device))
+    else:
+        order = _REGS_TABLE.get(k_pad, [])
+    for bv, warps in order:
         bv = min(bv, v_pad)
         cfg = _cfg("registers", k_pad, bv, warps, 1)
         if k_pad * bv <= REGISTER_TILE_MAX and cfg not in regs:

@@ -89,6 +89,28 @@ def _language_restored() -> Iterator[None]:
 _MISSING = object()
 
 
+def _patch_index_for_numpy(interpreter) -> Callable | None:
+    """Triton's interpreter (3.6 and before) reads a scalar kernel argument used as an index —
+    ``range(lo, hi)`` with ``hi`` an argument — as ``int(handle.data)``, a one-element NumPy
+    array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"; triton-lang/triton issue 9171, fixed upstream by squeezing first). Wrap the
+    interpreter's tensor patching so ``__index__`` squeezes first (what the fix does; a no-op
+    where Triton already does it). Returns the original function to restore, or None when this
+    Triton has no such function (nothing patched)."""
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fuser_squeezes_index", False):
+        return None
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        out = orig(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        return out
+
+    patch_lang_tensor._fuser_squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return orig
+
+
 @contextlib.contextmanager
 def interpreter_mode() -> Iterator[None]:
     """Run Triton's interpreter correctly whatever the import order.
@@ -109,13 +131,18 @@ def interpreter_mode() -> Iterator[None]:
     compile a kernel in this process (``'value' object has no attribute 'dtype'`` — the GPU
     path, and Inductor's analysis of the kernels it launches). So the language objects are
     snapshotted on entry and restored on exit.
+
+    Triton 3.6's interpreter with NumPy 2.4 fails every kernel whose loop bound is a scalar
+    argument (:func:`_patch_index_for_numpy`: patched here, restored on exit).
     """
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     with _interp_lock, _language_restored():
         old_env = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
+        patched_index = _patch_index_for_numpy(interpreter)
         swapped = []
         for mod in _triton_language_modules():
             for name, obj in list(vars(mod).items()):
@@ -130,6 +157,8 @@ def interpreter_mode() -> Iterator[None]:
         finally:
             for mod, name, obj in reversed(swapped):
                 setattr(mod, name, obj)
+            if patched_index is not None:
+                interpreter._patch_lang_tensor = patched_index
             if old_env is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:

@@ -8,8 +8,9 @@ Candidates (kernels in ``codegen/kda_recurrent.py`` and ``codegen/kda_chunk.py``
     whole sequence — in registers for small K, streamed through a float32 workspace for large K
     (two reads and a write of the block per token, mostly from L2). Reads every input once,
     writes o once; the T steps are a dependency chain. In registers its time is the larger of
-    its traffic and ``T`` token steps per wave of programs (:data:`RECURRENT_REGISTERS`,
-    measured): a few resident programs per SM, so ``N · cdiv(V, BLOCK_V)`` programs past that run
+    its traffic and ``T`` token steps per wave of programs (``codegen/kda_recurrent.REGISTERS_MODEL``,
+    measured per launch config, the config chosen for the shape): a few resident programs per SM,
+    so ``N · cdiv(V, BLOCK_V)`` programs past that run
     in waves (at T=8 and V=16384 there are thousands: the wave term, not the state write, is
     its time).
 ``fuser[chunk C=<C>]``
@@ -44,10 +45,12 @@ sweep of the three kernels' device times (H100, torch 2.11 / Triton 3.6, 2026-11
 replay, bf16 inputs, the final state returned, no h0: N ∈ {2, 16}, T ∈ {8, 16, 32, 64}, K ∈
 {64 … 1024} (chunk: ≤ 256), V ∈ {128, 1024, 8192, 16384}, 164 shapes;
 ``benchmarks/kda_plan_sweep.py``, ``benchmarks/results/kda_plan_sweep.md``): median errors
-4-5%; the recurrent kernel in registers within 15% everywhere, its streamed variant (K > 1024)
-up to 2x over (part of its state stays in L2; the parallel form is 7-13x faster there anyway),
-the parallel form within −19…+23%, the chunked one within −16…+11%. Over the sweep the pick is
-the measured fastest or within 5% of it at every shape. The rates before (0.5 µs a token for the
+4-5%; the recurrent kernel in registers within −17…+21% (measured again at its per-shape launch
+configs, ``codegen/kda_recurrent.REGISTERS_MODEL``: 1.09x faster than BLOCK_V 8 at the median
+shape of the sweep, up to 1.74x), its streamed variant (K > 1024) up to 2x over (part of its state
+stays in L2; the parallel form is 7-13x faster there anyway), the parallel form within −19…+23%,
+the chunked one within −16…+11%. Over the sweep the pick is the measured fastest or within 6% of
+it at every shape. The rates before (0.5 µs a token for the
 recurrent kernel) picked the recurrent kernel over the parallel form at short T with many value
 columns, up to 2.4x slower (K × V = 1024 × 1024, T = 8, N = 16: 150 against 47 µs; the blog's
 512 × 16384: 98 against 47 µs).
@@ -72,20 +75,6 @@ from .kda_ops import plan_string
 #: Shape symbols: N value heads (batch × heads), T steps, K key dim, V value dim.
 N, T, KD, VD = sympy.symbols("N T K V", positive=True, integer=True)
 
-#: The recurrent kernel in registers, per padded K (``K_pad``, the rows of
-#: ``codegen/kda_recurrent._REGS_TABLE``' defaults: BLOCK_V 8 and 1/2/1/4/8 warps at K_pad = 64 … 1024):
-#: ``(resident programs per SM, fixed µs, µs per token)``. Its time is
-#: ``fixed + T · per_token · max(1, programs / (resident · SMs))`` with ``programs = N · cdiv(V,
-#: BLOCK_V)``, or its traffic at the HBM rate if longer. MEASURED on the H100 (module docstring's
-#: sweep; the fit's worst error 12-15% per K); K_pad below 64 takes 64's row and above 1024 the
-#: 1024 row (NOT MEASURED: the default config streams the state there).
-RECURRENT_REGISTERS = {
-    64: (7.4, 2.4, 0.286),
-    128: (4.76, 2.5, 0.424),
-    256: (3.97, 3.7, 0.575),
-    512: (1.45, 4.5, 0.494),
-    1024: (0.73, 5.0, 0.722),
-}
 #: Latency of one chunk of the chunked form's sequential pass (three [C, K] x [K, BLOCK_V] dots
 #: and the state update), in microseconds: NOT MEASURED.
 CHUNK_US = 2.0
@@ -205,11 +194,13 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
-        cfg = kda_recurrent.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b))
+        cfg = kda_recurrent.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b),
+                                          n_rows=x[N])
         variant = cfg["VARIANT"]
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
-        resident, fixed_us, token_us = by_k_pad(RECURRENT_REGISTERS, x[KD])
+        resident, fixed_us, token_us = kda_recurrent.registers_model_row(cfg["BLOCK_K"], cfg["BLOCK_V"],
+                                                                         cfg["num_warps"])
         terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
                  "variant": variant, "chain_us": 0}
         if variant == "streamed":
@@ -296,8 +287,7 @@ def precision_note(m: Match, dots: str, requested: Optional[str], state_precisio
 
 
 def by_k_pad(table: dict, k_dim: int):
-    """The row of a measured table keyed by padded K (powers of two: :data:`RECURRENT_REGISTERS`,
-    :data:`CHUNK_PREP_US`) for key dim ``k_dim``: ``next_power_of_2(k_dim)`` clamped to the
+    """The row of a measured table keyed by padded K (powers of two: :data:`CHUNK_PREP_US`) for key dim ``k_dim``: ``next_power_of_2(k_dim)`` clamped to the
     table's smallest and largest keys."""
     return table[min(max(min(table), launch.next_power_of_2(int(k_dim))), max(table))]
 
@@ -437,4 +427,4 @@ def kernels_for(m: Match, plan: Candidate) -> list:
                                           out_dtype=b["out_dtype"]))
     from fuser.codegen import kda_recurrent
 
-    return list(kda_recurrent.kernels_for(**kw))
+    return list(kda_recurrent.kernels_for(**kw, n_rows=x[N]))

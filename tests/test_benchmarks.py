@@ -195,6 +195,34 @@ def test_kda_chunk_configs_needs_a_gpu_and_tries_blocks_within_k():
         assert all(c[0] <= 64 for c in kda_chunk_configs.grid(kernel, 64))
         assert len(kda_chunk_configs.grid(kernel, 128)) > len(kda_chunk_configs.grid(kernel, 64)) > 0
 
+def test_kda_recurrent_configs_fit_is_the_committed_model(tmp_path):
+    """benchmarks/kda_recurrent_configs.py: --measure needs a GPU (a clear error without one); its
+    grid stays under 128 state elements a thread; fitting the committed measurements
+    (results/kda_recurrent_configs.json) gives codegen/kda_recurrent.REGISTERS_MODEL (3 significant
+    digits), whose picks are within 8% of the measured fastest at every shape."""
+    r = subprocess.run([sys.executable, str(BENCH / "kda_recurrent_configs.py"), "--measure"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr
+    sys.path.insert(0, str(BENCH))
+    try:
+        import kda_recurrent_configs as krc
+    finally:
+        sys.path.remove(str(BENCH))
+    from fuser.codegen import kda_recurrent
+
+    for k in krc.KS:
+        k_pad = 1 << (k - 1).bit_length()
+        assert krc.configs(k) and all(k_pad * bv <= 128 * 32 * w for bv, w in krc.configs(k))
+    data = json.loads((BENCH / "results" / "kda_recurrent_configs.json").read_text())
+    model = krc.fit(data["rows"], 132)
+    got = {k_pad: {} for k_pad in kda_recurrent.REGISTERS_MODEL}
+    for (k_pad, bv, w), row in model.items():
+        got[k_pad][(bv, w)] = tuple(float(f"{x:.3g}") for x in row[:3])
+    assert got == kda_recurrent.REGISTERS_MODEL
+    picks = krc.picks(data["rows"], model, 132)
+    assert len(picks) >= 100 and max(p["regret"] for p in picks) < 1.1
+
+
 def test_overhead_smoke(tmp_path):
     """Every op in both modes: the default rows measured (host µs per call, checked against eager,
     fuser's op fused, its compile phases reported); the CUDA-graph rows skipped on the CPU."""

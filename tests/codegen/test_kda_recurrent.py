@@ -15,13 +15,10 @@ from _kernel_checks import check_kda_out_no_tokens
 from _kernel_checks import kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
-from _kernel_checks import kda_reference_rows as _reference
 import torch
-import torch.nn.functional as F
 
 from fuser.codegen import kda_recurrent as kr
 from fuser.codegen import launch
-from fuser.patterns.kda_reference import recurrent
 
 REGS = {"VARIANT": "registers"}
 STREAM16 = {"VARIANT": "streamed", "BLOCK_K": 16}   # K=24: two key tiles, the second ragged
@@ -209,10 +206,11 @@ def test_bad_inputs(change, match):
 
 def test_config_tables(monkeypatch):
     """GPU tables (sm90 / cuda, by device kind): registers first up to K_pad = 1024 with BLOCK_K = K's
-    padded size, the streamed variant first above; first choices keep tiles <= 8192 elements, every
-    candidate <= REGISTER_TILE_MAX; each candidate is accepted as an explicit config."""
+    padded size, the streamed variant first above; without N (the old table) first choices keep
+    tiles <= 8192 elements, every candidate <= REGISTER_TILE_MAX; each candidate is accepted as an
+    explicit config."""
     for kind in ("sm90", "cuda"):
-        monkeypatch.setattr(launch, "device_kind", lambda device, kind=kind: kind)
+        _as_gpu(monkeypatch, kind)
         for kd, vd, n in [(3, 5, 2), (64, 64, 4), (128, 128, 32), (100, 72, 8), (256, 256, 16), (512, 128, 8),
                           (1024, 128, 8), (1500, 128, 8), (8192, 128, 16), (16384, 256, 4), (16384, 64, None)]:
             cands = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n)
@@ -220,7 +218,7 @@ def test_config_tables(monkeypatch):
             k_pad = max(4, launch.next_power_of_2(kd))
             first = cands[0]
             assert first["VARIANT"] == ("registers" if k_pad <= kr.REGISTERS_MAX_K else "streamed"), (kd, first)
-            assert first["BLOCK_K"] * first["BLOCK_V"] <= 8192
+            assert first["BLOCK_K"] * first["BLOCK_V"] <= (8192 if n is None else kr.REGISTER_TILE_MAX)
             assert len({c["VARIANT"] for c in cands}) == (2 if k_pad <= 2048 else 1)
             for c in cands:
                 assert kr.choose_config(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", config=c) == c
@@ -235,6 +233,65 @@ def test_config_tables(monkeypatch):
         cfg = kr.choose_config(k_dim=100, v_dim=128, dtype=torch.bfloat16, device="cuda",
                                config={"VARIANT": "streamed"})
         assert cfg["VARIANT"] == "streamed" and cfg["BLOCK_K"] <= 128
+
+
+def _as_gpu(monkeypatch, kind="sm90", sms=132):
+    monkeypatch.setattr(launch, "device_kind", lambda device: kind)
+    monkeypatch.setattr(launch, "sm_count", lambda device: sms)
+
+
+@pytest.mark.parametrize("kd,vd,n,want", [
+    # the measured fastest (benchmarks/results/kda_recurrent_configs.md, device µs on the H100)
+    (64, 8192, 16, (64, 1)),    # 167 µs at T=64, BLOCK_V 8 (the old default): 296
+    (128, 16384, 2, (16, 1)),   # 126 µs at T=64, BLOCK_V 8 / 2 warps: 174
+    (128, 128, 2, (8, 1)),      # few programs: the smallest block, one warp
+    (256, 128, 2, (8, 4)),      # 34 µs at T=64, BLOCK_V 8 / 1 warp: 43
+    (200, 1000, 16, None),      # K, V not powers of two: whatever the model says, within its table
+])
+def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, want):
+    """On a GPU with N known, the registers configs are REGISTERS_MODEL's at K_pad ordered by a
+    token's modelled time at this N and V (then the fixed part): the measured fastest first at
+    shapes of the sweep; every candidate one the sweep measured, no wider than V; without N the
+    old table's order."""
+    _as_gpu(monkeypatch)
+    cands = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n)
+    k_pad = launch.next_power_of_2(kd)
+    regs = [(c["BLOCK_V"], c["num_warps"]) for c in cands if c["VARIANT"] == "registers"]
+    assert cands[0]["VARIANT"] == "registers" and cands[0]["BLOCK_K"] == k_pad
+    if want is not None:
+        assert regs[0] == want, regs
+    assert set(regs) <= set(kr.REGISTERS_MODEL[k_pad])
+    assert all(bv <= max(8, launch.next_power_of_2(vd)) for bv, _ in regs)
+
+    def token_us(c):
+        resident, fixed, token = kr.REGISTERS_MODEL[k_pad][c]
+        return token * max(1.0, n * -(-vd // c[0]) / (resident * 132)), fixed
+
+    assert regs == sorted(regs, key=token_us)
+    assert kr.choose_config(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n) == cands[0]
+    old = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda")
+    assert (old[0]["BLOCK_V"], old[0]["num_warps"]) == (min(8, vd), kr._REGS_TABLE[k_pad][0][1])
+
+
+def test_registers_order_uses_the_devices_sm_count(monkeypatch):
+    """Waves depend on the SMs: K=64, V=1024, N=2 (256 programs at BLOCK_V 8) is one wave on 132
+    SMs (BLOCK_V 8 first) and several on 16 (a wider block first)."""
+    firsts = {}
+    for sms in (132, 16):
+        _as_gpu(monkeypatch, "cuda", sms)
+        c = kr.candidate_configs(k_dim=64, v_dim=1024, dtype=torch.bfloat16, device="cuda", n_rows=2)[0]
+        firsts[sms] = c["BLOCK_V"]
+    assert firsts[132] == 8 and firsts[16] > 8
+
+
+def test_registers_model_row():
+    """K_pad clamped into the measured 64 … 1024; an unmeasured config takes the nearest measured one."""
+    assert kr.registers_model_row(16, 8, 1) == kr.REGISTERS_MODEL[64][(8, 1)]
+    assert kr.registers_model_row(2048, 8, 8) == kr.REGISTERS_MODEL[1024][(8, 8)]
+    assert kr.registers_model_row(512, 16, 2) == kr.REGISTERS_MODEL[512][(16, 4)]  # spills: not in the table
+    assert (16, 2) not in kr.REGISTERS_MODEL[512]
+    for table in kr.REGISTERS_MODEL.values():
+        assert all(res > 0 and fixed > 0 and token > 0 for res, fixed, token in table.values())
 
 
 def test_hbm_bytes():
@@ -267,6 +324,15 @@ def test_gpu_bf16(config, scalar_gate):
                                    scalar_gate=scalar_gate)
     g = g.float()  # the gate kept in fp32, as models often do
     _check(q, k, v, g, beta, h0.float(), scale=128 ** -0.5, scalar_gate=scalar_gate, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kd,bv,warps", [(64, 64, 1), (100, 32, 4), (128, 16, 1), (256, 16, 4), (512, 32, 8)])
+def test_gpu_wide_value_blocks(kd, bv, warps):
+    """REGISTERS_MODEL's wide blocks at ragged V (not a multiple of BLOCK_V), raw keys, an h0."""
+    q, k, v, g, beta, h0 = _inputs(14, 2, 3, 40, kd, 3 * bv - 5, dtype=torch.bfloat16, device=GPU, h0=True)
+    _check(q, k, v, g, beta, h0, scale=kd ** -0.5,
+           config={"VARIANT": "registers", "BLOCK_V": bv, "num_warps": warps})
 
 
 @pytest.mark.gpu

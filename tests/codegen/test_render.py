@@ -95,3 +95,36 @@ def test_templates_share_one_macro_file():
                 copies.append(f"{path.name} copies macro {name} of {seen[definition]}")
             seen.setdefault(definition, path.name)
     assert not copies, copies
+
+
+def test_interpreter_runs_loop_bounds_given_as_arguments_with_numpy_2_4(monkeypatch):
+    """Triton 3.6's interpreter reads a scalar argument used as a loop bound as ``int(array of one
+    element)``, which NumPy 2.4 refuses (triton-lang/triton issue 9171; the GPU machine's torch
+    2.11 / Triton 3.6 / NumPy 2.4). That Triton is simulated here on top of this one; inside
+    ``interpreter_mode`` the attention kernel (its key loop bound is N_K) still runs and matches
+    SDPA, and the interpreter's function is put back on exit."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    newer = ti._patch_lang_tensor
+
+    def triton_3_6(tensor, scope):
+        newer(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(ti, "_patch_lang_tensor", triton_3_6)
+    try:
+        int(np.array([3]))
+        numpy_refuses = False
+    except TypeError:
+        numpy_refuses = True
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    o, _ = attention.forward(q, k, v, scale=0.25)
+    torch.testing.assert_close(o, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25),
+                               atol=1e-4, rtol=1e-4)
+    assert ti._patch_lang_tensor is triton_3_6
+    if numpy_refuses:  # the simulation is faithful: without the patch the same kernel fails
+        monkeypatch.setattr(launch, "_patch_index_for_numpy", lambda interpreter: None)
+        with pytest.raises(Exception, match="0-dimensional"):
+            attention.forward(q, k, v, scale=0.25)
