@@ -180,17 +180,25 @@ def test_kda_plan_sweep_rereads_a_measured_run(tmp_path):
 
 
 
+def _gpu_only_script(name: str, *args: str):
+    """Run ``benchmarks/<name>.py args`` with no GPU visible: it must refuse, naming the need;
+    then the script imported as a module (for its grids and fits)."""
+    import importlib
+
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr, r.stderr[-500:]
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 def test_kda_chunk_configs_needs_a_gpu_and_tries_blocks_within_k():
     """benchmarks/kda_chunk_configs.py measures on the GPU only (a clear error without one); its
     grids stay within the problem's K."""
-    r = subprocess.run([sys.executable, str(BENCH / "kda_chunk_configs.py"), "--dims", "64"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr
-    sys.path.insert(0, str(BENCH))
-    try:
-        import kda_chunk_configs
-    finally:
-        sys.path.remove(str(BENCH))
+    kda_chunk_configs = _gpu_only_script("kda_chunk_configs", "--dims", "64")
     for kernel in ("k1", "k2"):
         assert all(c[0] <= 64 for c in kda_chunk_configs.grid(kernel, 64))
         assert len(kda_chunk_configs.grid(kernel, 128)) > len(kda_chunk_configs.grid(kernel, 64)) > 0
@@ -200,14 +208,7 @@ def test_kda_recurrent_configs_fit_is_the_committed_model(tmp_path):
     grid stays under 128 state elements a thread; fitting the committed measurements
     (results/kda_recurrent_configs.json) gives codegen/kda_recurrent.REGISTERS_MODEL (3 significant
     digits), whose picks are within 8% of the measured fastest at every shape."""
-    r = subprocess.run([sys.executable, str(BENCH / "kda_recurrent_configs.py"), "--measure"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr
-    sys.path.insert(0, str(BENCH))
-    try:
-        import kda_recurrent_configs as krc
-    finally:
-        sys.path.remove(str(BENCH))
+    krc = _gpu_only_script("kda_recurrent_configs", "--measure")
     from fuser.codegen import kda_recurrent
 
     for k in krc.KS:

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from fuser.codegen import kda_chunk, launch
-from fuser.codegen import kda_recurrent as kr
 from fuser.patterns import kda_reference
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
