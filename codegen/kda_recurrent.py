@@ -140,7 +140,7 @@ def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int) -> d
 #   streamed  K=16384, V=128, N=4, T=16:   (1024, 8, 8) 0.817, (1024, 8, 4) 0.949, (512, 8, 8) 1.04
 # num_stages made no difference (the loads are pipelined by hand). BLOCK_V 8 was best or within
 # 3% at these shapes (few programs); past one wave of programs wider blocks win (REGISTERS_MODEL,
-# which orders the configs when N and T are known; this table is the order without them).
+# which orders the configs when N is known; this table is the order without it).
 # The "cuda" rows (other GPUs) take the same configs, NOT MEASURED. K <= 64: NOT MEASURED.
 _REGS_TABLE = {  # K_pad -> registers configs (BLOCK_V, num_warps), best first
     4: [(8, 1), (16, 1)], 8: [(8, 1), (16, 1)], 16: [(8, 1), (16, 1)], 32: [(8, 1), (16, 1)],

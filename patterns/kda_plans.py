@@ -287,8 +287,8 @@ def precision_note(m: Match, dots: str, requested: Optional[str], state_precisio
 
 
 def by_k_pad(table: dict, k_dim: int):
-    """The row of a measured table keyed by padded K (powers of two: :data:`CHUNK_PREP_US`) for key dim ``k_dim``: ``next_power_of_2(k_dim)`` clamped to the
-    table's smallest and largest keys."""
+    """The row of a measured table keyed by padded K (powers of two: :data:`CHUNK_PREP_US`) for
+    key dim ``k_dim``: ``next_power_of_2(k_dim)`` clamped to the table's smallest and largest keys."""
     return table[min(max(min(table), launch.next_power_of_2(int(k_dim))), max(table))]
 
 
