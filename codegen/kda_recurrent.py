@@ -308,8 +308,8 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
         return cands
 
     regs: list[dict] = []
-    if n_rows and k_pad in REGISTERS_MODEL:
-        order = _registers_order(k_pad, int(v_dim), int(n_rows), launch.sm_count(device))
+    if isinstance(n_rows, int) and n_rows > 0 and k_pad in REGISTERS_MODEL:  # a SymInt: no guard on N
+        order = _registers_order(k_pad, int(v_dim), n_rows, launch.sm_count(device))
     else:
         order = _REGS_TABLE.get(k_pad, [])
     for bv, warps in order:
