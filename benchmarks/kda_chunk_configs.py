@@ -9,9 +9,9 @@ Measurement (GPU only): ``kda_chunk.forward`` on ``[B·H, T, K]`` inputs (bf16 q
 l2-normalised, v, beta = sigmoid; g = −softplus(randn) in fp32; the final state returned), each
 config three calls captured in one CUDA graph, the replay timed by CUDA events (median of five;
 ``kda_plan_sweep.device_us``): device µs per call of both kernels, no host time. One kernel's keys
-vary at a time from the table's first row that fits in shared memory (``kda_chunk.candidate_configs``:
-what a call runs), so a row's time differs from the default's by that kernel alone. Every config's o and final state are compared
-with the default config's (``err``: the larger relative difference; a config computing something
+vary at a time from the table's first row that fits in shared memory
+(``kda_chunk.candidate_configs``: what a call runs), so a row's time differs from the default's by
+that kernel alone. Every config's o and final state are compared with the default config's (``err``: the larger relative difference; a config computing something
 else reads WRONG above 1e-4). A config that does not fit in shared memory is reported so; a config
 that faults (an illegal memory access loses the CUDA context) is reported as ``fault``: every part
 runs in a worker process, restarted after a fault past the configs it has done (that is how
