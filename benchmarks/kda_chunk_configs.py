@@ -11,8 +11,9 @@ config three calls captured in one CUDA graph, the replay timed by CUDA events (
 ``kda_plan_sweep.device_us``): device µs per call of both kernels, no host time. One kernel's keys
 vary at a time from the table's first row that fits in shared memory
 (``kda_chunk.candidate_configs``: what a call runs), so a row's time differs from the default's by
-that kernel alone. Every config's o and final state are compared with the default config's (``err``: the larger relative difference; a config computing something
-else reads WRONG above 1e-4). A config that does not fit in shared memory is reported so; a config
+that kernel alone. Every config's o and final state are compared with the default config's
+(``err``: the larger relative difference; a config computing something else reads WRONG above
+1e-4). A config that does not fit in shared memory is reported so; a config
 that faults (an illegal memory access loses the CUDA context) is reported as ``fault``: every part
 runs in a worker process, restarted after a fault past the configs it has done (that is how
 ``kda_chunk.faulting_config``'s list was found; the configs it now refuses are reported as
