@@ -130,9 +130,10 @@ def measure(ks, budget_s: float) -> list[dict]:
 
 
 def _model_us(params, n: int, t: int, v: int, bv: int, sms: int) -> float:
-    resident, fixed, token = params
-    programs = n * -(-v // bv)
-    return fixed + t * token * max(1.0, programs / (resident * sms))
+    """``fixed + T · token step`` (``kda_recurrent.registers_token_us``: the codegen's formula)."""
+    from fuser.codegen import kda_recurrent
+
+    return params[1] + t * kda_recurrent.registers_token_us(params, block_v=bv, n_rows=n, v_dim=v, sm_count=sms)
 
 
 def fit(rows: list[dict], sms: int) -> dict:
@@ -175,6 +176,8 @@ def fit(rows: list[dict], sms: int) -> dict:
 def picks(rows: list[dict], model: dict, sms: int) -> list[dict]:
     """Per shape: measured fastest, the model's pick, regret, and the old default (BLOCK_V 8 and the
     old table's warps: 1/2/1/4/8 at K_pad 64 … 1024)."""
+    from fuser.codegen import kda_recurrent
+
     old_warps = {64: 1, 128: 2, 256: 1, 512: 4, 1024: 8}
     by_shape: dict = {}
     for r in rows:
@@ -185,8 +188,8 @@ def picks(rows: list[dict], model: dict, sms: int) -> list[dict]:
         k_pad = 1 << max(2, (k - 1).bit_length())
         est = {c: _model_us(model[(k_pad, *c)][:3], n, t, v, c[0], sms) for c in times if (k_pad, *c) in model}
         # the codegen's order (kda_recurrent._registers_order): a token's time, then the fixed part
-        order = {c: (_model_us((model[(k_pad, *c)][0], 0.0, model[(k_pad, *c)][2]), n, 1, v, c[0], sms),
-                     model[(k_pad, *c)][1]) for c in est}
+        order = {c: (kda_recurrent.registers_token_us(model[(k_pad, *c)][:3], block_v=c[0], n_rows=n, v_dim=v,
+                                                      sm_count=sms), model[(k_pad, *c)][1]) for c in est}
         fastest = min(times, key=times.get)
         pick = min(order, key=order.get) if order else None
         old = times.get((8, old_warps.get(k_pad, 1)))

@@ -60,7 +60,7 @@ from . import launch
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "registers_model_row",
+    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "registers_model_row", "registers_token_us",
     "REGISTERS_MODEL", "hbm_bytes", "check_out", "check_inputs",
     "check_shapes",
     "input_rows", "inputs_rows", "row_groups",
@@ -250,6 +250,17 @@ def registers_model_row(k_pad: int, block_v: int, num_warps: int) -> tuple[float
     return table[near]
 
 
+def registers_token_us(row: tuple[float, float, float], *, block_v: int, n_rows: int, v_dim: int,
+                       sm_count: int) -> float:
+    """Modelled µs of one token step of a registers config whose :data:`REGISTERS_MODEL` row is
+    ``row`` (resident programs per SM, fixed µs, µs per token): ``per_token · max(1, N · cdiv(V,
+    BLOCK_V) / (resident · SMs))``, the programs running in waves. A call takes ``fixed + T ·``
+    this; the configs are ordered by it (``benchmarks/kda_recurrent_configs.py`` fits and checks
+    the rows with the same formula)."""
+    resident, _, token = row
+    return token * max(1.0, n_rows * -(-v_dim // block_v) / (resident * sm_count))
+
+
 @functools.lru_cache(maxsize=4096)
 def _registers_order(k_pad: int, v_dim: int, n_rows: int, sm_count: int) -> tuple:
     """:data:`REGISTERS_MODEL`'s configs at ``k_pad`` (``BLOCK_V`` no wider than V's padded
@@ -260,11 +271,9 @@ def _registers_order(k_pad: int, v_dim: int, n_rows: int, sm_count: int) -> tupl
     v_pad = max(4, launch.next_power_of_2(v_dim))
     cfgs = [c for c in REGISTERS_MODEL[k_pad] if c[0] <= max(8, v_pad)]
 
-    def key(c):
-        resident, fixed, token = REGISTERS_MODEL[k_pad][c]
-        return token * max(1.0, n_rows * -(-v_dim // c[0]) / (resident * sm_count)), fixed
-
-    return tuple(sorted(cfgs, key=key))
+    table = REGISTERS_MODEL[k_pad]
+    return tuple(sorted(cfgs, key=lambda c: (registers_token_us(table[c], block_v=c[0], n_rows=n_rows, v_dim=v_dim,
+                                                                sm_count=sm_count), table[c][1])))
 
 
 def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
