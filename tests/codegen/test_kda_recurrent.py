@@ -273,6 +273,21 @@ def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, wan
     assert (old[0]["BLOCK_V"], old[0]["num_warps"]) == (min(8, vd), kr._REGS_TABLE[k_pad][0][1])
 
 
+def test_a_symbolic_row_count_is_not_guarded_on(monkeypatch):
+    """The config order reads N only when it is a plain int: a symbolic N (dynamic batch) keeps the
+    table's order and adds no guard on N (the graph would otherwise recompile, or fail under
+    mark_dynamic, for another batch size)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    _as_gpu(monkeypatch)
+    env = ShapeEnv()
+    n = env.create_symintnode(env.create_symbol(16, torch._dynamo.source.ConstantSource("n")), hint=16)
+    cands = kr.candidate_configs(k_dim=64, v_dim=8192, dtype=torch.bfloat16, device="cuda", n_rows=n)
+    assert cands == kr.candidate_configs(k_dim=64, v_dim=8192, dtype=torch.bfloat16, device="cuda")
+    assert not env.guards
+    assert kr.candidate_configs(k_dim=64, v_dim=8192, dtype=torch.bfloat16, device="cuda", n_rows=16) != cands
+
+
 def test_registers_order_uses_the_devices_sm_count(monkeypatch):
     """Waves depend on the SMs: K=64, V=1024, N=2 (256 programs at BLOCK_V 8) is one wave on 132
     SMs (BLOCK_V 8 first) and several on 16 (a wider block first)."""
