@@ -285,20 +285,6 @@ def sharding_decline(match: Any, view: Any = None) -> Optional[str]:
     return None
 
 
-def _non_tensor_value(n: fx.Node) -> Any:
-    """The graph's own value of a size query (``x.size(d)``, ``sym_size``, arithmetic on
-    sizes): a node whose recorded value is a Python or symbolic scalar, or a tuple of them (a
-    ``torch.Size``), or None for every other node (those are run). Such a node moves no data, so
-    it cannot need a collective, and its recorded value is what running it would give; taking it
-    also avoids running ``aten::size`` on a DTensor, which torch 2.11 cannot do under dynamic
-    shapes (``RuntimeError: could not look up op for aten::size``)."""
-    v = val(n)
-    scalars = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-    if isinstance(v, scalars) or (isinstance(v, tuple) and v and all(isinstance(x, scalars) for x in v)):
-        return v
-    return None
-
-
 def _first_line(exc: BaseException, limit: int = 240) -> str:
     """``Type: first line of the message`` of ``exc``, cut at ``limit`` characters."""
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -332,10 +318,6 @@ def _collectives(nodes: list, values: dict, region: frozenset) -> dict:
             for n in nodes:
                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
                     env[n] = None
-                    continue
-                known = _non_tensor_value(n)
-                if known is not None:
-                    env[n] = known
                     continue
                 args = fx.node.map_arg(n.args, load)
                 kwargs = fx.node.map_arg(n.kwargs, load)

@@ -182,34 +182,6 @@ def test_attention_estimates_are_the_local_shards_and_explain_says_so(mesh):
     assert "an uneven split is planned on its largest shard" in m.sharding
 
 
-def test_size_queries_are_not_run_on_dtensors(mesh):
-    """The check that a region is local to the shards takes a size query's value from the graph
-    instead of running it: torch 2.11's DTensor has no rule for ``aten::size`` under dynamic
-    shapes (``RuntimeError: could not look up op for aten::size``), which declined every
-    dynamic-size region on DTensors there. A size moves no data, so it needs no collective."""
-    import operator
-
-    import torch.fx as fx
-
-    def no_size_rule(x, dim):  # what torch 2.11 does with x.size(dim) on a DTensor, dynamic shapes
-        raise RuntimeError("could not look up op for aten::size")
-
-    x = _sharded(torch.randn(2, 4, 6, 8), mesh, 1)
-    g = fx.Graph()
-    p = g.placeholder("x")
-    p.meta["example_value"] = x
-    size = g.call_function(no_size_rule, (p, 2))
-    size.meta["example_value"] = 6
-    prod = g.call_function(operator.mul, (size, 8))  # arithmetic on a size: not run either
-    prod.meta["example_value"] = 48
-    flat = g.call_method("reshape", (p, 2, 4, prod))  # the sizes feed a tensor op, which runs
-    nodes = [size, prod, flat]
-    assert distributed._collectives(nodes, {p: x}, frozenset(nodes)) == {}
-    with pytest.raises(RuntimeError, match="aten::size"):  # a node with no recorded value is run
-        del size.meta["example_value"]
-        distributed._collectives(nodes, {p: x}, frozenset(nodes))
-
-
 def test_a_fused_op_that_would_gather_is_declined(mesh):
     """v sharded along its feature dim: the region computes it on each rank's shard, but the
     fused op's rule keeps only batch and heads sharded, so DTensor would gather v for it: left as
