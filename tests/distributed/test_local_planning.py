@@ -162,6 +162,10 @@ def test_kda_plan_is_chosen_on_the_local_heads(mesh):
     assert "the estimates are per rank" in m.sharding
 
 
+@pytest.mark.xfail(torch.__version__ < "2.13", strict=False,
+                   reason="torch 2.11 (seen on the GPU box, 2026-11-24): DTensor's matmul on symbolic sizes raises "
+                          "'could not look up op for aten::size', so the locality check cannot run and the region is "
+                          "declined with that reason in explain(); 2.12 not tried")
 def test_attention_estimates_are_the_local_shards_and_explain_says_so(mesh):
     """Uneven heads (5 over 2 ranks) with a dynamic sequence length: planned on the larger shard,
     3 heads, as the same attention on plain ``[7, 3, N, 8]`` tensors (``[3, N, 8]`` where the heads
