@@ -40,6 +40,17 @@ Kernel 2, ``templates/kda_chunk_scan.py.jinja``, grid ``(⌈V / BLOCK_V⌉, N)``
 Kernel 1 does all the exponentials (about ``4·C·K`` per chunk), so kernel 2 is dots and loads
 only (one ``e^{G_C}`` vector per chunk).
 
+Tried and not kept (H100, torch 2.11 / Triton 3.6, 2026-11-24, B=1, T=4096, H=16, K=V, bf16
+inputs): the output path split off kernel 2 into a third kernel parallel over the chunks (kernel
+2 storing ``Δ`` and the states, carrying only ``W S → Δ → Kdᵀ Δ``; kernel 3 ``O = Qg S_c + A_qk
+Δ``). Nsight Compute had kernel 2 latency-bound (K=128: 4 warps per SM, 17% issue slots busy,
+stalls on global loads and CTA barriers), which made the output path's two dots and two loads
+per chunk look like a third of its chain. Measured, the split was slower everywhere but K=64:
+float32 dots K=64 0.479 → 0.443 ms, K=128 0.788 → 0.809-0.904 (best of 8 configs), K=256 1.66 →
+1.75-2.16 (2 stages now fit; still slower); bfloat16 dots K=128 0.408 → 0.410-0.612, K=256 0.638
+→ 0.681-0.837. The chain's own dots (``W S`` and ``Kdᵀ Δ``, three TF32 products each with
+float32 dots) set kernel 2's time, and the split adds the states' and ``Δ``'s round trip.
+
 Numerics of the decays (why nothing overflows):
 
 - ``e^{G_r − G_s}`` is never formed as ``e^{G_r} · e^{−G_s}`` over the chunk (``−G`` reaches
