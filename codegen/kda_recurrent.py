@@ -269,9 +269,8 @@ def _registers_order(k_pad: int, v_dim: int, n_rows: int, sm_count: int) -> tupl
     over the measured shapes ordering by the whole time at the real T picked no better (regret
     1.005 against 1.004)."""
     v_pad = max(4, launch.next_power_of_2(v_dim))
-    cfgs = [c for c in REGISTERS_MODEL[k_pad] if c[0] <= max(8, v_pad)]
-
     table = REGISTERS_MODEL[k_pad]
+    cfgs = [c for c in table if c[0] <= max(8, v_pad)]
     return tuple(sorted(cfgs, key=lambda c: (registers_token_us(table[c], block_v=c[0], n_rows=n_rows, v_dim=v_dim,
                                                                 sm_count=sm_count), table[c][1])))
 
