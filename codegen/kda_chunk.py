@@ -18,8 +18,9 @@ chunked (WY) form") derives the chunked form used here; the float64 oracles are
 
 Everything but the last line is independent of ``S0``, hence two kernels:
 
-Kernel 1, ``templates/kda_chunk_prep.py.jinja``, grid ``(chunks, N)``
-    Per chunk and value head, over K in blocks of ``BLOCK_K1``, sub-block by sub-block (16
+Kernel 1, grid ``(chunks, N)``, in two variants (config key ``"prep"``, :data:`PREP_TEMPLATES`;
+the table picks per device, K and dots' dtype). ``"pairs"``, ``templates/kda_chunk_prep.py.jinja``:
+    per chunk and value head, over K in blocks of ``BLOCK_K1``, sub-block by sub-block (16
     rows; only the right factors of the earlier sub-blocks stay live): ``G``; ``A_kk`` and
     ``A_qk`` as ``[16, 16]`` tiles (``DT`` dots, float32 accumulators; the decays below);
     ``Qg``, ``Kd``, ``G_C`` stored. Then the inverse ``X = (I + diag(β) A_kk)⁻¹`` block by block:
@@ -30,6 +31,17 @@ Kernel 1, ``templates/kda_chunk_prep.py.jinja``, grid ``(chunks, N)``
     is stored to the ``t_mat`` workspace and read back whole (after a CTA barrier), so that
     ``U = T V`` and ``W = T (K ∘ e^G)`` are ``[C, C] × [C, BLOCK]`` tensor-core dots (as ``[16,
     16]`` tile dots they spilled and cost 0.9 ms at K=128).
+``"strips"``, ``templates/kda_chunk_prep_strips.py.jinja`` (the float32-dots default on the H100)
+    first ``G`` per K block to a float32 scratch (``Gcum``, with ``G_C``, ``Qg``, ``Kd``); then per
+    16-row strip ``b`` (a runtime loop: two ``[16, C]`` accumulators live, no spills) ``A_kk`` and
+    ``A_qk`` of its rows against every column through the reference row ``16 b`` — two ``[16,
+    BLOCK_K1] × [BLOCK_K1, C]`` dots per K block, the decays as kda_bwd's prep has them (below) —
+    and its rows of ``X`` by block forward substitution against the rows already in a float32
+    scratch ``Xm``; then ``T``, ``W``, ``U`` as above. Measured (H100, Triton 3.6, B·H=16,
+    T=4096, bf16 inputs, kernel 1 alone at each variant's best config): float32 dots K=64 / 128 /
+    256 215 / 392 / 699 µs against the pairs' ~265 / 443 / 821; bfloat16 dots K=128 279 against
+    227 (the pairs variant's unrolled sub-blocks keep more independent work in flight, which the
+    strips' serial K loop per strip lacks), so bf16 keeps the pairs.
 Kernel 2, ``templates/kda_chunk_scan.py.jinja``, grid ``(⌈V / BLOCK_V⌉, N)``
     Sequential over the chunks, the state tile ``[K, BLOCK_V]`` in float32 registers (as
     ``⌈K / BLOCK_K⌉`` tiles): ``Δ = U − W S``, ``O = Qg S + Aqk Δ``,
@@ -71,7 +83,13 @@ Numerics of the decays (why nothing overflows):
   differences ``[16, 16, 16]`` per K slice with exponent ``−∞`` above the diagonal before the
   exponential (16× the exponentials, only for such sub-blocks; the pairwise differences inside a
   sub-block need only its own cumulative sum).
-- Scalar gate: the decay is a ``[16, 16]`` matrix per tile pair, pairwise (``e^{G_r − G_s}``,
+- The strips variant: strip ``b``'s rows ``r`` and the columns ``s`` go through the reference
+  row ``ref = 16 b``, ``e^{G_r − G_s} = e^{G_r − G_ref} · e^{G_ref − G_s}``: both ``≤ 1`` for the
+  columns before the strip (``g ≤ 0``); on the strip's own diagonal sub-block the second factor is
+  clamped at ``e^{30}`` with the same exactness condition and the same pairwise recomputation
+  (one column per step on ``[16, BLOCK_K1]`` tiles) as above; columns after the strip are 0
+  (exponent ``−∞``). Scalar gates take the same path, their ``G`` one number per row.
+- Scalar gate (pairs variant): the decay is a ``[16, 16]`` matrix per tile pair, pairwise (``e^{G_r − G_s}``,
   ``−∞`` above the diagonal), multiplying ``K Kᵀ`` and ``Q Kᵀ`` computed without decay.
 - Positive gates: the same formulas; the factors then exceed 1 but stay finite while every
   partial sum of ``g`` inside a chunk stays below ~80 (the float32 exponent range with margin);
@@ -97,6 +115,8 @@ name       shape                   dtype  content
                                           layout; zero above the diagonal)
 ``g_last`` ``[N, n_chunks, K]``    fp32   ``G_C``, the chunk's summed gate per key channel
 ``states`` ``[N, n_chunks, K, V]`` fp32   the state before each chunk (``save_for_backward`` only)
+``gcum``   ``[N, T_pad, K]``       fp32   ``G`` (``[N, T_pad]`` with a scalar gate; strips variant only)
+``xm``     ``[N, T_pad, C]``       fp32   ``X = (I + diag(β) A_kk)⁻¹`` (strips variant only)
 =========  ======================  =====  =========================================================
 
 Precision: decays, ``A``, the solve and the state are float32; the dots of kernel 1's ``A``,
@@ -202,7 +222,10 @@ __all__ = [
     "GPU_FP32_PRECISION", "workspace_bytes", "hbm_bytes", "flops", "exps", "CHUNKS", "MAX_K",
 ]
 
-PREP_TEMPLATE = "kda_chunk_prep.py.jinja"
+#: Kernel 1's two variants (config key ``"prep"``; module docstring): ``[16, 16]`` tile pairs of the
+#: unrolled sub-blocks, or 16-row strips through a reference row.
+PREP_TEMPLATES = {"pairs": "kda_chunk_prep.py.jinja", "strips": "kda_chunk_prep_strips.py.jinja"}
+PREP_VARIANTS = tuple(PREP_TEMPLATES)
 SCAN_TEMPLATE = "kda_chunk_scan.py.jinja"
 
 #: The chunk lengths the kernels take (multiples of the 16-row sub-block).
@@ -232,20 +255,24 @@ def _check_chunk(chunk) -> int:
     return int(chunk)
 
 
-def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool, output_precision: str) -> RenderedKernel:
-    """Render kernel 1 (``templates/kda_chunk_prep.py.jinja``) for a chunk length, gate kind and
-    the ``input_precision`` of its output-path dot (``A_qk``; :data:`OUTPUT_PRECISIONS`, rendered
-    in: the name ends in ``_o<precision>``, so the variants coexist).
+def prep_kernel(*, chunk: int, scalar_gate: bool, interpret: bool, output_precision: str,
+                variant: str = "pairs") -> RenderedKernel:
+    """Render kernel 1 (:data:`PREP_TEMPLATES`: ``templates/kda_chunk_prep.py.jinja`` for
+    ``variant="pairs"``, ``templates/kda_chunk_prep_strips.py.jinja`` for ``"strips"``) for a
+    chunk length, gate kind and the ``input_precision`` of its output-path dot (``A_qk``;
+    :data:`OUTPUT_PRECISIONS`, rendered in: the name ends in ``_o<precision>``, so the variants
+    coexist; the strips variant's names start ``kda_chunk_prep_strips``).
 
     Raises:
         ValueError: ``chunk`` not in :data:`CHUNKS`, ``output_precision`` not in
-            :data:`OUTPUT_PRECISIONS`.
+            :data:`OUTPUT_PRECISIONS`, ``variant`` not in :data:`PREP_VARIANTS`.
     """
     chunk = _check_chunk(chunk)
     output_precision = _check_output_precision(output_precision)
-    name = (f"kda_chunk_prep_c{chunk}" + ("_scalar" if scalar_gate else "") + f"_o{output_precision}"
-            + ("_interp" if interpret else ""))
-    return render(PREP_TEMPLATE, name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret),
+    variant = _check_prep(variant)
+    name = (f"kda_chunk_prep{'_strips' if variant == 'strips' else ''}_c{chunk}" + ("_scalar" if scalar_gate else "")
+            + f"_o{output_precision}" + ("_interp" if interpret else ""))
+    return render(PREP_TEMPLATES[variant], name, chunk=chunk, scalar_gate=bool(scalar_gate), interpret=bool(interpret),
                   output_precision=output_precision, gate_floor=GATE_FLOOR)
 
 
@@ -268,8 +295,9 @@ def scan_kernel(*, chunk: int, k_blocks: int, interpret: bool, output_precision:
 
 
 @functools.lru_cache(maxsize=None)
-def _prep_module(chunk: int, scalar_gate: bool, interpret: bool, output_precision: str):
-    kernel = prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=output_precision)
+def _prep_module(chunk: int, scalar_gate: bool, interpret: bool, output_precision: str, variant: str = "pairs"):
+    kernel = prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=output_precision,
+                         variant=variant)
     return kernel, launch.kernel_module(kernel, interpret)
 
 
@@ -284,18 +312,26 @@ def _scan_module(chunk: int, k_blocks: int, interpret: bool, output_precision: s
 # --------------------------------------------------------------------------------------------
 
 
-def _cfg(bk, bv, w, s, bk1, bv1, w1, s1):
+def _cfg(bk, bv, w, s, bk1, bv1, w1, s1, prep="pairs"):
     return {"BLOCK_K": bk, "BLOCK_V": bv, "num_warps": w, "num_stages": s,
-            "BLOCK_K1": bk1, "BLOCK_V1": bv1, "num_warps1": w1, "num_stages1": s1}
+            "BLOCK_K1": bk1, "BLOCK_V1": bv1, "num_warps1": w1, "num_stages1": s1, "prep": prep}
+
+
+def _check_prep(variant) -> str:
+    if variant not in PREP_VARIANTS:
+        raise ValueError(f"prep (kernel 1's variant) must be one of {PREP_VARIANTS}, got {variant!r}")
+    return variant
 
 
 # Keys: BLOCK_K, BLOCK_V, num_warps, num_stages: kernel 2 (the state tile is K x BLOCK_V, held as
 # ceil(K / BLOCK_K) tiles [BLOCK_K, BLOCK_V]; the grid is N x ceil(V / BLOCK_V) programs, each
 # sequential over T); BLOCK_K1, BLOCK_V1, num_warps1, num_stages1: kernel 1 (K and V are looped
-# in blocks of BLOCK_K1 / BLOCK_V1; the pairwise diagonal tiles are [16, 16, BLOCK_K1]).
+# in blocks of BLOCK_K1 / BLOCK_V1; the pairwise diagonal tiles are [16, 16, BLOCK_K1]); prep: kernel
+# 1's variant (PREP_TEMPLATES).
 #
-# Interpreter: small blocks (several K blocks at test sizes).
-_INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
+# Interpreter: small blocks (several K blocks at test sizes); the GPU's float32 default variant first
+# (tests that cover both pass the config).
+_INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1, "strips"), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
 
 # GPUs. sm90 bf16, MEASURED on the H100 (2026-11-23, N=32, T=8192, K=V, chunk 64, Triton 3.6, softplus
 # gates). Kernel 2 (BLOCK_K 64) over BLOCK_V {64, 32, 16} x warps {4, 8} x stages {1, 2, 3}:
@@ -317,6 +353,12 @@ _INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1), _cfg(32, 16, 4, 1, 32, 16, 4, 1)]
 #   K=256: kernel 2 at two stages does not fit in shared memory (the previous first two rows were
 #          compiled and skipped at every first call); (128, 16, 4, 1 | 32, 32, 4, 1) 1674 µs, (64, 16,
 #          4, 1 | ...) 1727. Kernel 1's BLOCK_K1 16 at K=256: NOT MEASURED.
+# Kernel 1's strips variant (2026-11-25, same shapes and method but kernel 1 alone under do_bench,
+# scratch sweeps kept in the session note; the pairs variant's default in brackets): float32 dots
+# K=128 (64, 32, 4, 2) 392 µs [443], (32, 32, 4, 1) 402, (16, 32, 4, 1) 439 (139 registers, no
+# spills: the pairs variant's 255 registers and spills were not what cost it); K=64 (64, 64, 4, 1)
+# 215 [~265]; K=256 (64, 64, 4, 2) 699 [821]. bfloat16 dots: K=128 best (32, 64, 4, 1) 279 [227],
+# K=256 (64, 32, 4, 2) 477: the pairs variant stays the bf16 default.
 # Faults (illegal memory access; such configs are refused when given, :func:`faulting_config`):
 # kernel 1 at 8 warps, kernel 2 at 8 warps with BLOCK_V 16 (every 8-warp kernel 2 is refused: 20-30%
 # slower where it ran), kernel 2 at 3 stages with K=128.
@@ -331,15 +373,15 @@ _TABLE = {
                        _cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 16, 4, 3, 32, 64, 4, 2)],
     ("sm90", 256, 2): [_cfg(64, 32, 4, 2, 32, 64, 4, 2), _cfg(64, 32, 8, 2, 32, 64, 4, 2),
                        _cfg(64, 16, 4, 2, 32, 64, 4, 2)],
-    ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 16, 32, 4, 2), _cfg(64, 16, 4, 3, 32, 32, 4, 2),
+    ("sm90", 64, 4): [_cfg(64, 16, 4, 3, 64, 64, 4, 1, "strips"), _cfg(64, 16, 4, 3, 16, 32, 4, 2), _cfg(64, 16, 4, 3, 32, 32, 4, 2),
                       _cfg(64, 32, 4, 2, 32, 32, 4, 1)],
-    ("sm90", 128, 4): [_cfg(64, 16, 4, 2, 16, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 2),
+    ("sm90", 128, 4): [_cfg(64, 16, 4, 2, 64, 32, 4, 2, "strips"), _cfg(64, 16, 4, 2, 16, 32, 4, 2), _cfg(64, 32, 4, 2, 32, 32, 4, 2),
                        _cfg(64, 16, 4, 2, 32, 32, 4, 1)],
     # one stage first: with single-pass TF32 output-path dots the scan kernel stages its state
     # blocks in shared memory per pipeline stage, 317-352 KB at two stages for K=256 (compiled
     # for sm90; the H100 has 227 KB), 32 KB at one; launch.launch_first_fitting skips the last
     # row's two stages if they do not fit either
-    ("sm90", 256, 4): [_cfg(128, 16, 4, 1, 32, 32, 4, 1), _cfg(64, 16, 4, 1, 32, 32, 4, 1),
+    ("sm90", 256, 4): [_cfg(128, 16, 4, 1, 64, 64, 4, 2, "strips"), _cfg(128, 16, 4, 1, 32, 32, 4, 1), _cfg(64, 16, 4, 1, 32, 32, 4, 1),
                        _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
     ("cuda", 64, 2): [_cfg(64, 32, 4, 3, 32, 64, 4, 2), _cfg(32, 32, 4, 2, 32, 32, 4, 1)],
     ("cuda", 128, 2): [_cfg(64, 32, 4, 2, 32, 32, 4, 2), _cfg(32, 16, 4, 2, 16, 32, 4, 1)],
@@ -500,7 +542,7 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device) -> 
     size of the dots' dtype (:func:`workspace_dtype`; ``dtype`` is that or an input dtype).
     Blocks are shrunk to the problem's K and V. Keys: ``BLOCK_K``, ``BLOCK_V``, ``num_warps``,
     ``num_stages`` (kernel 2), ``BLOCK_K1``, ``BLOCK_V1``, ``num_warps1``, ``num_stages1``
-    (kernel 1).
+    (kernel 1), ``prep`` (kernel 1's variant, :data:`PREP_VARIANTS`).
 
     Raises:
         ValueError: ``k_dim`` outside 1..:data:`MAX_K` or ``v_dim < 1``.
@@ -536,6 +578,7 @@ def _check_config(cfg: dict) -> dict:
     for key in ("num_stages", "num_stages1"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ValueError(f"{key} must be an int >= 1, got {cfg[key]!r}")
+    _check_prep(cfg["prep"])
     return cfg
 
 
@@ -547,9 +590,14 @@ def faulting_config(cfg: dict, k_dim: int, dtype: torch.dtype, device) -> Option
     ``benchmarks/results/kda_chunk_configs.md``): kernel 1 at 8 warps (K = 64 and 128); kernel 2
     at 8 warps with BLOCK_V 16 (K = 64, 128, 256; at 8 warps it was 20-30% slower wherever it
     ran); kernel 2 at 3 pipeline stages with K = 128 (at K ≤ 64 the table's default runs 3). The
-    same configs with bfloat16 dots ran. Not root-caused: our masks and workspace bounds do not
-    depend on warps or stages."""
-    if dtype != torch.float32 or launch.device_kind(device) == "interpreter":
+    same configs with bfloat16 dots ran. With bfloat16 dots (2026-11-25, the same shape): kernel 1's
+    strips variant at BLOCK_K1 64 (K = 128, one stage; K = 256 ran). Not root-caused: our masks
+    and workspace bounds do not depend on warps, stages or blocks."""
+    if launch.device_kind(device) == "interpreter":
+        return None
+    if dtype != torch.float32:
+        if cfg["prep"] == "strips" and cfg["BLOCK_K1"] >= 64:
+            return "kernel 1's strips variant at BLOCK_K1 64 or more with bfloat16 dots"
         return None
     if cfg["num_warps1"] >= 8:
         return "kernel 1 at 8 or more warps (num_warps1)"
@@ -575,9 +623,10 @@ def _configs(config: Optional[dict], k_dim: int, v_dim: int, dtype: torch.dtype,
         cfg = _check_config({**cands[0], **config})
         why = faulting_config(cfg, k_dim, dtype, device)
         if why:
-            raise ValueError(f"KDA chunked forward: config {cfg} is refused with float32 dots: {why} made an "
-                             "illegal memory access on the H100 (Triton 3.6); use num_warps and num_warps1 <= 4 and, "
-                             "for K > 64, num_stages <= 2 (or dots='bfloat16')")
+            raise ValueError(f"KDA chunked forward: config {cfg} is refused: {why} made an illegal memory "
+                             "access on the H100 (Triton 3.6); with float32 dots use num_warps and num_warps1 <= 4 "
+                             "and, for K > 64, num_stages <= 2; with bfloat16 dots a strips kernel 1 needs "
+                             "BLOCK_K1 <= 32")
         return [cfg]
     return [_check_config(c) for c in cands]
 
@@ -602,7 +651,8 @@ def kernels_for(*, k_dim: int, v_dim: int, device, chunk: int = 64, scalar_gate:
     cfg = _configs(config, k_dim, v_dim, workspace_dtype(dots), device)[0]
     interpret = launch.interpreted(device)
     out_prec = resolve_output_precision(output_precision, dots=dots, out_dtype=out_dtype, interpret=interpret)
-    return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=out_prec),
+    return [prep_kernel(chunk=chunk, scalar_gate=scalar_gate, interpret=interpret, output_precision=out_prec,
+                        variant=cfg["prep"]),
             scan_kernel(chunk=chunk, k_blocks=_k_blocks(k_dim, cfg), interpret=interpret, output_precision=out_prec)]
 
 
@@ -619,14 +669,17 @@ def _chunks(t, chunk):
     return sympy.ceiling(sympy.sympify(t) / chunk)
 
 
-def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 4, save_for_backward: bool = False):
+def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 4, save_for_backward: bool = False,
+                    prep: str = "pairs", scalar_gate: bool = False):
     """Extra HBM :func:`forward` allocates beyond ``o`` and the final state, in bytes: the
     workspaces of the module docstring (``ws_bytes`` the size of the dots' dtype: 4, or 2 with
     ``dots="bfloat16"``;
-    ``states`` only with ``save_for_backward``)."""
+    ``states`` only with ``save_for_backward``; ``gcum`` and ``xm`` with ``prep="strips"``)."""
     nc = _chunks(t, chunk)
     tp = nc * chunk
     total = n * tp * (3 * k_dim + v_dim + 2 * chunk) * ws_bytes + n * nc * k_dim * 4
+    if _check_prep(prep) == "strips":
+        total += n * tp * ((1 if scalar_gate else k_dim) + chunk) * 4
     if save_for_backward:
         total += n * nc * k_dim * v_dim * 4
     return total
@@ -641,7 +694,9 @@ def hbm_bytes(*, n, nq, t, k_dim, v_dim, chunk: int = 64, in_bytes: int = 2, g_b
     Kernel 1 reads q, k (per value head: ``N`` rows; with grouped heads L2 usually serves the
     repeats — counted as ``N``), v, g, beta; reads k and g again (pass 2: W); writes qg, kd, w,
     u, a_qk, t_mat (``ws_bytes`` each; t_mat is read back once) and ``G_C``. Strong-gate
-    sub-blocks' diagonal recomputation (another read of their q, k, g) is not counted. Kernel 2 reads the workspaces once per V block
+    sub-blocks' diagonal recomputation (another read of their q, k, g) is not counted; nor are
+    the strips variant's float32 scratch (``G`` written once and read twice, ``X`` written and
+    read once per strip: a few percent, mostly served by L2). Kernel 2 reads the workspaces once per V block
     (counted once: the V blocks of a head run concurrently and share them in L2), writes o,
     reads/writes the states asked for. ``g_bytes``/``out_bytes`` default to ``in_bytes``.
     """
@@ -666,6 +721,9 @@ def flops(*, n, t, k_dim, v_dim, chunk: int = 64, path: str = "all"):
     ``Aqk Δ``), of the dots of ``path``: ``"all"``, ``"state"`` or ``"output"`` (module
     docstring, "Precision of the dots").
 
+    These are the pairs variant's; the strips variant computes each strip's ``[16, C]`` of
+    ``A_kk`` and ``A_qk`` whole (``2·C²·K`` each per chunk: 1.6× the pairs' at ``C = 64``), not
+    modelled: the cost model's estimate of kernel 1 stays the pairs'.
     Per chunk and head, with ``p = s(s+1)/2`` tile pairs (``s = C / 16``): the output path
     ``A_qk`` ``2·256·K·p``, ``Qg S`` ``2·C·K·V``, ``A_qk Δ`` ``2·C²·V``; the state path ``A_kk``
     ``2·256·K·p``, the solve ``2·16³`` per ``[16, 16]`` dot: 6 per diagonal tile and ``Σ_{j<i}
@@ -837,16 +895,20 @@ def forward(
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return _result(o, final, save_for_backward, states, ws, chunk)
     precision = input_precision(dots, interpret=interpret)
-    _, prep = _prep_module(chunk, bool(scalar_gate), interpret, out_prec)
     group = n // nq
     # the inputs' rows as at most two stride groups each: no copy ([B, H, T, *] views of FLA's layout included)
     ins, rows = inputs_rows(q, k, v, g, beta, bool(scalar_gate))
 
     def run(cfg):
+        _, prep = _prep_module(chunk, bool(scalar_gate), interpret, out_prec, cfg["prep"])
         _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret, out_prec)
+        # the strips variant's own float32 scratch: G (the cumulative gate), X = (I + diag(beta) A_kk)^-1
+        scratch = () if cfg["prep"] == "pairs" else (
+            launch.empty((n, tp) if scalar_gate else (n, tp, k_dim), torch.float32, device),
+            launch.empty((n, tp, chunk), torch.float32, device))
         with launch.launching(interpret):
             prep.launch_prep(*ins, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
-                             ws["t_mat"], group=group, scale=float(scale), config=cfg, input_precision=precision,
+                             ws["t_mat"], *scratch, group=group, scale=float(scale), config=cfg, input_precision=precision,
                              rows=rows)
             scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o_arg, initial_state,
                              final, states, config=cfg, input_precision=precision, o_rows=o_rows)

@@ -107,32 +107,40 @@ CASES = [
 ]
 
 
+# kernel 1's two variants, each forced through the config (the interpreter's default is the first)
+PREPS = pytest.mark.parametrize("prep", kda_chunk.PREP_VARIANTS)
+
+
+@PREPS
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_recurrence(case):
+def test_matches_recurrence(case, prep):
     _, nq, group, t, kd, vd, chunk, scalar, dtype = case
     q, k, v, g, beta, s0 = _inputs(CASES.index(case), nq, group, t, kd, vd, dtype=dtype, scalar_gate=scalar)
-    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=chunk)
+    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=chunk, config={"prep": prep})
 
 
+@PREPS
 @pytest.mark.parametrize("gate", ["strong", "mixed"])
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
-def test_strong_gates(gate, scalar):
+def test_strong_gates(gate, scalar, prep):
     # gates near -30 per token: e^{G} underflows within a chunk, e^{-G} would overflow; the pairwise
     # diagonal path (and, "mixed", the fast one in the same call) must give the recurrence's values
     q, k, v, g, beta, s0 = _inputs(3, 1, 2, 37, 24, 40, scalar_gate=scalar, gate=gate)
-    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=32)
+    _check(q, k, v, g, beta, s0, scalar_gate=scalar, chunk=32, config={"prep": prep})
 
 
-def test_slightly_positive_gates():
+@PREPS
+def test_slightly_positive_gates(prep):
     q, k, v, g, beta, s0 = _inputs(4, 1, 1, 37, 24, 40, gate="positive")
     assert (g > 0).any()
-    _check(q, k, v, g, beta, s0, chunk=64)
+    _check(q, k, v, g, beta, s0, chunk=64, config={"prep": prep})
 
 
+@PREPS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_raw_k(dtype):
+def test_raw_k(dtype, prep):
     q, k, v, g, beta, s0 = _inputs(5, 1, 1, 37, 24, 40, raw_k=True, dtype=dtype)
-    _check(q, k, v, g, beta, s0, chunk=16)
+    _check(q, k, v, g, beta, s0, chunk=16, config={"prep": prep})
 
 
 def test_no_states_and_config_blocks():
@@ -250,6 +258,8 @@ def test_bad_inputs():
         f(q, k, v, g, beta, scale=1.0, config={"BLOCK_V": 24})
     with pytest.raises(ValueError, match="unknown config keys"):
         f(q, k, v, g, beta, scale=1.0, config={"BLOCK_M": 16})
+    with pytest.raises(ValueError, match=r"prep \(kernel 1's variant\) must be one of \('pairs', 'strips'\)"):
+        f(q, k, v, g, beta, scale=1.0, config={"prep": "tiles"})
     big = torch.zeros(1, 5, 300)
     with pytest.raises(ValueError, match="1..256"):
         f(big, big, v, torch.zeros(2, 5, 300), beta, scale=1.0)
@@ -323,13 +333,17 @@ def test_configs_kernels_and_costs():
     cands = kda_chunk.candidate_configs(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU)
     assert cands and all(c["BLOCK_K"] <= 32 and c["BLOCK_V"] <= 64 for c in cands)
     ks = kda_chunk.kernels_for(k_dim=24, v_dim=40, device=CPU, chunk=64, scalar_gate=True)
-    assert [x.template for x in ks] == [kda_chunk.PREP_TEMPLATE, kda_chunk.SCAN_TEMPLATE]
+    assert [x.template for x in ks] == [kda_chunk.PREP_TEMPLATES["strips"], kda_chunk.SCAN_TEMPLATE]
+    ks = kda_chunk.kernels_for(k_dim=24, v_dim=40, device=CPU, chunk=64, config={"prep": "pairs"})
+    assert ks[0].template == kda_chunk.PREP_TEMPLATES["pairs"] and ks[0].name.startswith("kda_chunk_prep_c64_")
     assert "@triton.jit" in ks[0].source and ks[0].name.endswith("_interp")
     assert kda_chunk.workspace_dtype() == torch.float32 and kda_chunk.workspace_dtype("bfloat16") == torch.bfloat16
     kw = dict(n=4, t=100, k_dim=64, v_dim=32, chunk=32)
     assert kda_chunk.workspace_bytes(**kw) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 4 + 4 * 4 * 64 * 4
     assert kda_chunk.workspace_bytes(**kw, ws_bytes=2) == 4 * 128 * (3 * 64 + 32 + 2 * 32) * 2 + 4 * 4 * 64 * 4
     assert kda_chunk.workspace_bytes(**kw, save_for_backward=True) > kda_chunk.workspace_bytes(**kw)
+    assert (kda_chunk.workspace_bytes(**kw, prep="strips") - kda_chunk.workspace_bytes(**kw)
+            == 4 * 128 * (64 + 32) * 4)  # gcum [N, T_pad, K] + xm [N, T_pad, C], float32
     assert kda_chunk.hbm_bytes(nq=2, **kw) > 0 and kda_chunk.flops(**kw) > 0 and kda_chunk.exps(n=4, t=100, k_dim=64) > 0
     t = sympy.Symbol("T", positive=True, integer=True)
     expr = kda_chunk.flops(n=4, t=t, k_dim=64, v_dim=32, chunk=32)
@@ -352,6 +366,11 @@ def test_configs_that_faulted_are_refused_with_the_fix(monkeypatch):
         assert kda_chunk._configs(bad, k_dim, k_dim, torch.bfloat16, gpu)
         assert kda_chunk._configs(bad, k_dim, k_dim, f32, CPU)
     assert kda_chunk._configs({"num_stages": 3}, 64, 64, f32, gpu)  # K <= 64 runs 3 stages (the default)
+    # bfloat16 dots: the strips variant at BLOCK_K1 64 (K = 128 faulted); float32 dots run it
+    strips64 = {"prep": "strips", "BLOCK_K1": 64}
+    with pytest.raises(ValueError, match="illegal memory access.*strips kernel 1 needs BLOCK_K1 <= 32"):
+        kda_chunk._configs(strips64, 128, 128, torch.bfloat16, gpu)
+    assert kda_chunk._configs(strips64, 128, 128, f32, gpu) and kda_chunk._configs(strips64, 128, 128, torch.bfloat16, CPU)
     for (dev, bucket, size), cands in kda_chunk._TABLE.items():
         for c in cands:
             assert kda_chunk.faulting_config(c, bucket, torch.float32 if size == 4 else torch.bfloat16, gpu) is None
@@ -487,7 +506,7 @@ def test_output_precision_variants_coexist_and_differ_in_the_output_path_only():
         assert changed and len(x.source.splitlines()) == len(y.source.splitlines())
         for u, w in changed:  # the header comments and the output path's dots, nothing else
             assert "tf32x3" in w and w.replace("tf32x3", "tf32") == u
-            assert "#" in u or ('input_precision="tf32"' in u and ("a_qk_" in u or "o +=" in u))
+            assert "#" in u or ('input_precision="tf32"' in u and ("acc_qk +=" in u or "o +=" in u))
     # the same call twice renders nothing new
     assert [x.path for x in kernels("tf32")] == [x.path for x in a]
 
@@ -611,6 +630,20 @@ def test_float32_o_keeps_float32_class_output_dots_on_gpu(t, kd):
                                                         out_dtype=torch.float32, output_precision="tf32")
     assert fo_tf32 > 30 * fo and 1e-4 < fo_tf32 < 2e-3, (fo_tf32, fo)
     assert fs_tf32 <= 3 * es, (fs_tf32, es)  # the state path keeps tf32x3 (plain TF32 there: ~1e3x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dots", kda_chunk.DOTS)
+@pytest.mark.parametrize("prep", kda_chunk.PREP_VARIANTS)
+@pytest.mark.parametrize("gate", ["softplus", "strong"])
+def test_gpu_both_prep_variants(gate, prep, dots):
+    # each kernel 1 variant with each dots dtype (the table picks one per row), ragged T, K=V=128,
+    # grouped heads; strong gates take the pairwise diagonal recomputation
+    dev = torch.device("cuda")
+    q, k, v, g, beta, s0 = _inputs(12, 2, 2, 1000, 128, 128, dtype=torch.bfloat16, gate=gate, device=dev)
+    tol = 2e-2 if dots == "bfloat16" else None  # FLA's class: ~3e-3 measured
+    _check(q, k, v, g, beta, s0, chunk=64, chunked_ref=True, dots=dots, tol=tol,
+           config={"prep": prep, "BLOCK_K1": 32})
 
 
 @pytest.mark.gpu

@@ -360,7 +360,8 @@ def test_the_chunk_plans_dots_forced_show_in_explain_and_in_the_kernels(forced, 
     assert (plan.params["plan"], plan.params["dots"], plan.params["output_precision"]) == ("chunk", dots, precision)
     # the op gets what was forced (the default rule is applied when it runs)
     assert plan.params["plan_string"] == "plan=chunk;chunk=64" + (f";{forced.split('.')[1]}" if forced else "")
-    assert [k.name for k in ms[0].kernels] == [f"kda_chunk_prep_c64_o{precision}_interp",
+    # the interpreter's default config runs kernel 1's strips variant
+    assert [k.name for k in ms[0].kernels] == [f"kda_chunk_prep_strips_c64_o{precision}_interp",
                                                f"kda_chunk_scan_c64_kb2_o{precision}_interp"]
     # the output-path dots (A_qk; Qg S, A_qk D) render the precision in, the state path's take INPUT_PRECISION
     prep, scan = (k.source.splitlines() for k in ms[0].kernels)
@@ -369,8 +370,8 @@ def test_the_chunk_plans_dots_forced_show_in_explain_and_in_the_kernels(forced, 
         got = [ln for ln in lines if ln.strip().startswith(start) and "tl.dot(" in ln]
         assert got, start
         return got
-    output_path = dot_lines(prep, "a_qk_") + dot_lines(scan, "o +=")
-    state_path = (dot_lines(prep, "a_kk_") + dot_lines(prep, "w =") + dot_lines(prep, "u =") + dot_lines(scan, "d -=")
+    output_path = dot_lines(prep, "acc_qk +=") + dot_lines(scan, "o +=")
+    state_path = (dot_lines(prep, "acc_kk +=") + dot_lines(prep, "w =") + dot_lines(prep, "u =") + dot_lines(scan, "d -=")
                   + dot_lines(scan, "s0 ="))
     assert all(f'input_precision="{precision}"' in ln for ln in output_path)
     assert all("input_precision=INPUT_PRECISION" in ln for ln in state_path)
