@@ -243,6 +243,7 @@ def test_overhead_smoke(tmp_path):
         assert_measured(list(recs.values()))
         for r in recs.values():
             assert r["host_us"] > 0 and r["ms"] == pytest.approx(r["host_us"] / 1e3) and r["calls"] == 3
+            assert r["host_solo_us"] > 0  # the interleaved re-measurement replaced the one-at-a-time time
         f = recs["fuser"]
         assert f["fuser_compile_ms"] > 0 and f["inductor_compile_ms"] > 0
         if c["op"] == "empty":
