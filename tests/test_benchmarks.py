@@ -277,3 +277,12 @@ def test_compile_time_smoke(tmp_path):
     kernels = Path(cold["cache_dirs"]["FUSER_CACHE_DIR"]) / "kernels"
     assert any(kernels.glob("attention_fwd*.py"))  # the child wrote fuser's kernels there, not elsewhere
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
+
+
+def test_kda_prep_variants_needs_a_gpu():
+    """benchmarks/kda_prep_variants.py compares kernel 1's variants on the GPU only (a clear error
+    without one); the variants it forces are kda_chunk's."""
+    from fuser.codegen import kda_chunk
+
+    mod = _gpu_only_script("kda_prep_variants", "--dims", "64")
+    assert callable(mod.child) and set(kda_chunk.PREP_VARIANTS) == {"pairs", "strips"}
