@@ -353,8 +353,8 @@ _INTERP = [_cfg(16, 32, 4, 1, 16, 32, 4, 1, "strips"), _cfg(32, 16, 4, 1, 32, 16
 #   K=256: kernel 2 at two stages does not fit in shared memory (the previous first two rows were
 #          compiled and skipped at every first call); (128, 16, 4, 1 | 32, 32, 4, 1) 1674 µs, (64, 16,
 #          4, 1 | ...) 1727. Kernel 1's BLOCK_K1 16 at K=256: NOT MEASURED.
-# Kernel 1's strips variant (2026-11-25, same shapes and method but kernel 1 alone under do_bench,
-# scratch sweeps kept in the session note; the pairs variant's default in brackets): float32 dots
+# Kernel 1's strips variant (2026-11-25, same shapes but kernel 1 alone under do_bench; the sweep's
+# numbers are in benchmarks/results/kda.md, "Kernel 1 in strips"; the pairs variant's default in brackets): float32 dots
 # K=128 (64, 32, 4, 2) 392 µs [443], (32, 32, 4, 1) 402, (16, 32, 4, 1) 439 (139 registers, no
 # spills: the pairs variant's 255 registers and spills were not what cost it); K=64 (64, 64, 4, 1)
 # 215 [~265]; K=256 (64, 64, 4, 2) 699 [821]. bfloat16 dots: K=128 best (32, 64, 4, 1) 279 [227],
