@@ -153,7 +153,8 @@ def test_no_states_and_config_blocks():
     _check(q, k, v, g, beta, None, chunk=32, config=cfg, final=False)
 
 
-def test_strided_inputs_and_mixed_dtypes():
+@PREPS
+def test_strided_inputs_and_mixed_dtypes(prep):
     # every input a non-contiguous view; g and beta float32 next to float16 q, k, v; o in float32
     nq, group, t, kd, vd = 1, 2, 37, 24, 40
     n = nq * group
@@ -171,19 +172,20 @@ def test_strided_inputs_and_mixed_dtypes():
     s0s = torch.empty(n, vd, kd).transpose(1, 2)
     s0s.copy_(s0)
     assert not any(x.is_contiguous() for x in (qs, ks, vs, gs, bs, s0s))
-    o, s = _check(qs, ks, vs, gs, bs, s0s, chunk=16, out_dtype=torch.float32)
+    o, s = _check(qs, ks, vs, gs, bs, s0s, chunk=16, out_dtype=torch.float32, config={"prep": prep})
     o2, s2 = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True, chunk=16,
-                               out_dtype=torch.float32)
+                               out_dtype=torch.float32, config={"prep": prep})
     torch.testing.assert_close(o, o2, rtol=0, atol=0)
     torch.testing.assert_close(s, s2, rtol=0, atol=0)
 
 
-def test_save_for_backward():
+@PREPS
+def test_save_for_backward(prep):
     nq, group, t, kd, vd, chunk = 1, 2, 37, 24, 40, 16
     q, k, v, g, beta, s0 = _inputs(8, nq, group, t, kd, vd)
     with launch.poison_outputs():
         o, _, saved = kda_chunk.forward(q, k, v, g, beta, scale=kd ** -0.5, initial_state=s0, output_final_state=True,
-                                        chunk=chunk, save_for_backward=True)
+                                        chunk=chunk, save_for_backward=True, config={"prep": prep})
     n, nc, tp = nq * group, 3, 48
     assert saved["chunk"] == chunk
     shapes = {"states": (n, nc, kd, vd), "g_last": (n, nc, kd), "qg": (n, tp, kd), "kd": (n, tp, kd), "w": (n, tp, kd),
@@ -216,25 +218,29 @@ def test_save_for_backward():
     assert rel_err(o, _reference(q, k, v, g, beta, kd ** -0.5, s0, False)[0]) < 1e-4
 
 
-def test_short_and_empty_sequences():
+@PREPS
+def test_short_and_empty_sequences(prep):
     q, k, v, g, beta, s0 = _inputs(9, 1, 1, 1, 24, 40)
-    _check(q, k, v, g, beta, s0, chunk=16)
+    _check(q, k, v, g, beta, s0, chunk=16, config={"prep": prep})
     q, k, v, g, beta, s0 = _inputs(9, 1, 1, 0, 24, 40)
     o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.2, initial_state=s0, output_final_state=True)
     assert o.shape == (1, 0, 40) and torch.equal(s, s0)
 
 
+@PREPS
 @pytest.mark.parametrize("layout", ["bthf", "bhtf", "three"])
-def test_lead_dim_inputs(layout):
+def test_lead_dim_inputs(layout, prep):
     # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2: two stride groups, no copy), [B, H, T, *], a
     # three-group lead (copied); GQA (Hv = 2 Hq); T = 37 (chunks of 16, the last ragged) from t0 = 3
     # of a longer tensor; K = 12, V = 10
-    check_kda_lead_forward(kda_chunk.forward, layout, chunk=16, t=37)
+    check_kda_lead_forward(kda_chunk.forward, layout, chunk=16, t=37, config={"prep": prep})
 
 
-def test_lead_dim_inputs_scalar_gate_broadcast():
+@PREPS
+def test_lead_dim_inputs_scalar_gate_broadcast(prep):
     # scalar gate [B, H, T] and beta broadcast over the heads (stride 0), chunk 32
-    check_kda_lead_forward(kda_chunk.forward, "bthf", scalar_gate=True, broadcast=True, chunk=32, t=37)
+    check_kda_lead_forward(kda_chunk.forward, "bthf", scalar_gate=True, broadcast=True, chunk=32, t=37,
+                           config={"prep": prep})
 
 
 def test_bad_inputs():
@@ -290,8 +296,9 @@ def test_bad_out():
     check_kda_bad_out(kda_chunk.forward, q, k, v, g, beta, chunk=16)
 
 
+@PREPS
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
-def test_gates_are_floored_in_the_kernels(scalar):
+def test_gates_are_floored_in_the_kernels(scalar, prep):
     # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
     # way), no NaN from -inf - (-inf); the saved chunk sums G_C are those of the floored gates
     q, k, v, g, beta, s0 = _inputs(33, 2, 1, 37, 24, 20, scalar_gate=scalar)
@@ -300,7 +307,7 @@ def test_gates_are_floored_in_the_kernels(scalar):
     g[0, 33] = -250.0
     with launch.poison_outputs():
         o, s, saved = kda_chunk.forward(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True,
-                                        scalar_gate=scalar, chunk=16, save_for_backward=True)
+                                        scalar_gate=scalar, chunk=16, save_for_backward=True, config={"prep": prep})
     floored = g.clamp_min(kda_chunk.GATE_FLOOR)
     ro, rs = _reference(q, k, v, floored, beta, 0.5, s0, scalar)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -310,12 +317,14 @@ def test_gates_are_floored_in_the_kernels(scalar):
     torch.testing.assert_close(saved["g_last"].double(), want_gc.expand_as(saved["g_last"]), rtol=1e-5, atol=1e-3)
 
 
-def test_a_nan_gate_stays_nan():
+@PREPS
+def test_a_nan_gate_stays_nan(prep):
     # the floor keeps NaN (torch's clamp_min does; a maximum might return the floor): the row of the
     # NaN gate is NaN from its chunk on, the other row is untouched
     q, k, v, g, beta, s0 = _inputs(34, 2, 1, 37, 24, 20)
     g[1, 21, 3] = float("nan")
-    o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True, chunk=16)
+    o, s = kda_chunk.forward(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True, chunk=16,
+                             config={"prep": prep})
     ro, rs = _reference(q, k, v, g, beta, 0.5, s0, False)
     assert ro[1, 21:].isnan().all() and o[1, 21:].isnan().all() and s[1].isnan().any()
     assert rel_err(o[1, :16], ro[1, :16]) < 1e-4
