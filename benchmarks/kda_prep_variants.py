@@ -5,8 +5,8 @@ Usage (a CUDA GPU; each variant in its own process, since the launch-config choi
     python benchmarks/kda_prep_variants.py --dims 64 128 > "$OUT/kda_prep_variants.txt"
 
 For each K = V in ``--dims`` and each variant: ``torch.ops.fuser.kda`` on FLA's ``[B, T, H, K]``
-layout (B=1, T=4096, H=16, bf16 q/k/v/beta, float32 gate; q, k l2-normalised, g = -softplus(randn),
-beta = sigmoid(randn); the plan ``plan=chunk;chunk=64``, float32 dots), forward under no_grad and
+layout (B=1, T=4096, H=16; ``benchmarks/kda_plan_sweep.inputs``: bf16 q/k/v/beta, float32 gate, q, k
+l2-normalised, g = -softplus(randn), beta = sigmoid(randn)); the plan ``plan=chunk;chunk=64``, float32 dots), forward under no_grad and
 forward + backward (``torch.autograd.backward`` of o and the final state). Printed per row:
 ``wall us``: ``triton.testing.do_bench`` (median; host time included where the host is slower
 than the GPU), and the device time per call with its kernels (``torch.profiler``, CUDA activity,
@@ -22,10 +22,10 @@ import sys
 
 def child(prep: str, kd: int) -> None:
     import torch
-    import torch.nn.functional as F
     from triton.testing import do_bench
 
     from fuser.codegen import kda_chunk, launch
+    from kda_plan_sweep import inputs
     from fuser.patterns import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
 
     dev = torch.device("cuda")
@@ -34,13 +34,10 @@ def child(prep: str, kd: int) -> None:
     chosen = [c for c in rows if c["prep"] == prep]
     kda_chunk._TABLE[key] = [chosen[0] if chosen else dict(rows[0], prep=prep)]
     torch.manual_seed(0)
-    b, t, h = 1, 4096, 16
-    q = F.normalize(torch.randn(b, t, h, kd, device=dev), dim=-1).bfloat16().requires_grad_()
-    k = F.normalize(torch.randn(b, t, h, kd, device=dev), dim=-1).bfloat16().requires_grad_()
-    v = torch.randn(b, t, h, kd, device=dev).bfloat16().requires_grad_()
-    g = (-F.softplus(torch.randn(b, t, h, kd, device=dev))).requires_grad_()
-    beta = torch.randn(b, t, h, device=dev).sigmoid().bfloat16().requires_grad_()
-    do = torch.randn(b, t, h, kd, device=dev).bfloat16()
+    t, h = 4096, 16
+    # [T, H, *] from the sweep's generator, as [1, T, H, *] (FLA's layout, B = 1)
+    q, k, v, g, beta = (x.unsqueeze(0).requires_grad_() for x in inputs(t, h, kd, kd))
+    do = torch.randn_like(v)
 
     def op():
         return torch.ops.fuser.kda(q, k, v, g, beta, None, [1, 1, 1, 1, 1], 0, t, kd ** -0.5, False, 1, v.dtype,

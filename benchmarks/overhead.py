@@ -55,8 +55,9 @@ Measurement per (configuration, impl), by the driver in ``common.py`` and then h
   under ``mode="reduce-overhead"``, compiled five times in a row, read 67.5, 65.4, 67.8, 77.7,
   60.9 µs, and after resetting CUDA-graph trees and Dynamo between compiles 65, 68, 80, 102 µs,
   whichever backend compiled it (``fuser`` first: 65.2 µs) — an order effect larger than the
-  10 µs target. The one-impl-at-a-time median is kept as ``host_solo_us`` in the JSON. The host-visible cost of a call: when the host is slower than the GPU (the small-shape
-  case) this is the host path; when the GPU is slower it is the GPU time.
+  10 µs target. The one-impl-at-a-time median is kept as ``host_solo_us`` in the JSON. The
+  host-visible cost of a call: when the host is slower than the GPU (the small-shape case) this is
+  the host path; when the GPU is slower it is the GPU time.
 - ``device µs``: ``--device-calls`` (100) calls enqueued behind ``torch.cuda._sleep`` (long
   enough for the host to queue them all before the GPU reaches them), CUDA events around them:
   GPU time per call with no host gaps; median of ``--rounds``. It reads ``~`` when the host did
