@@ -123,8 +123,14 @@ TEMPLATE = "kda_bwd.py.jinja"
 #: The chunk sizes the kernels take (multiples of the 16-row sub-block; 64 keeps the [C, C]
 #: register tiles of kda_bwd_intra1 at 4K float32 elements).
 CHUNKS = (16, 32, 64)
-#: The keys :func:`backward`'s ``saved`` may hold.
-SAVED_KEYS = ("chunk_states",)
+#: The chunked forward's workspaces (``codegen/kda_chunk.forward(save_for_backward=True)``'s
+#: ``saved`` dict) that :func:`backward` reads instead of recomputing them (kda_bwd_prep then only
+#: computes its two dO terms): all of them or none.
+WORKSPACE_KEYS = ("qg", "kd", "w", "u", "a_qk", "a_kk", "xm", "gcum", "g_last")
+#: The keys :func:`backward`'s ``saved`` may hold: ``chunk_states`` (or the forward's name for
+#: them, ``states``), :data:`WORKSPACE_KEYS`, and the rest of the forward's dict (``chunk``, which
+#: must equal the backward's, and ``t_mat``, not read).
+SAVED_KEYS = ("chunk_states", "states", "chunk", "t_mat") + WORKSPACE_KEYS
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,12 +434,18 @@ def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gat
     if chunk not in CHUNKS:
         raise ValueError(f"chunk must be one of {CHUNKS} (a multiple of the 16-row sub-block), got {chunk!r}")
     n, t, kd, vd = dims[1], dims[2], dims[3], dims[4]
-    states = None
+    states = workspaces = None
     if saved is not None:
         unknown = set(saved) - set(SAVED_KEYS)
         if unknown:
             raise ValueError(f"saved may hold {SAVED_KEYS}, got unknown keys {sorted(unknown)}")
-        states = saved.get("chunk_states")
+        if saved.get("chunk", chunk) != chunk:
+            raise ValueError(f"saved comes from a forward with chunk={saved['chunk']}, the backward has chunk={chunk}: "
+                             f"pass the forward's chunk")
+        if saved.get("chunk_states") is not None and saved.get("states") is not None:
+            raise ValueError("saved holds both 'chunk_states' and 'states' (the same thing): pass one")
+        states = saved.get("chunk_states", saved.get("states"))
+        workspaces = _check_workspaces(saved, n, t, kd, vd, chunk, scalar_gate, q.device)
         if states is not None:
             want = (n, launch.cdiv(t, chunk), kd, vd)
             if tuple(states.shape) != want:
@@ -443,7 +455,38 @@ def _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gat
                 raise ValueError("saved['chunk_states'] must be a float tensor on q's device (float32 preferred)")
     if out is not None:
         _check_out(out, _grad_shapes(dims, scalar_gate), q.device)
-    return dims, states
+    return dims, states, workspaces
+
+
+def _check_workspaces(saved, n, t, kd, vd, chunk, scalar_gate, device) -> Optional[dict]:
+    """The forward's workspaces in ``saved`` (:data:`WORKSPACE_KEYS`, all or none), checked
+    against the shapes ``codegen/kda_chunk.forward`` gives them (``T_pad = cdiv(T, chunk) ·
+    chunk`` rows per head, contiguous, on ``device``; G, X, A_kk and G_C float32, the rest any
+    float dtype); None when ``saved`` holds none. ValueError naming the key and the fix."""
+    given = [key for key in WORKSPACE_KEYS if saved.get(key) is not None]
+    if not given:
+        return None
+    missing = [key for key in WORKSPACE_KEYS if key not in given]
+    if missing:
+        raise ValueError(f"saved holds some of the forward's workspaces but not {missing}: pass all of "
+                         f"{WORKSPACE_KEYS} (kda_chunk.forward(save_for_backward=True)'s dict) or none")
+    nc = launch.cdiv(t, chunk)
+    tp = nc * chunk
+    want = {"qg": (n, tp, kd), "kd": (n, tp, kd), "w": (n, tp, kd), "u": (n, tp, vd), "a_qk": (n, tp, chunk),
+            "a_kk": (n, tp, chunk), "xm": (n, tp, chunk), "gcum": (n, tp) if scalar_gate else (n, tp, kd),
+            "g_last": (n, nc, kd)}
+    for key, shape in want.items():
+        x = saved[key]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            raise ValueError(f"saved[{key!r}] must be a tensor of shape {shape} (kda_chunk.forward's workspace for "
+                             f"T={t}, chunk={chunk}), got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+        exact32 = key in ("a_kk", "xm", "gcum", "g_last")
+        if x.device != device or (x.dtype != torch.float32 if exact32 else x.dtype not in launch.DTYPES):
+            raise ValueError(f"saved[{key!r}] must be a {'float32' if exact32 else 'float'} tensor on {device}, got "
+                             f"{x.dtype} on {x.device}")
+        if not x.is_contiguous():
+            raise ValueError(f"saved[{key!r}] must be contiguous (as kda_chunk.forward allocates it)")
+    return {key: saved[key] for key in WORKSPACE_KEYS}
 
 
 #: The gradients :func:`backward` writes into its ``out=`` tuple, in that order.
@@ -558,7 +601,7 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             tensors of the gradients' shapes (or lead-dim forms), float dtypes and device, or
             one overlapping itself (:func:`_check_out`).
     """
-    dims, states_in = _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved,
+    dims, states_in, wsp = _check_inputs(q, k, v, g, beta, do, initial_state, d_final_state, scalar_gate, chunk, saved,
                                     out)
     nq, n, t, kd, vd, group = dims
     dev = q.device
@@ -586,16 +629,22 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
     ws = cfg["num_warps_state"]
     emp = launch.empty
 
-    gshape = (n, t) if scalar_gate else (n, t, kd)
-    g_c = emp(gshape, f32, dev)
-    e_g = emp((n, nc) if scalar_gate else (n, nc, kd), f32, dev)
-    a_kk, a_qk, m_inv, d_aqk, d_akk = (emp((n, t, bt), f32, dev) for _ in range(5))
+    tp = nc * bt  # scratch rows per head: T padded to whole chunks (the forward's workspace layout)
     sd = {"float32": f32, "bfloat16": torch.bfloat16}.get(cfg["scratch"])
     if sd is None:  # auto
         sd = f32 if all(x.dtype == f32 for x in (q, k, v, do)) else torch.bfloat16
-    w_b, k_g = (emp((n, t, kd), sd, dev) for _ in range(2))
-    # U, Δ, dΔ stay float32: Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
-    u_b, delta, d_delta = (emp((n, t, vd), f32, dev) for _ in range(3))
+    if wsp is None:
+        g_c = emp((n, tp) if scalar_gate else (n, tp, kd), f32, dev)
+        e_g = emp((n, nc) if scalar_gate else (n, nc, kd), f32, dev)
+        a_kk, a_qk, m_inv = (emp((n, tp, bt), f32, dev) for _ in range(3))
+        w_b, k_g = (emp((n, tp, kd), sd, dev) for _ in range(2))
+        # U stays float32 (as Δ, dΔ below): Δ = U − W S cancels, and bfloat16 U / Δ cost ~5e-3 in dq
+        u_b = emp((n, tp, vd), f32, dev)
+    else:  # the forward's: KG = Kd = k e^{γ − G}, M = X, e^γ from G_C
+        g_c, a_kk, a_qk, m_inv, w_b, k_g, u_b = (wsp[key] for key in ("gcum", "a_kk", "a_qk", "xm", "w", "kd", "u"))
+        e_g = torch.exp(wsp["g_last"][..., 0] if scalar_gate else wsp["g_last"])
+    d_aqk, d_akk = (emp((n, tp, bt), f32, dev) for _ in range(2))
+    delta, d_delta = (emp((n, tp, vd), f32, dev) for _ in range(2))
     d_states = emp((n, nc, kd, vd), sd, dev)
     r_q = emp((n, nc, kd, vd), sd, dev)   # QG^T dO per chunk (kda_bwd_prep for kda_bwd_dstates)
     states = states_in if states_in is not None else emp((n, nc, kd, vd), sd, dev)
@@ -631,10 +680,14 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
         c = kc[kern]
         return dict(BK=c["BLOCK_K"], BV=c["BLOCK_V"], num_warps=c["num_warps"], **common), c["num_stages"]
     with launch.launching(interpret):
-        _launch(mod.kda_bwd_prep, (nc, n), (
-            q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
-            *st(q, rw_q), *st(k, rw_k), *st(v, rw_v), *st(g, rw_g, 1 if scalar_gate else 2), *st(beta, rw_b, 1), *st(do, rw_do),
-            t, nc, group, float(scale)), *par("prep"))
+        if wsp is None:
+            _launch(mod.kda_bwd_prep, (nc, n), (
+                q, k, v, g, beta, do, g_c, a_kk, a_qk, m_inv, w_b, u_b, k_g, e_g, d_delta, r_q,
+                *st(q, rw_q), *st(k, rw_k), *st(v, rw_v), *st(g, rw_g, 1 if scalar_gate else 2), *st(beta, rw_b, 1),
+                *st(do, rw_do), t, nc, group, float(scale)), *par("prep"))
+        else:
+            _launch(mod.kda_bwd_prep_saved, (nc, n), (wsp["qg"], a_qk, do, d_delta, r_q, *st(do, rw_do), t, nc),
+                    *par("prep"))
         if cfg["fuse_sequential"] and states_in is None:
             # the two recurrences side by side in one launch (even programs S, odd ones dS')
             _launch(mod.kda_bwd_seq, (2 * nvs, n), (

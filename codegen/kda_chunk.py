@@ -115,8 +115,12 @@ name       shape                   dtype  content
                                           layout; zero above the diagonal)
 ``g_last`` ``[N, n_chunks, K]``    fp32   ``G_C``, the chunk's summed gate per key channel
 ``states`` ``[N, n_chunks, K, V]`` fp32   the state before each chunk (``save_for_backward`` only)
-``gcum``   ``[N, T_pad, K]``       fp32   ``G`` (``[N, T_pad]`` with a scalar gate; strips variant only)
-``xm``     ``[N, T_pad, C]``       fp32   ``X = (I + diag(β) A_kk)⁻¹`` (strips variant only)
+``gcum``   ``[N, T_pad, K]``       fp32   ``G`` (``[N, T_pad]`` with a scalar gate; strips variant, or
+                                          ``save_for_backward``)
+``xm``     ``[N, T_pad, C]``       fp32   ``X = (I + diag(β) A_kk)⁻¹`` (strips variant, or
+                                          ``save_for_backward``)
+``a_kk``   ``[N, T_pad, C]``       fp32   ``A_kk`` (zero on and above the diagonal;
+                                          ``save_for_backward`` only)
 =========  ======================  =====  =========================================================
 
 Precision: decays, ``A``, the solve and the state are float32; the dots of kernel 1's ``A``,
@@ -673,15 +677,17 @@ def workspace_bytes(*, n, t, k_dim, v_dim, chunk: int = 64, ws_bytes: int = 4, s
                     prep: str = "pairs", scalar_gate: bool = False):
     """Extra HBM :func:`forward` allocates beyond ``o`` and the final state, in bytes: the
     workspaces of the module docstring (``ws_bytes`` the size of the dots' dtype: 4, or 2 with
-    ``dots="bfloat16"``;
-    ``states`` only with ``save_for_backward``; ``gcum`` and ``xm`` with ``prep="strips"``)."""
+    ``dots="bfloat16"``; ``gcum`` and ``xm`` with ``prep="strips"`` or ``save_for_backward``;
+    ``states`` and ``a_kk`` only with ``save_for_backward``). With ``save_for_backward`` these
+    are what a backward keeps alive from the forward to the backward."""
     nc = _chunks(t, chunk)
     tp = nc * chunk
     total = n * tp * (3 * k_dim + v_dim + 2 * chunk) * ws_bytes + n * nc * k_dim * 4
-    if _check_prep(prep) == "strips":
-        total += n * tp * ((1 if scalar_gate else k_dim) + chunk) * 4
+    gk = 1 if scalar_gate else k_dim
     if save_for_backward:
-        total += n * nc * k_dim * v_dim * 4
+        total += n * nc * k_dim * v_dim * 4 + n * tp * (gk + 2 * chunk) * 4
+    elif _check_prep(prep) == "strips":
+        total += n * tp * (gk + chunk) * 4
     return total
 
 
@@ -859,7 +865,11 @@ def forward(
         float32, ``G_C`` (the chunk's summed gate; broadcast over K with a scalar gate);
         ``"qg"``, ``"kd"``, ``"w"`` ``[N, T_pad, K]``, ``"u"`` ``[N, T_pad, V]``, ``"a_qk"``,
         ``"t_mat"`` ``[N, T_pad, chunk]`` in the dots' dtype (:func:`workspace_dtype`), the workspaces of
-        the module docstring (``T_pad = n_chunks · chunk``, rows past T zero); ``"chunk"``.
+        the module docstring (``T_pad = n_chunks · chunk``, rows past T zero); float32 ``"gcum"``
+        (``G``, ``[N, T_pad, K]``, ``[N, T_pad]`` with a scalar gate), ``"xm"`` (``X = (I +
+        diag(β) A_kk)⁻¹``) and ``"a_kk"`` (``A_kk``, zero on and above the diagonal) ``[N, T_pad,
+        chunk]``; ``"chunk"``. :func:`fuser.codegen.kda_bwd.backward` takes this dict as its
+        ``saved`` and then recomputes none of it.
 
     Raises:
         ValueError: wrong ranks or shapes (messages name the expected shape), an unsupported
@@ -890,6 +900,11 @@ def forward(
         "t_mat": launch.empty((n, tp, chunk), dt, device),
         "g_last": launch.empty((n, nc, k_dim), torch.float32, device),
     }
+    if save_for_backward:
+        # what a backward reads instead of recomputing (codegen/kda_bwd.backward's saved=): G, X, A_kk
+        ws.update(gcum=launch.empty((n, tp) if scalar_gate else (n, tp, k_dim), torch.float32, device),
+                  xm=launch.empty((n, tp, chunk), torch.float32, device),
+                  a_kk=launch.empty((n, tp, chunk), torch.float32, device))
     if t == 0 or n == 0:
         if final is not None:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
@@ -902,14 +917,20 @@ def forward(
     def run(cfg):
         _, prep = _prep_module(chunk, bool(scalar_gate), interpret, out_prec, cfg["prep"])
         _, scan = _scan_module(chunk, _k_blocks(k_dim, cfg), interpret, out_prec)
-        # the strips variant's own float32 scratch: G (the cumulative gate), X = (I + diag(beta) A_kk)^-1
-        scratch = () if cfg["prep"] == "pairs" else (
-            launch.empty((n, tp) if scalar_gate else (n, tp, k_dim), torch.float32, device),
-            launch.empty((n, tp, chunk), torch.float32, device))
+        # the strips variant's own float32 scratch: G (the cumulative gate), X = (I + diag(beta) A_kk)^-1;
+        # with save_for_backward both variants write G, X and A_kk to the saved workspaces
+        if save_for_backward:
+            keep = (ws["gcum"], ws["xm"], ws["a_kk"])
+            scratch, extra = ((), {"save": keep}) if cfg["prep"] == "pairs" else (keep[:2], {"akk": keep[2]})
+        else:
+            extra = {}
+            scratch = () if cfg["prep"] == "pairs" else (
+                launch.empty((n, tp) if scalar_gate else (n, tp, k_dim), torch.float32, device),
+                launch.empty((n, tp, chunk), torch.float32, device))
         with launch.launching(interpret):
             prep.launch_prep(*ins, ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"],
                              ws["t_mat"], *scratch, group=group, scale=float(scale), config=cfg, input_precision=precision,
-                             rows=rows)
+                             rows=rows, **extra)
             scan.launch_scan(ws["qg"], ws["kd"], ws["w"], ws["u"], ws["a_qk"], ws["g_last"], o_arg, initial_state,
                              final, states, config=cfg, input_precision=precision, o_rows=o_rows)
 

@@ -14,7 +14,7 @@ from _kernel_checks import KDA_LEAD_LAYOUTS, kda_lead_inputs, kda_lead_layout, r
 import torch
 import torch.nn.functional as F
 
-from fuser.codegen import kda_bwd, kda_recurrent, launch
+from fuser.codegen import kda_bwd, kda_chunk, kda_recurrent, launch
 from fuser.patterns import kda_reference
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -307,6 +307,56 @@ def test_saved_chunk_states_skip_the_recompute():
     _compare(got, want, 1e-4)
 
 
+def _forward_saved(q, k, v, g, beta, s0, *, scalar_gate, chunk, **kw):
+    """The chunked forward's ``saved`` dict (``save_for_backward=True``), its outputs poisoned first."""
+    with launch.poison_outputs():
+        return kda_chunk.forward(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, output_final_state=True,
+                                 scalar_gate=scalar_gate, chunk=chunk, save_for_backward=True, **kw)[2]
+
+
+SAVED_CASES = ["gva2_state_dfinal", "scalar_gate_gva_strong", "chunk64_partial_strong", "decay_near_30",
+               "scalar_gate_chunk32_strong"]
+
+
+@pytest.mark.parametrize("prep", kda_chunk.PREP_VARIANTS)
+@pytest.mark.parametrize("case", SAVED_CASES)
+def test_saved_forward_workspaces_skip_the_recompute(case, prep):
+    """``saved`` = the chunked forward's dict (either kernel-1 variant: each writes G, X and A_kk
+    for it): kda_bwd_prep's recomputation is replaced by the forward's workspaces, with and without
+    its chunk states; the gradients still match autograd through the float64 recurrence (ragged T,
+    grouped heads, strong gates on both diagonal paths, scalar gates)."""
+    _, nq, group, t, kd, vd, chunk, opts = next(c for c in CASES if c[0] == case)
+    scalar_gate = opts.get("scalar_gate", False)
+    ins = _inputs(hash(case) % 1000, nq, group, t, kd, vd, **opts)
+    q, k, v, g, beta, do, s0, ds = ins
+    saved = _forward_saved(q, k, v, g, beta, s0, scalar_gate=scalar_gate, chunk=chunk, config={"prep": prep})
+    assert set(kda_bwd.WORKSPACE_KEYS) <= set(saved)
+    want = _autograd(*ins, scale=kd ** -0.5, scalar_gate=scalar_gate)
+    _compare(_run(*ins, scalar_gate=scalar_gate, chunk=chunk, saved=saved), want, 1e-4, "with states: ")
+    without = {key: x for key, x in saved.items() if key != "states"}
+    _compare(_run(*ins, scalar_gate=scalar_gate, chunk=chunk, saved=without), want, 1e-4, "without states: ")
+
+
+def _saved_small():
+    q, k, v, g, beta, do, s0, ds = _inputs(2, 1, 2, 21, 8, 8)
+    return (q, k, v, g, beta, do), _forward_saved(q, k, v, g, beta, None, scalar_gate=False, chunk=16)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s.pop("xm"), r"not \['xm'\]"),
+    (lambda s: s.update(w=s["w"][:, :-1]), r"saved\['w'\] must be a tensor of shape"),
+    (lambda s: s.update(a_kk=s["a_kk"].double()), r"saved\['a_kk'\] must be a float32"),
+    (lambda s: s.update(u=s["u"].transpose(1, 2).contiguous().transpose(1, 2)), r"saved\['u'\] must be contiguous"),
+    (lambda s: s.update(chunk=32), "chunk=32"),
+    (lambda s: s.update(chunk_states=s["states"]), "both 'chunk_states' and 'states'"),
+])
+def test_bad_saved_workspaces(change, match):
+    (q, k, v, g, beta, do), saved = _saved_small()
+    change(saved)
+    with pytest.raises(ValueError, match=match):
+        kda_bwd.backward(q, k, v, g, beta, do, scale=1.0, chunk=16, saved=saved)
+
+
 def test_per_kernel_config_keys():
     """prep, intra1 and intra2 each take their own BLOCK_K / BLOCK_V / num_warps / num_stages
     (``BLOCK_K_intra2``, ...); a shared key given alone sets all three, as before those keys."""
@@ -360,7 +410,7 @@ def test_empty_sequence():
     (dict(config={"scratch": "float16"}), "scratch"),
     (dict(config={"fuse_sequential": 1}), "fuse_sequential"),
     (dict(saved={"chunk_states": torch.zeros(2, 2, 8, 8)}), "chunk_states"),
-    (dict(saved={"states": None}), "unknown keys"),
+    (dict(saved={"state": None}), "unknown keys"),
 ])
 def test_bad_inputs(change, match):
     args = dict(q=torch.zeros(1, 5, 8), k=torch.zeros(1, 5, 8), v=torch.zeros(2, 5, 8), g=torch.zeros(2, 5, 8),
@@ -375,8 +425,8 @@ def test_rendered_variants():
     for sg in (False, True):
         kernel = kda_bwd.bwd_kernel(scalar_gate=sg, interpret=False)
         assert kernel.name == "kda_bwd" + ("_scalar" if sg else "")
-        for fn in ("kda_bwd_prep", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_seq", "kda_bwd_intra1",
-                   "kda_bwd_intra2"):
+        for fn in ("kda_bwd_prep", "kda_bwd_prep_saved", "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_seq",
+                   "kda_bwd_intra1", "kda_bwd_intra2"):
             assert f"def {fn}(" in kernel.source
     for dev in ("sm90", "cuda"):
         for cfg in kda_bwd._TABLE[dev]:
@@ -397,6 +447,26 @@ def test_gpu_bfloat16(scalar_gate, chunk):
     q, k, v, g, beta, do, s0, ds = ins
     q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
     got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=scalar_gate, chunk=chunk)
+    want = _autograd(*(None if x is None else x.cpu() for x in (q, k, v, g, beta, do, s0, ds)), scale=kd ** -0.5,
+                     scalar_gate=scalar_gate)
+    _compare([None if x is None else x.cpu() for x in got], want, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prep,dots,scalar_gate", [("pairs", "float32", False), ("strips", "float32", False),
+                                                   ("pairs", "bfloat16", False), ("strips", "bfloat16", False),
+                                                   ("strips", "float32", True), ("pairs", "bfloat16", True)])
+def test_gpu_saved_forward_workspaces(prep, dots, scalar_gate):
+    """The backward on the chunked forward's workspaces (both kernel-1 variants, both dots dtypes:
+    with bfloat16 dots W, U, Kd, Qg, A_qk arrive in bfloat16) against autograd in float64, strong
+    gates, ragged T, grouped heads, bf16 inputs."""
+    nq, group, t, kd, vd = 2, 2, 301, 128, 96
+    ins = _inputs(5, nq, group, t, kd, vd, scalar_gate=scalar_gate, strong=True, device="cuda")
+    q, k, v, g, beta, do, s0, ds = ins
+    q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    config = {"prep": prep, **({"BLOCK_K1": 32} if prep == "strips" and dots == "bfloat16" else {})}
+    saved = _forward_saved(q, k, v, g, beta, s0, scalar_gate=scalar_gate, chunk=64, dots=dots, config=config)
+    got = _run(q, k, v, g, beta, do, s0, ds, scalar_gate=scalar_gate, chunk=64, saved=saved)
     want = _autograd(*(None if x is None else x.cpu() for x in (q, k, v, g, beta, do, s0, ds)), scale=kd ** -0.5,
                      scalar_gate=scalar_gate)
     _compare([None if x is None else x.cpu() for x in got], want, 2e-2)
