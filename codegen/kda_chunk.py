@@ -812,6 +812,7 @@ def forward(
     config: Optional[dict] = None,
     chunk: int = 64,
     save_for_backward: bool = False,
+    save_states: bool = True,
     dots: str = "float32",
     output_precision: Optional[str] = None,
     out: Optional[torch.Tensor] = None,
@@ -839,6 +840,8 @@ def forward(
             default); None: the table's candidates, the first that fits the device.
         chunk: tokens per chunk, one of :data:`CHUNKS`.
         save_for_backward: also return what a backward can reuse (below).
+        save_states: with ``save_for_backward``, also store the state before every chunk
+            (``"states"``; else None there: the backward recomputes them in its sequential pass).
         dots: the workspaces' dtype, which the tensor-core dots take their operands in
             (:data:`DOTS`): ``"float32"`` (default; the accuracy of a float32 loop also for
             16-bit inputs, :func:`workspace_dtype`) or ``"bfloat16"``: FLA's precision class, an
@@ -890,7 +893,7 @@ def forward(
     tp = nc * chunk
     o, o_arg, o_rows = out_buffer(out, n, t, v_dim, out_dtype, device)
     final = launch.empty((n, k_dim, v_dim), torch.float32, device) if output_final_state else None
-    states = launch.empty((n, nc, k_dim, v_dim), torch.float32, device) if save_for_backward else None
+    states = launch.empty((n, nc, k_dim, v_dim), torch.float32, device) if save_for_backward and save_states else None
     ws = {
         "qg": launch.empty((n, tp, k_dim), dt, device),
         "kd": launch.empty((n, tp, k_dim), dt, device),

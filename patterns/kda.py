@@ -168,9 +168,11 @@ class KDAPattern(Pattern):
     # dots, output_precision: the chunk plan's dots (codegen/kda_chunk.forward): dots=bfloat16 is an explicit
     # opt-in (FLA's precision class: faster, the state ~2e-3 off; never chosen by the cost model);
     # output_precision forces the input_precision of the output-path dots (default: TF32 for a bfloat16 o, else
-    # the state path's, kda_chunk.resolve_output_precision)
+    # the state path's, kda_chunk.resolve_output_precision); save: what the chunk plan keeps for its backward
+    # (kda_ops.SAVES: the inputs, the default, or the forward's workspaces, op fuser::kda_save)
     plan_choices = {"impl": ("fuser", "inductor"), "plan": ("recurrent", "chunk", "parallel"),
-                    "dots": ("float32", "bfloat16"), "output_precision": ("tf32", "tf32x3", "ieee")}
+                    "dots": ("float32", "bfloat16"), "output_precision": ("tf32", "tf32x3", "ieee"),
+                    "save": ("inputs", "workspaces")}
 
     # -- anchors: where a state enters a chain ----------------------------------------------
     def anchors(self, view: GraphView):
@@ -569,7 +571,9 @@ class KDAPattern(Pattern):
         if plan.params.get("impl") != "fuser":
             raise ValueError(f"kda plan {plan.name} emits nothing")
         with graph.inserting_before(m.insertion_point):
-            op = annotate(graph.call_function(torch.ops.fuser.kda.default, (
+            target = torch.ops.fuser.kda_save.default if plan.params.get("save") == "workspaces" else \
+                torch.ops.fuser.kda.default
+            op = annotate(graph.call_function(target, (
                 b["q"], b["k"], b["v"], b["g"], b["beta"], b["h0"], list(b["time_dims"]), b["t0"], b["steps"],
                 b["scale"], b["scalar_gate"], b["out_dim"], b["out_dtype"], b["want_state"], b["state_dtype"],
                 plan.params["plan_string"])))

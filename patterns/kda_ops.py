@@ -37,6 +37,7 @@ the window's ``[*L, T, *]`` view (``kda_bwd.backward``'s ``out=``), no copy afte
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -47,15 +48,24 @@ from ..codegen import kda_chunk as _kda_chunk
 PLANS = ("recurrent", "chunk", "parallel")
 
 
-def plan_string(plan: str, chunk: int = 64, dots: Optional[str] = None, output_precision: Optional[str] = None) -> str:
+#: What the chunk plan keeps for the backward (plan key ``save``): ``"inputs"`` (the backward
+#: recomputes the chunk quantities from q, k, v, g, beta) or ``"workspaces"`` (the forward's
+#: workspaces, :data:`SAVED`: op ``fuser::kda_save``; faster backward, ~2.5-3.6x the activation
+#: memory of the inputs; ``benchmarks/results/kda.md``).
+SAVES = ("inputs", "workspaces")
+
+
+def plan_string(plan: str, chunk: int = 64, dots: Optional[str] = None, output_precision: Optional[str] = None,
+                save: Optional[str] = None) -> str:
     """The op's ``plan`` argument for ``plan`` (:data:`PLANS`); for the chunk plan also ``dots``
     and ``output_precision`` of ``codegen/kda_chunk.forward`` where given (None: its defaults,
     ``dots="float32"`` and the output-path rule of ``kda_chunk.resolve_output_precision``, applied
-    when the op runs)."""
+    when the op runs), and ``save`` (:data:`SAVES`; None: ``"inputs"``)."""
     if plan != "chunk":
         return f"plan={plan}"
     return (f"plan=chunk;chunk={int(chunk)}" + (f";dots={dots}" if dots is not None else "")
-            + (f";output_precision={output_precision}" if output_precision is not None else ""))
+            + (f";output_precision={output_precision}" if output_precision is not None else "")
+            + (f";save={save}" if save is not None else ""))
 
 
 def parse_plan(plan: str) -> dict:
@@ -69,7 +79,7 @@ def parse_plan(plan: str) -> dict:
     """
     from ..codegen.kda_chunk import DOTS, OUTPUT_PRECISIONS
 
-    out = {"plan": "recurrent", "chunk": 64, "dots": "float32", "output_precision": None}
+    out = {"plan": "recurrent", "chunk": 64, "dots": "float32", "output_precision": None, "save": "inputs"}
     for part in plan.split(";"):
         if not part:
             continue
@@ -81,6 +91,10 @@ def parse_plan(plan: str) -> dict:
         raise ValueError(f"fuser::kda plan {out['plan']!r}: expected one of {PLANS}")
     if out["dots"] not in DOTS:
         raise ValueError(f"fuser::kda plan dots={out['dots']!r}: expected one of {DOTS}")
+    if out["save"] not in SAVES:
+        raise ValueError(f"fuser::kda plan save={out['save']!r}: expected one of {SAVES}")
+    if out["save"] == "workspaces" and out["plan"] != "chunk":
+        raise ValueError("fuser::kda plan save=workspaces: only the chunk plan has workspaces to keep")
     if out["output_precision"] is not None and out["output_precision"] not in OUTPUT_PRECISIONS:
         raise ValueError(f"fuser::kda plan output_precision={out['output_precision']!r}: expected one of "
                          f"{OUTPUT_PRECISIONS}")
@@ -174,18 +188,22 @@ GATE_FLOOR = _kda_chunk.GATE_FLOOR
 
 
 def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_state: bool, out_dtype, plan: dict,
-                out: Optional[torch.Tensor] = None):
+                out: Optional[torch.Tensor] = None, save: bool = False):
     """The kernels of ``plan`` on flattened inputs (``[N, T, *]``) or the ``[*L, T, *]`` views of
     :func:`as_rows` (every plan's launchers take both): ``(o, state [N, K, V] float32 or
     None)``, o ``[N, T, V]``, or ``out`` written in place (``[*lead, T, V]``, the launchers'
-    ``out=``). The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR` themselves."""
+    ``out=``); with ``save`` (chunk plan only) also the forward's ``saved`` dict
+    (``kda_chunk.forward(save_for_backward=True)``; its chunk states only where
+    :func:`keeps_states`). The chunk and parallel kernels floor the gates at :data:`GATE_FLOOR`
+    themselves."""
     if plan["plan"] == "chunk":
         from ..codegen import kda_chunk as kernels
 
         return kernels.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=want_state,
                                scalar_gate=scalar_gate, out_dtype=out_dtype, chunk=plan["chunk"],
                                dots=plan.get("dots", "float32"), output_precision=plan.get("output_precision"),
-                               out=out)
+                               out=out, save_for_backward=save,
+                               save_states=keeps_states(q.shape[-1], plan.get("dots", "float32")))
     if plan["plan"] == "parallel":
         from ..codegen import kda_parallel as kernels
     else:
@@ -224,6 +242,73 @@ def _kda_fake(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, ou
     return o, state
 
 
+#: The chunked forward's workspaces the plan ``save=workspaces`` keeps for the backward: the extra
+#: outputs of ``fuser::kda_save`` and inputs of ``fuser::kda_backward_saved``, in this order, each
+#: ``[*L, ...]`` (the op's lead dims, then the per-head shape of ``kda_chunk.forward``'s
+#: ``saved`` dict: ``[T_pad, K]``, ..., ``states`` ``[n_chunks, K, V]`` or an empty placeholder
+#: where :func:`keeps_states` says no).
+SAVED = ("qg", "kd", "w", "u", "a_qk", "a_kk", "xm", "gcum", "g_last", "states")
+
+
+def keeps_states(k_dim: int, dots: str) -> bool:
+    """Whether ``save=workspaces`` also keeps the state before every chunk (read by the backward
+    instead of its sequential recompute). MEASURED (H100, torch 2.11 / Triton 3.6, B=1, T=4096,
+    H=16, bf16 inputs, forward + backward device µs, ``benchmarks/results/kda.md``): with the
+    states 999 / 1938 / 4773 (float32 dots, K = V = 64 / 128 / 256) and 812 / 1493 / 3581
+    (bfloat16 dots), without 972 / 2057 / 5084 and 792 / 1456 / 3630: kept for K > 128, and for
+    K > 64 with float32 dots (whose float32 W and Kd slow the fused recompute pass)."""
+    return k_dim > 128 or (k_dim > 64 and dots == "float32")
+
+
+def _saved_shapes(lead: list, steps, k_dim: int, v_dim: int, plan: dict, scalar_gate: bool) -> list:
+    """``(shape, dtype)`` of each of :data:`SAVED` (``states``: ``(0,)`` when not kept)."""
+    from ..codegen.kda_chunk import workspace_dtype
+
+    chunk = plan["chunk"]
+    nc = -(-steps // chunk)
+    tp = nc * chunk
+    dt, f32 = workspace_dtype(plan["dots"]), torch.float32
+    lead = list(lead)
+    states = (lead + [nc, k_dim, v_dim], f32) if keeps_states(k_dim, plan["dots"]) else ([0], f32)
+    return [(lead + [tp, k_dim], dt), (lead + [tp, k_dim], dt), (lead + [tp, k_dim], dt), (lead + [tp, v_dim], dt),
+            (lead + [tp, chunk], dt), (lead + [tp, chunk], f32), (lead + [tp, chunk], f32),
+            (lead + ([tp] if scalar_gate else [tp, k_dim]), f32), (lead + [nc, k_dim], f32), states]
+
+
+@launch.fused_op("fuser::kda_save")
+def kda_save(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
+    out_dim: int, out_dtype: torch.dtype, want_state: bool, state_dtype: torch.dtype, plan: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kda` with the chunk plan's ``save=workspaces``: ``(o, state, *saved)``, ``saved``
+    the forward's workspaces (:data:`SAVED`, ``[*L, ...]``), which its autograd formula hands to
+    ``fuser::kda_backward_saved`` instead of recomputing them. Used by the rewrite only when
+    gradients are recorded (the workspaces live until the backward)."""
+    parsed = _parsed_plan(plan)
+    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat=False)
+    kd, vd = q.shape[-1], v.shape[-1]
+    h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
+    o, o_view = _output(lead, steps, vd, out_dim, out_dtype, q.device)
+    _, state, saved = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parsed,
+                                  out=o_view, save=True)
+    kept = [saved[key].view(shape) if saved[key] is not None else q.new_empty(0, dtype=torch.float32)
+            for key, (shape, _) in zip(SAVED, _saved_shapes(lead, steps, kd, vd, parsed, scalar_gate))]
+    if not want_state:
+        return (o, torch.empty(0, dtype=state_dtype, device=q.device), *kept)
+    return (o, state.reshape(*lead, kd, vd).to(state_dtype), *kept)
+
+
+@kda_save.register_fake
+def _kda_save_fake(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state,
+                   state_dtype, plan):
+    o, state = _kda_fake(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype,
+                         want_state, state_dtype, plan)
+    shapes = _saved_shapes(_lead(q, time_dims[0]), steps, q.shape[-1], v.shape[-1], _parsed_plan(plan), scalar_gate)
+    return (o, state, *(q.new_empty(shape, dtype=dt) for shape, dt in shapes))
+
+
 def _setup(ctx, inputs, output):
     q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state, state_dtype, \
         plan = inputs
@@ -234,6 +319,22 @@ def _setup(ctx, inputs, output):
 #: Largest K (and V) the backward kernels (codegen/kda_bwd.py) take: their state tiles live in
 #: registers. Larger heads fall back to :func:`backward_reference`.
 KERNEL_BACKWARD_MAX_DIM = 256
+
+
+def _setup_saved(ctx, inputs, output):
+    q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state, state_dtype, \
+        plan = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, *output[2:])
+    ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state, _parsed_plan(plan)["chunk"])
+
+
+def _backward_saved(ctx, d_o, d_state, *_):
+    q, k, v, g, beta, h0, *saved = ctx.saved_tensors
+    time_dims, t0, steps, scale, scalar_gate, out_dim, want_state, chunk = ctx.args
+    d_state = d_state if want_state and d_state is not None and d_state.numel() else None
+    dq, dk, dv, dg, db, dh0 = kda_backward_saved(q, k, v, g, beta, h0, d_o, d_state, *saved, time_dims, t0, steps,
+                                                 scale, scalar_gate, out_dim, chunk)
+    return (dq, dk, dv, dg, db, dh0 if h0 is not None else None) + (None,) * 10
 
 
 def _backward(ctx, d_o, d_state):
@@ -266,12 +367,15 @@ def _grad_buffers(q, k, v, g, beta, time_dims, t0, steps, scalar_gate):
     return full, views
 
 
-def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim):
+def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps, scale, scalar_gate, out_dim,
+                     saved: Optional[dict] = None, chunk: int = 64):
     """Gradients of :func:`kda` with respect to ``q, k, v, g, beta, h0`` by the chunked backward
     kernels (:func:`fuser.codegen.kda_bwd.backward`), in the inputs' dtypes and layouts: the
     kernels write dq, dk, dv, dg, dbeta where they are returned (``out=``, views of tensors
     allocated like the inputs), no copy after them; dh0 (``[N, K, V]`` float32 from the
-    kernels) is copied into ``h0``'s layout and dtype."""
+    kernels) is copied into ``h0``'s layout and dtype. ``saved``: the forward's workspaces
+    (:data:`SAVED` -> ``[*L, ...]`` tensors of :func:`kda_save`; ``states`` may be empty) of a
+    forward with chunks of ``chunk``, read instead of recomputed."""
     from ..codegen import kda_bwd
 
     # the inputs and dO as [*L, T, *] views: the kernels read their rows in place (two stride groups)
@@ -283,8 +387,12 @@ def backward_kernels(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, steps
     grads, views = _grad_buffers(q, k, v, g, beta, time_dims, t0, steps, scalar_gate)
     # the kernels floor the gates at GATE_FLOOR as they load them, as in the forward (a −inf gate:
     # dg there is 0, as eager's)
+    flat = None
+    if saved is not None:
+        n = math.prod(lead)
+        flat = {key: x.reshape(n, *x.shape[len(lead):]) for key, x in saved.items() if key != "states" or x.dim() > 1}
     *_, dh0 = kda_bwd.backward(qf, kf, vf, gf, bf, do, scale=scale, initial_state=h0f, d_final_state=dsf,
-                               scalar_gate=scalar_gate, out=views)
+                               scalar_gate=scalar_gate, out=views, saved=flat, chunk=chunk)
     if h0 is not None and dh0 is not None:
         return (*grads, torch.empty_like(h0).copy_(dh0.view(h0.shape)))
     return (*grads, None)
@@ -347,7 +455,29 @@ def _kda_backward_fake(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps,
             torch.empty_like(beta), torch.empty_like(h0) if h0 is not None else q.new_empty(0))
 
 
+@launch.fused_op("fuser::kda_backward_saved")
+def kda_backward_saved(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], d_o: torch.Tensor, d_state: Optional[torch.Tensor],
+    qg: torch.Tensor, kd: torch.Tensor, w: torch.Tensor, u: torch.Tensor, a_qk: torch.Tensor, a_kk: torch.Tensor,
+    xm: torch.Tensor, gcum: torch.Tensor, g_last: torch.Tensor, states: torch.Tensor,
+    time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool, out_dim: int, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kda_backward` on the forward's workspaces (the outputs :data:`SAVED` of
+    :func:`kda_save`): kda_bwd_prep's recomputation is skipped."""
+    saved = dict(zip(SAVED, (qg, kd, w, u, a_qk, a_kk, xm, gcum, g_last, states)))
+    *grads, dh0 = backward_kernels(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
+                                   scale=scale, scalar_gate=scalar_gate, out_dim=out_dim, saved=saved, chunk=chunk)
+    return (*grads, dh0 if dh0 is not None else q.new_empty(0))
+
+
+@kda_backward_saved.register_fake
+def _kda_backward_saved_fake(q, k, v, g, beta, h0, d_o, d_state, *rest):
+    return _kda_backward_fake(q, k, v, g, beta, h0, d_o, d_state, *rest[len(SAVED):-1])
+
+
 kda.register_autograd(_backward, setup_context=_setup)
+kda_save.register_autograd(_backward_saved, setup_context=_setup_saved)
 
 
 # DTensor sharding rules (fuser/distributed.py): every lead (batch, head) dim is independent problems.
@@ -381,5 +511,27 @@ def _sharding_bwd(q, k, v, g, beta, h0, d_o, d_state, time_dims, scalar_gate, ou
     return distributed.Layout(ins, outs, lead)
 
 
+def _saved_dims(lead: str, scalar_gate: bool, states_kept: bool) -> dict:
+    """The dims of the workspaces :data:`SAVED`: the lead dims (independent problems), then their own."""
+    return {"qg": lead + "tk", "kd": lead + "tk", "w": lead + "tk", "u": lead + "tv", "a_qk": lead + "tc",
+            "a_kk": lead + "tc", "xm": lead + "tc", "gcum": lead + ("t" if scalar_gate else "tk"),
+            "g_last": lead + "nk", "states": lead + "nkv" if states_kept else None}
+
+
+def _sharding_fwd_saved(q, k, v, g, beta, h0, time_dims, scalar_gate, out_dim, want_state, plan, **_):
+    lay = _sharding_fwd(q, k, v, g, beta, h0, time_dims, scalar_gate, out_dim, want_state)
+    parsed = _parsed_plan(plan)
+    dims = _saved_dims(lay.parallel, scalar_gate, keeps_states(q.shape[-1], parsed["dots"]))
+    return distributed.Layout(lay.inputs, lay.outputs + tuple(dims[key] for key in SAVED), lay.parallel)
+
+
+def _sharding_bwd_saved(q, k, v, g, beta, h0, d_o, d_state, time_dims, scalar_gate, out_dim, states, **_):
+    lay = _sharding_bwd(q, k, v, g, beta, h0, d_o, d_state, time_dims, scalar_gate, out_dim)
+    ins = dict(lay.inputs, **_saved_dims(lay.parallel, scalar_gate, len(states.shape) > 1))
+    return distributed.Layout(ins, lay.outputs, lay.parallel)
+
+
 distributed.register_op_sharding(kda, _sharding_fwd)
 distributed.register_op_sharding(kda_backward, _sharding_bwd)
+distributed.register_op_sharding(kda_save, _sharding_fwd_saved)
+distributed.register_op_sharding(kda_backward_saved, _sharding_bwd_saved)

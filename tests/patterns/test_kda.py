@@ -144,18 +144,20 @@ def test_l2_normalised_qk_and_sigmoid_beta():
     _check(loop, q, k, v, g, torch.randn(B, T, H), steps=T, outputs="o", scale=1.0)
 
 
-def test_scalar_gate():
-    def loop(q, k, v, g, beta):  # gated delta rule: one decay per head and token
-        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
-        o = torch.empty_like(v)
-        for t in range(q.shape[1]):
-            s = s * g[:, t].exp()[..., None, None]
-            v_hat = (k[:, t][..., None] * s).sum(-2)
-            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - v_hat)
-            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
-        return o, s
+def scalar_gate_loop(q, k, v, g, beta):
+    """The gated delta rule ([B, T, H, K]): one decay per head and token."""
+    s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+    o = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        v_hat = (k[:, t][..., None] * s).sum(-2)
+        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - v_hat)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+    return o, s
 
-    _check(loop, *_inputs("bthk", scalar_gate=True), steps=T, gate="scalar per head")
+
+def test_scalar_gate():
+    _check(scalar_gate_loop, *_inputs("bthk", scalar_gate=True), steps=T, gate="scalar per head")
 
 
 def test_fp32_state_with_half_inputs():
@@ -195,6 +197,41 @@ def test_training_gradients_match_eager():
     want = torch.autograd.grad(o2.square().sum() + s2.sum(), [a for a in ref if a.requires_grad])
     for a, b in zip(grads, want):
         _close(a, b, 1e-3)
+
+
+@pytest.mark.parametrize("layout,scalar_gate,t_len", [("bhtk", False, 40), ("bthk", True, 37)])
+def test_training_with_the_forward_workspaces_kept(layout, scalar_gate, t_len):
+    """``kda.save=workspaces`` (chunk plan, gradients recorded): the rewrite emits fuser::kda_save,
+    whose backward reads the forward's workspaces; the gradients (ragged T: chunks of 64 with a
+    partial one, both gate kinds) equal eager's, and explain() says what is kept. The default
+    plan keeps the inputs and says so."""
+    args = [x.clone().requires_grad_(True) for x in _inputs(layout, t=t_len, scalar_gate=scalar_gate)]
+    loop = blog_loop if layout == "bhtk" else scalar_gate_loop
+    options = {"fuser.plan": "kda.plan=chunk,kda.save=workspaces"}
+    graphs, result = fuse(loop, *args, options=options)
+    (m,) = [m for m in result.matches if m.pattern == "kda" and m.fused]
+    assert m.plan.params["save"] == "workspaces" and "keeps the forward's workspaces" in m.plan.note
+    assert any(n.target is torch.ops.fuser.kda_save.default for gm, _ in graphs for n in gm.graph.nodes)
+    out = run_rewritten(graphs, *args)
+    o, s = out
+    grads = torch.autograd.grad(o.square().sum() + s.sum(), args)
+    ref = [x.detach().clone().requires_grad_(True) for x in args]
+    wo, ws = loop(*ref)
+    want = torch.autograd.grad(wo.square().sum() + ws.sum(), ref)
+    for a, b in zip(grads, want):
+        _close(a, b, 1e-3)
+    _, default = fuse(loop, *args, options={"fuser.plan": "kda.plan=chunk"})
+    (m,) = [m for m in default.matches if m.pattern == "kda" and m.fused]
+    assert m.plan.params["save"] == "inputs" and "kda.save=workspaces keeps" in m.plan.note
+
+
+def test_keeping_workspaces_without_gradients_keeps_nothing():
+    # no backward: the choice does not apply (as a backward choice for an inference-only match)
+    args = _inputs("bhtk", t=20)
+    graphs, result = fuse(blog_loop, *args, options={"fuser.plan": "kda.plan=chunk,kda.save=workspaces"})
+    (m,) = [m for m in result.matches if m.pattern == "kda" and m.fused]
+    assert "save" not in m.plan.params and "workspaces" not in m.plan.note
+    assert not any(n.target is torch.ops.fuser.kda_save.default for gm, _ in graphs for n in gm.graph.nodes)
 
 
 # -- near-misses -----------------------------------------------------------------------------------
