@@ -278,7 +278,7 @@ def chunk_save(m: Match, ctx: MatchContext, dots: str) -> tuple:
     from fuser.codegen import kda_chunk
 
     b = m.bindings
-    records = ctx.grad_enabled and any(getattr(val(b[name]), "requires_grad", False)
+    records = getattr(ctx, "grad_enabled", False) and any(getattr(val(b[name]), "requires_grad", False)
                                        for name in ("q", "k", "v", "g", "beta", "h0") if b.get(name) is not None)
     if not records:
         return None, ""

@@ -169,17 +169,25 @@ def test_gradients_of_inputs_that_are_views_with_gaps_broadcasts_or_aliases(plan
 
 
 def test_plan_strings():
-    defaults = {"dots": "float32", "output_precision": None}
+    defaults = {"dots": "float32", "output_precision": None, "save": "inputs"}
     assert kda_ops.plan_string("chunk", 32) == "plan=chunk;chunk=32"
     assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 32)) == {"plan": "chunk", "chunk": 32, **defaults}
     assert kda_ops.parse_plan("") == {"plan": "recurrent", "chunk": 64, **defaults}
     # the chunked kernels' dots: workspaces' dtype and the output path's input_precision
     text = kda_ops.plan_string("chunk", 64, dots="bfloat16", output_precision="ieee")
     assert text == "plan=chunk;chunk=64;dots=bfloat16;output_precision=ieee"
-    assert kda_ops.parse_plan(text) == {"plan": "chunk", "chunk": 64, "dots": "bfloat16", "output_precision": "ieee"}
+    assert kda_ops.parse_plan(text) == {"plan": "chunk", "chunk": 64, "dots": "bfloat16", "output_precision": "ieee",
+                                        "save": "inputs"}
+    # what the chunk plan keeps for its backward (op fuser::kda_save)
+    text = kda_ops.plan_string("chunk", 64, save="workspaces")
+    assert text == "plan=chunk;chunk=64;save=workspaces" and kda_ops.parse_plan(text)["save"] == "workspaces"
+    with pytest.raises(ValueError, match="save='all': expected one of"):
+        kda_ops.parse_plan("plan=chunk;save=all")
+    with pytest.raises(ValueError, match="only the chunk plan"):
+        kda_ops.parse_plan("plan=recurrent;save=workspaces")
     assert kda_ops.parse_plan(kda_ops.plan_string("chunk", 64, output_precision="tf32"))["output_precision"] == "tf32"
     assert kda_ops.plan_string("recurrent", 64, dots="bfloat16") == "plan=recurrent"  # the chunk plan's only
-    with pytest.raises(ValueError, match="expected one of plan=, chunk=, dots=, output_precision="):
+    with pytest.raises(ValueError, match="expected one of plan=, chunk=, dots=, output_precision=, save="):
         kda_ops.parse_plan("plan=chunk;block=4")
     with pytest.raises(ValueError, match="expected one of"):
         kda_ops.parse_plan("plan=scan")
