@@ -20,6 +20,17 @@ Kernels (``templates/kda_bwd.py.jinja``), launched in order:
     dots against the rows of ``M`` already stored), ``W``, ``U``, ``KG = K∘e^{γ−G}`` and ``EG = e^γ`` (so the sequential passes take no
     exponential), and the terms of ``kda_bwd_dstates`` that do not depend on ``dS'``:
     ``A_qkᵀ dO`` (into the ``dΔ`` scratch) and ``(Q̃∘e^G)ᵀ dO`` (a ``[K, V]`` scratch per chunk).
+``kda_bwd_prep_saved``, grid ``(n_chunks, N)`` (instead of kda_bwd_prep when ``saved`` holds the
+chunked forward's workspaces, :data:`WORKSPACE_KEYS`)
+    only the two ``dO`` terms, from the forward's ``Qg`` and ``A_qk``; ``G``, ``A_kk``, ``M = X``,
+    ``W``, ``U``, ``KG = Kd`` are the forward's tensors and ``e^γ = exp(G_C)`` one PyTorch op.
+    MEASURED (H100, torch 2.11 / Triton 3.6, B=1, T=4096, H=16, bf16 inputs, forward + backward
+    through the op, device time; ``benchmarks/results/kda_save.md``): K = V = 128 2.12 → 2.03 ms
+    (float32 dots), 1.76 → 1.49 ms (bfloat16 dots); K = 64 1.16 → 1.01, 0.98 → 0.83; K = 256 5.19 →
+    4.95, 4.30 → 3.75. The prep's ~420 µs (K = 128) become ~75; float32 dots' float32 ``W``, ``Kd``
+    slow the sequential passes (the recompute's are bfloat16 scratch), which keeping the chunk
+    states offsets in part. Memory: the forward's workspaces live until the backward (peak above
+    the inputs 836 against 467 MiB at K = 128, float32 dots).
 ``kda_bwd_states``, grid ``(cdiv(V, BLOCK_VS), N)``
     chunk after chunk: the start state ``S`` of every chunk and ``Δ = U − W S``. With
     ``saved={"chunk_states": ...}`` the states are read instead (grid ``(·, N, n_chunks)``, every
@@ -48,13 +59,15 @@ The gradients are written where the caller wants them (``out=``: views in the in
 rows as two stride groups, cast to their dtypes on store), else into new float32 tensors; an
 ``out`` tensor whose lead dims need three stride groups is written through a contiguous
 temporary and copied. With grouped value heads (``N = NQ·group``) dq and dk are computed per value
-head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch: float32
-``[N, T, K]`` (G; per-head dq, dk when ``group > 1``; ``dk4`` when ``group = 1`` and dk is not
-float32),
-``[N, T, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
-(:data:`SCRATCH`) ``[N, T, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
-gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved``); float32 ``[N, T, V]`` ×3 (U,
-Δ, dΔ, which first holds ``A_qkᵀ dO``).
+head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch (``T_pad = n_chunks · chunk`` rows per head, the chunked forward's workspace layout, so
+that its workspaces are read as they are; rows past T are never read): float32
+``[N, T_pad, K]`` (G), ``[N, T, K]`` (per-head dq, dk when ``group > 1``; ``dk4`` when ``group =
+1`` and dk is not float32),
+``[N, T_pad, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
+(:data:`SCRATCH`) ``[N, T_pad, K]`` ×2 (W, KG), ``[N, n_chunks, K, V]`` ×3 (the states, their
+gradients, ``(Q̃∘e^G)ᵀ dO`` per chunk; the first not with ``saved`` states); float32 ``[N, T_pad,
+V]`` ×3 (U, Δ, dΔ, which first holds ``A_qkᵀ dO``). With the forward's workspaces in ``saved``,
+G, A_kk, A_qk, M, W, KG, U are those (W, KG, U in the forward's dots dtype) and not allocated.
 
 Numerics: no exponential of a cumulative gate over a whole chunk (``e^{G}·e^{−G}`` would overflow
 with gates near −30); rows past ``T`` contribute 0. A pairwise decay ``e^{G_r − G_s}`` between
@@ -566,10 +579,15 @@ def backward(q, k, v, g, beta, do, *, scale: float, initial_state=None, d_final_
             that knob for all three); ``fuse_sequential`` (bool: the two recurrences in one
             launch, not with ``saved``); missing keys from :func:`candidate_configs`' first
             (on sm90 with K > 128 updated by ``_BIG_K``).
-        saved: optional precomputed forward quantities; ``{"chunk_states": S}`` with ``S``
-            ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before* each chunk of
-            ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward with the same
-            chunk computes them: the sequential recompute of the states is then skipped.
+        saved: optional precomputed forward quantities (:data:`SAVED_KEYS`); ``{"chunk_states":
+            S}`` with ``S`` ``[N, cdiv(T, chunk), K, V]`` (float32 preferred) the state *before*
+            each chunk of ``chunk`` tokens (``S[:, 0]`` the initial state), as a chunked forward
+            with the same chunk computes them: the sequential recompute of the states is then
+            skipped. Or the dict ``codegen/kda_chunk.forward(..., save_for_backward=True)``
+            returns (its ``"states"`` are the chunk states, None for none): its workspaces
+            (:data:`WORKSPACE_KEYS`, all of them, checked by :func:`_check_workspaces`) replace
+            kda_bwd_prep's recomputation (``kda_bwd_prep_saved``); its ``"chunk"`` must be
+            ``chunk``.
         out: the gradients preallocated, written in place, or None (new float32 ones): a tuple
             ``(dq, dk, dv, dg, dbeta)`` (:data:`GRADS`), dq, dk ``[*lead_q, T, K]`` with
             ``prod(lead_q) = NQ``, dv ``[*lead, T, V]``, dg ``[*lead, T, K]`` (``[*lead, T]``
