@@ -213,6 +213,24 @@ def extra_mib(fn: Callable[[], Any], device: str) -> Optional[float]:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def kernel_times_us(fn: Callable[[], Any], calls: int = 5) -> dict:
+    """Device time per call of every kernel ``fn`` launches, in µs (``torch.profiler``, CUDA
+    activity, ``calls`` calls after the caller's warm-up): ``{kernel name: µs per call}``."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            per[e.key] = us / calls
+    return per
+
+
 def free_memory(device: str, collect: bool = False) -> None:
     """Return cached device memory to the driver; ``collect`` also runs the garbage collector
     first (slow, ~0.2 s with torch loaded: only after errors, whose tracebacks hold tensors)."""

@@ -25,6 +25,7 @@ def child(prep: str, kd: int) -> None:
     from triton.testing import do_bench
 
     from fuser.codegen import kda_chunk, launch
+    from common import kernel_times_us
     from kda_plan_sweep import inputs
     from fuser.patterns import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
 
@@ -55,16 +56,7 @@ def child(prep: str, kd: int) -> None:
         f()
         torch.cuda.synchronize()
         wall = do_bench(f, warmup=25, rep=100) * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                f()
-            torch.cuda.synchronize()
-        per = {}
-        for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None)
-            us = e.self_cuda_time_total if us is None else us
-            if us > 0:
-                per[e.key] = us / 5
+        per = kernel_times_us(f)
         top = ", ".join(f"{name[:40]} {us:.0f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1])[:6])
         print(f"| {kd} | {prep} | {mode} | {wall:.1f} | {sum(per.values()):.1f} | {top} |", flush=True)
 

@@ -24,6 +24,7 @@ def rows(kd: int, dots: str):
     import torch
     from triton.testing import do_bench
 
+    from common import extra_mib, kernel_times_us
     from fuser.patterns import kda_ops  # noqa: F401  (registers the ops)
     from kda_plan_sweep import inputs
 
@@ -46,23 +47,9 @@ def rows(kd: int, dots: str):
         got = step(save)
         diff = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, ref))
         del got
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step(save)
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        peak = extra_mib(lambda: step(save), "cuda")
         wall = do_bench(lambda: step(save), warmup=25, rep=100) * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step(save)
-            torch.cuda.synchronize()
-        per = {}
-        for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None)
-            us = e.self_cuda_time_total if us is None else us
-            if us > 0:
-                per[e.key] = us / 5
+        per = kernel_times_us(lambda: step(save))
         top = ", ".join(f"{name[:24]} {us:.0f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1])[:7])
         yield (f"| {kd} | {dots} | {save} | {wall:.0f} | {sum(per.values()):.0f} | {peak:.0f} | {diff:.1e} | "
                f"{top} |")
@@ -75,6 +62,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     import torch
+
+    if not torch.cuda.is_available():
+        print("kda_save: needs a CUDA GPU (it measures compiled kernels; tests/codegen/test_kda_bwd.py checks the "
+              "backward on saved workspaces in the interpreter)", file=sys.stderr)
+        return 2
     import triton
 
     head = [f"# KDA forward + backward: workspaces kept vs recomputed ({datetime.date.today()})", "",

@@ -279,6 +279,15 @@ def test_compile_time_smoke(tmp_path):
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
 
 
+def test_kda_save_needs_a_gpu():
+    """benchmarks/kda_save.py measures the two ``save`` plans on the GPU only (a clear error
+    without one); the plans it compares are kda_ops' own."""
+    from fuser.patterns import kda_ops
+
+    mod = _gpu_only_script("kda_save", "--dims", "64")
+    assert callable(mod.rows) and kda_ops.SAVES == ("inputs", "workspaces")
+
+
 def test_kda_prep_variants_needs_a_gpu():
     """benchmarks/kda_prep_variants.py compares kernel 1's variants on the GPU only (a clear error
     without one); the variants it forces are kda_chunk's."""
