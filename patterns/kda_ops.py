@@ -253,7 +253,7 @@ SAVED = ("qg", "kd", "w", "u", "a_qk", "a_kk", "xm", "gcum", "g_last", "states")
 def keeps_states(k_dim: int, dots: str) -> bool:
     """Whether ``save=workspaces`` also keeps the state before every chunk (read by the backward
     instead of its sequential recompute). MEASURED (H100, torch 2.11 / Triton 3.6, B=1, T=4096,
-    H=16, bf16 inputs, forward + backward device µs, ``benchmarks/results/kda.md``): with the
+    H=16, bf16 inputs, forward + backward device µs, the kernels called directly, 2026-11-25): with the
     states 999 / 1938 / 4773 (float32 dots, K = V = 64 / 128 / 256) and 812 / 1493 / 3581
     (bfloat16 dots), without 972 / 2057 / 5084 and 792 / 1456 / 3630: kept for K > 128, and for
     K > 64 with float32 dots (whose float32 W and Kd slow the fused recompute pass)."""
@@ -332,6 +332,10 @@ def _backward_saved(ctx, d_o, d_state, *_):
     q, k, v, g, beta, h0, *saved = ctx.saved_tensors
     time_dims, t0, steps, scale, scalar_gate, out_dim, want_state, chunk = ctx.args
     d_state = d_state if want_state and d_state is not None and d_state.numel() else None
+    if max(q.shape[-1], v.shape[-1]) > KERNEL_BACKWARD_MAX_DIM:  # as _backward: the float64 reference
+        grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
+                                   scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
+        return (*grads,) + (None,) * 10
     dq, dk, dv, dg, db, dh0 = kda_backward_saved(q, k, v, g, beta, h0, d_o, d_state, *saved, time_dims, t0, steps,
                                                  scale, scalar_gate, out_dim, chunk)
     return (dq, dk, dv, dg, db, dh0 if h0 is not None else None) + (None,) * 10
