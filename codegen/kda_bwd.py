@@ -59,8 +59,9 @@ The gradients are written where the caller wants them (``out=``: views in the in
 rows as two stride groups, cast to their dtypes on store), else into new float32 tensors; an
 ``out`` tensor whose lead dims need three stride groups is written through a contiguous
 temporary and copied. With grouped value heads (``N = NQ·group``) dq and dk are computed per value
-head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch (``T_pad = n_chunks · chunk`` rows per head, the chunked forward's workspace layout, so
-that its workspaces are read as they are; rows past T are never read): float32
+head and summed over the group in PyTorch (``torch.sum(..., out=)`` into dq, dk). Scratch
+(``T_pad = n_chunks · chunk`` rows per head, the chunked forward's workspace layout, so that its
+workspaces are read as they are; rows past T are never read): float32
 ``[N, T_pad, K]`` (G), ``[N, T, K]`` (per-head dq, dk when ``group > 1``; ``dk4`` when ``group =
 1`` and dk is not float32),
 ``[N, T_pad, chunk]`` ×5 (A_kk, A_qk, M, dA_qk, dA_kk); in ``config["scratch"]``'s dtype
