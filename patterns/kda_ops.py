@@ -218,6 +218,14 @@ def kda(
     h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
     out_dim: int, out_dtype: torch.dtype, want_state: bool, state_dtype: torch.dtype, plan: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _op_forward(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state,
+                       state_dtype, plan, save=False)
+
+
+def _op_forward(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state,
+                state_dtype, plan, *, save: bool) -> tuple:
+    """The body of :func:`kda` (``(o, state)``) and, with ``save``, of :func:`kda_save` (``(o,
+    state, *saved)``, :data:`SAVED` as ``[*L, ...]`` views of the forward's workspaces)."""
     parsed = _parsed_plan(plan)
     # every plan's kernels read the inputs' rows in place ([*L, T, *] views, two stride groups)
     lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat=False)
@@ -225,10 +233,15 @@ def kda(
     h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
     # o in its final layout, written by the kernels through a view: no copy after them
     o, o_view = _output(lead, steps, vd, out_dim, out_dtype, q.device)
-    _, state = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parsed, out=o_view)
-    if not want_state:
-        return o, torch.empty(0, dtype=state_dtype, device=q.device)
-    return o, state.reshape(*lead, kd, vd).to(state_dtype)
+    _, state, *saved = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parsed,
+                                   out=o_view, save=save)
+    state = (state.reshape(*lead, kd, vd).to(state_dtype) if want_state
+             else torch.empty(0, dtype=state_dtype, device=q.device))
+    if not save:
+        return o, state
+    kept = [saved[0][key].view(shape) if saved[0][key] is not None else q.new_empty(0, dtype=dt)
+            for key, (shape, dt) in zip(SAVED, _saved_shapes(lead, steps, kd, vd, parsed, scalar_gate))]
+    return (o, state, *kept)
 
 
 @kda.register_fake
@@ -286,18 +299,8 @@ def kda_save(
     the forward's workspaces (:data:`SAVED`, ``[*L, ...]``), which its autograd formula hands to
     ``fuser::kda_backward_saved`` instead of recomputing them. Used by the rewrite only when
     gradients are recorded (the workspaces live until the backward)."""
-    parsed = _parsed_plan(plan)
-    lead, (qf, kf, vf, gf, bf) = _inputs(q, k, v, g, beta, time_dims, t0, steps, scalar_gate, flat=False)
-    kd, vd = q.shape[-1], v.shape[-1]
-    h0f = h0.reshape(-1, kd, vd) if h0 is not None else None
-    o, o_view = _output(lead, steps, vd, out_dim, out_dtype, q.device)
-    _, state, saved = run_forward(qf, kf, vf, gf, bf, h0f, scale, scalar_gate, want_state, out_dtype, parsed,
-                                  out=o_view, save=True)
-    kept = [saved[key].view(shape) if saved[key] is not None else q.new_empty(0, dtype=torch.float32)
-            for key, (shape, _) in zip(SAVED, _saved_shapes(lead, steps, kd, vd, parsed, scalar_gate))]
-    if not want_state:
-        return (o, torch.empty(0, dtype=state_dtype, device=q.device), *kept)
-    return (o, state.reshape(*lead, kd, vd).to(state_dtype), *kept)
+    return _op_forward(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state,
+                       state_dtype, plan, save=True)
 
 
 @kda_save.register_fake
@@ -310,10 +313,12 @@ def _kda_save_fake(q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gat
 
 
 def _setup(ctx, inputs, output):
+    """Autograd context of :func:`kda` and :func:`kda_save`: the inputs, and kda_save's workspaces
+    (its outputs after o and the state; none for kda)."""
     q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state, state_dtype, \
         plan = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0)
-    ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state)
+    ctx.save_for_backward(q, k, v, g, beta, h0, *output[2:])
+    ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state, _parsed_plan(plan)["chunk"])
 
 
 #: Largest K (and V) the backward kernels (codegen/kda_bwd.py) take: their state tiles live in
@@ -321,35 +326,22 @@ def _setup(ctx, inputs, output):
 KERNEL_BACKWARD_MAX_DIM = 256
 
 
-def _setup_saved(ctx, inputs, output):
-    q, k, v, g, beta, h0, time_dims, t0, steps, scale, scalar_gate, out_dim, out_dtype, want_state, state_dtype, \
-        plan = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, *output[2:])
-    ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state, _parsed_plan(plan)["chunk"])
-
-
-def _backward_saved(ctx, d_o, d_state, *_):
+def _backward(ctx, d_o, d_state, *_):
+    """Gradients of :func:`kda` and :func:`kda_save` (``*_``: kda_save's workspace outputs, never
+    differentiated): kda_backward, or kda_backward_saved on the workspaces :func:`_setup` kept;
+    heads above :data:`KERNEL_BACKWARD_MAX_DIM` by the float64 reference."""
     q, k, v, g, beta, h0, *saved = ctx.saved_tensors
     time_dims, t0, steps, scale, scalar_gate, out_dim, want_state, chunk = ctx.args
-    d_state = d_state if want_state and d_state is not None and d_state.numel() else None
-    if max(q.shape[-1], v.shape[-1]) > KERNEL_BACKWARD_MAX_DIM:  # as _backward: the float64 reference
-        grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state, time_dims=time_dims, t0=t0, steps=steps,
-                                   scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
-        return (*grads,) + (None,) * 10
-    dq, dk, dv, dg, db, dh0 = kda_backward_saved(q, k, v, g, beta, h0, d_o, d_state, *saved, time_dims, t0, steps,
-                                                 scale, scalar_gate, out_dim, chunk)
-    return (dq, dk, dv, dg, db, dh0 if h0 is not None else None) + (None,) * 10
-
-
-def _backward(ctx, d_o, d_state):
-    q, k, v, g, beta, h0 = ctx.saved_tensors
-    time_dims, t0, steps, scale, scalar_gate, out_dim, want_state = ctx.args
     args = dict(time_dims=time_dims, t0=t0, steps=steps, scale=scale, scalar_gate=scalar_gate, out_dim=out_dim)
     d_state = d_state if want_state and d_state is not None and d_state.numel() else None
     if max(q.shape[-1], v.shape[-1]) <= KERNEL_BACKWARD_MAX_DIM:
         # dO read in place too (its rows as two stride groups; any strides, a broadcast one included)
-        dq, dk, dv, dg, db, dh0 = kda_backward(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps, scale,
-                                               scalar_gate, out_dim)
+        if saved:
+            dq, dk, dv, dg, db, dh0 = kda_backward_saved(q, k, v, g, beta, h0, d_o, d_state, *saved, time_dims, t0,
+                                                         steps, scale, scalar_gate, out_dim, chunk)
+        else:
+            dq, dk, dv, dg, db, dh0 = kda_backward(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps, scale,
+                                                   scalar_gate, out_dim)
         grads = (dq, dk, dv, dg, db, dh0 if h0 is not None else None)
     else:
         grads = backward_reference(q, k, v, g, beta, h0, d_o, d_state, **args)
@@ -481,7 +473,7 @@ def _kda_backward_saved_fake(q, k, v, g, beta, h0, d_o, d_state, *rest):
 
 
 kda.register_autograd(_backward, setup_context=_setup)
-kda_save.register_autograd(_backward_saved, setup_context=_setup_saved)
+kda_save.register_autograd(_backward, setup_context=_setup)
 
 
 # DTensor sharding rules (fuser/distributed.py): every lead (batch, head) dim is independent problems.

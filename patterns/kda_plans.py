@@ -269,26 +269,27 @@ def chunk_precisions(m: Match, ctx: MatchContext) -> tuple:
             kda_chunk.resolve_output_precision(requested, dots=dots, out_dtype=b["out_dtype"], interpret=interpret))
 
 
-def chunk_save(m: Match, ctx: MatchContext, dots: str) -> tuple:
-    """``(save, note)``: what the chunk plan keeps for its backward — ``"workspaces"`` where
-    ``fuser.plan`` forces ``kda.save=workspaces`` and the region records gradients (else None: the
-    inputs, the default) — and its words for ``explain()`` (the extra memory kept from the forward
-    to the backward at the example sizes, in MiB; empty when nothing is recorded: the candidate then
-    has no ``save`` choice, as an inference-only match has no backward choices)."""
-    from fuser.codegen import kda_chunk
+def chunk_save(m: Match, ctx: MatchContext, dots: str, chunk: int) -> tuple:
+    """``(save, note)``: what the chunk plan keeps for its backward (``kda_ops.SAVES``) —
+    ``"workspaces"`` where ``fuser.plan`` forces ``kda.save=workspaces`` and the region records
+    gradients, ``"inputs"`` (the default) where it records them otherwise, None where it records
+    none (the candidate then has no ``save`` choice, as an inference-only match has no backward
+    choices) — and its words for ``explain()`` (with workspaces, the memory kept from the forward to
+    the backward at the example sizes: ``kda_ops``' :data:`~fuser.patterns.kda_ops.SAVED` shapes)."""
+    from .kda_ops import _saved_shapes
 
     b = m.bindings
     records = getattr(ctx, "grad_enabled", False) and any(getattr(val(b[name]), "requires_grad", False)
-                                       for name in ("q", "k", "v", "g", "beta", "h0") if b.get(name) is not None)
+                                                          for name in ("q", "k", "v", "g", "beta", "h0")
+                                                          if b.get(name) is not None)
     if not records:
         return None, ""
     if ctx.options.forced("kda", "save") != "workspaces":
-        return None, ("; the backward recomputes the chunk quantities from the inputs (kda.save=workspaces keeps the "
-                      "forward's instead: a faster backward for more activation memory)")
+        return "inputs", ("; the backward recomputes the chunk quantities from the inputs (kda.save=workspaces keeps "
+                          "the forward's instead: a faster backward for more activation memory)")
     x = shapes(m)
-    ws = 2 if dots == "bfloat16" else 4
-    kept = kda_chunk.workspace_bytes(n=symint_value(x[N]), t=symint_value(x[T]), k_dim=x[KD], v_dim=x[VD],
-                                     ws_bytes=ws, save_for_backward=True, scalar_gate=b["scalar_gate"])
+    kept = sum(math.prod(shape) * dt.itemsize for shape, dt in _saved_shapes(
+        [x[N]], x[T], x[KD], x[VD], {"chunk": chunk, "dots": dots}, b["scalar_gate"]))
     return "workspaces", (f"; keeps the forward's workspaces for the backward (forced kda.save=workspaces: "
                           f"{kept / 2**20:.0f} MiB at the example sizes, read instead of recomputed)")
 
@@ -416,13 +417,14 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
             "written tile by tile")
     if subs[KD] <= CHUNK_MAX_K:
         dots, requested, state_precision, out_precision = chunk_precisions(m, ctx)
-        save, save_note = chunk_save(m, ctx, dots)
         for c in (64,):
+            save, save_note = chunk_save(m, ctx, dots, c)
             add(f"fuser[chunk C={c}]", "chunk", cost_terms(m, "chunk", c, dots, requested),
                 f"chunked WY form (chunks of {c}): intra-chunk kernel, then the state across chunks; "
                 + precision_note(m, dots, requested, state_precision, out_precision) + save_note, chunk=c,
-                dots=dots, output_precision=out_precision, **({"save": save or "inputs"} if save_note else {}),
-                plan_string=plan_string("chunk", c, ctx.options.forced("kda", "dots"), requested, save))
+                dots=dots, output_precision=out_precision, **({"save": save} if save else {}),
+                plan_string=plan_string("chunk", c, ctx.options.forced("kda", "dots"), requested,
+                                        "workspaces" if save == "workspaces" else None))
     if dev is not None and torch.device(dev).type != "cpu":
         terms = cost_terms(m, "inductor")
         out.append(Candidate("inductor", {"impl": "inductor"}, terms, estimate(terms, subs, model, kind),
