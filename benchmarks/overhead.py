@@ -77,6 +77,12 @@ compile ms`` (fuser's own phases; ``first call s`` in the details includes compi
 on the GPU with static shapes inside Inductor's ``compile_fx``, else at their first launch). The
 details table has one row per (configuration, impl).
 
+``--dynamic-batch``: the compiled impls' inputs have their batch dim marked dynamic
+(``torch._dynamo.mark_dynamic(x, 0)``, ``dynamic=None``): the graph has a symbolic batch, as after
+Dynamo's automatic dynamic shapes; KDA's batch is then ``--batch`` (≥ 2). A fused op whose body
+specialises no symbolic size is still inlined (``codegen.launch.fused_op``'s ``symbolic`` rule: KDA's
+chunk plan, ``--fuser-option fuser.plan=kda.plan=chunk``); the others stay opaque custom ops.
+
 Flags: ``--ops``, ``--modes``, ``--impls``, ``--seqs``, ``--dim``, ``--batch``, ``--heads``,
 ``--dtype``, ``--kda-t``, ``--kda-heads``, ``--kda-dim``, ``--kda-dtype``, ``--empty-numel``,
 ``--calls`` (1000), ``--device-calls`` (100), ``--rounds`` (5), ``--warm-calls`` (50),
@@ -136,6 +142,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--kda-dtype", choices=tuple(common.DTYPES), default=None,
                    help="q, k, v, beta (default bf16; fp32 with --smoke); the gate is float32")
     p.add_argument("--empty-numel", type=int, default=8)
+    p.add_argument("--dynamic-batch", action="store_true",
+                   help="compile with the batch dim marked dynamic (torch._dynamo.mark_dynamic; KDA's batch is "
+                        "then --batch, which must be >= 2)")
     p.add_argument("--calls", type=int, default=None, help="calls per timing loop (default 1000; 3 with --smoke)")
     p.add_argument("--device-calls", type=int, default=100, help="calls per device-time loop (default 100)")
     p.add_argument("--rounds", type=int, default=None, help="timing loops, median taken (default 5; 1 with --smoke)")
@@ -154,6 +163,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.rounds = a.rounds or (1 if small else 5)
     a.warm_calls = a.warm_calls if a.warm_calls is not None else (1 if small else 50)
     a.impl_list = [i for i in IMPLS if i in a.impls]
+    if a.dynamic_batch and a.batch < 2:
+        p.error("--dynamic-batch needs --batch >= 2 (Dynamo specialises a dim of size 1)")
     return a
 
 
@@ -293,8 +304,8 @@ class OverheadBenchmark(common.Benchmark):
         a, m = self.args, self.meta
         return (f"overhead benchmark on {m['device']}: torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; "
                 f"ops={a.ops} modes={a.modes} impls={a.impl_list} attention B={a.batch} H={a.heads} N={a.seqs} "
-                f"D={a.dim} {a.dtype}; KDA B=1 T={a.kda_t} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}; "
-                f"calls={a.calls} rounds={a.rounds}")
+                f"D={a.dim} {a.dtype}; KDA B={a.batch if a.dynamic_batch else 1} T={a.kda_t} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}; "
+                f"calls={a.calls} rounds={a.rounds}" + ("; batch dim dynamic (mark_dynamic)" if a.dynamic_batch else ""))
 
     def groups(self):
         a = self.args
@@ -339,7 +350,7 @@ class OverheadBenchmark(common.Benchmark):
             fn = sdpa_function(a.dim ** -0.5)
         elif name in ("inductor", "fuser"):
             tag = f"{name}_{cfg.op}_{cfg.n}_{cfg.mode.replace('-', '_')}"
-            kw: dict[str, Any] = {"dynamic": False}
+            kw: dict[str, Any] = {"dynamic": None if a.dynamic_batch else False}
             if name == "inductor":
                 if cg:
                     kw["mode"] = "reduce-overhead"
@@ -355,6 +366,9 @@ class OverheadBenchmark(common.Benchmark):
                 kw.update(backend="fuser", options=opts or None)
             fn = torch.compile(common.fresh_function(fn, tag), **kw)
         args = run.inputs
+        if a.dynamic_batch and name in ("inductor", "fuser") and cfg.op != "empty":
+            for x in args:
+                torch._dynamo.mark_dynamic(x, 0)  # the batch: symbolic in the compiled graph
         step = torch.compiler.cudagraph_mark_step_begin if cg else None
 
         def call():
@@ -377,7 +391,7 @@ class OverheadBenchmark(common.Benchmark):
             shape = (a.batch, a.heads, cfg.n, a.dim)
             count = 3 if cfg.op == "attention" else 4
             return tuple(torch.randn(shape, device=dev).to(dt) for _ in range(count))
-        b, t, h, d = 1, cfg.n, a.kda_heads, a.kda_dim
+        b, t, h, d = a.batch if a.dynamic_batch else 1, cfg.n, a.kda_heads, a.kda_dim
         q = F.normalize(torch.randn(b, t, h, d, device=dev), dim=-1).to(dt)
         k = F.normalize(torch.randn(b, t, h, d, device=dev), dim=-1).to(dt)
         v = torch.randn(b, t, h, d, device=dev).to(dt)
@@ -489,9 +503,10 @@ class OverheadBenchmark(common.Benchmark):
         a = self.args
         if cfg.op == "empty":
             return f"[{cfg.n}]"
+        dyn = " (B dynamic)" if a.dynamic_batch else ""
         if cfg.op == "kda":
-            return f"B=1 T={cfg.n} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}"
-        return f"B={a.batch} H={a.heads} N={cfg.n} D={a.dim} {a.dtype}"
+            return f"B={a.batch if a.dynamic_batch else 1} T={cfg.n} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}{dyn}"
+        return f"B={a.batch} H={a.heads} N={cfg.n} D={a.dim} {a.dtype}{dyn}"
 
     def empty_us(self, mode: str) -> Optional[float]:
         for cfg, recs, _ in self.rows:

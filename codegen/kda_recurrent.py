@@ -441,9 +441,10 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, variant: s
 
 
 def _prod(dims) -> int:
+    # no int(): a symbolic size (dynamic shapes, while the op is traced for Inductor) stays symbolic
     out = 1
     for d in dims:
-        out *= int(d)
+        out *= d
     return out
 
 

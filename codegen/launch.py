@@ -817,27 +817,53 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def stays_opaque(args, kwargs) -> str | None:
+#: Per fused op (``"fuser::kda"``): the rule that lets a call with symbolic sizes hand its
+#: kernels to Inductor (:func:`fused_op`'s ``symbolic``). Ops not here keep the opaque op then.
+_SYMBOLIC_RULES: dict[str, Callable[[tuple, dict], "str | None"]] = {}
+
+
+def _op_name(op) -> str | None:
+    if op is None or isinstance(op, str):
+        return op
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else None
+
+
+def stays_opaque(args, kwargs, op=None) -> str | None:
     """Why a fused op's call with these arguments (real, fake or functional tensors) keeps the
     opaque op instead of handing its kernels to Inductor (:func:`inline_into_inductor`), or None:
     ``"opaque ops"`` (``FUSER_OPAQUE_OPS=1``), ``"device"`` (no tensor, or its first tensor not on
-    a device of :data:`INLINE_DEVICE_TYPES`), ``"symbolic sizes"`` (dynamic shapes)."""
+    a device of :data:`INLINE_DEVICE_TYPES`), ``"symbolic sizes"`` (dynamic shapes, where ``op``
+    (its name ``"fuser::kda"`` or an overload) has no ``symbolic`` rule in :func:`fused_op`, or
+    its rule says this call's body would specialise a size)."""
     if not INLINE_INTO_INDUCTOR:
         return "opaque ops"
     first = _first_tensor(args, kwargs)
     if first is None or first.device.type not in INLINE_DEVICE_TYPES:
         return "device"
     if _symbolic(args, kwargs):
-        return "symbolic sizes"
+        rule = _SYMBOLIC_RULES.get(_op_name(op))
+        if rule is None or rule(args, kwargs) is not None:
+            return "symbolic sizes"
     return None
 
 
-def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable[..., Any]], Any]:
+def fused_op(name: str, *, mutates_args=(),
+             symbolic: Callable[[tuple, dict], "str | None"] | None = None) -> Callable[[Callable[..., Any]], Any]:
     """``torch.library.custom_op(name, mutates_args=...)`` whose GPU kernels Inductor launches
-    (:func:`inline_into_inductor`); the decorated function is the op's body for both."""
+    (:func:`inline_into_inductor`); the decorated function is the op's body for both.
+
+    ``symbolic``: for a call whose sizes are symbolic (dynamic shapes), ``symbolic(args, kwargs)``
+    says why it must keep the opaque op (a string), or None when its body, traced with those
+    sizes, specialises none of them: no Python branch, ``int()`` or config choice on a symbolic
+    size, so that Dynamo's shape environment gains no guard and every size the compiled graph
+    serves runs the kernels it recorded (the op's tests trace it with symbolic sizes and check
+    that no guard appeared). Without a rule (the default) such calls stay opaque."""
 
     def decorate(fn: Callable[..., Any]):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        if symbolic is not None:
+            _SYMBOLIC_RULES[name] = symbolic
         inline_into_inductor(op, fn)
         return op
 
@@ -861,9 +887,10 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
 
     ``impl`` must be traceable with fake tensors: no data-dependent Python, configs chosen
     without timing (:func:`autotune` and :func:`launch_first_fitting` know when they are traced).
-    A call with symbolic sizes (dynamic shapes) keeps the opaque op: the bodies choose configs
-    and kernels from sizes (power-of-two buckets, block counts), which would specialise the
-    compiled graph to one size and recompile it for every other. ``torch.export`` keeps the op
+    A call with symbolic sizes (dynamic shapes) keeps the opaque op unless the op's ``symbolic``
+    rule (:func:`fused_op`) lets it through: most bodies choose configs and kernels from sizes
+    (power-of-two buckets, block counts), which would specialise the compiled graph to one size
+    and recompile it for every other. ``torch.export`` keeps the op
     whole (as it does triton ops).
     """
     from torch._subclasses.fake_tensor import FakeTensor
@@ -874,7 +901,7 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
     def decompose(mode, func, types, args, kwargs):
         from torch.export._trace import custom_triton_ops_decomposition_disabled
 
-        if stays_opaque(args, kwargs) is not None or custom_triton_ops_decomposition_disabled():
+        if stays_opaque(args, kwargs, func) is not None or custom_triton_ops_decomposition_disabled():
             return mode.__torch_dispatch__(func, types, args, kwargs)
         if any(t not in known for t in types):
             return NotImplemented

@@ -102,7 +102,7 @@ def _check_inlinable(gm: torch.fx.GraphModule) -> None:
         if n.op != "call_function" or getattr(n.target, "namespace", None) != "fuser":
             continue
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-        why = launch.stays_opaque(args, kwargs)
+        why = launch.stays_opaque(args, kwargs, n.target)
         if why is not None:
             raise FuserOptionError(f"fuser.export(for_aoti=True): {n.target} {fixes[why]}, or keep the program "
                                    f"in Python (for_aoti=False, ep.module()).")

@@ -212,7 +212,35 @@ def run_forward(q, k, v, g, beta, h0, scale: float, scalar_gate: bool, want_stat
                            scalar_gate=scalar_gate, out_dtype=out_dtype, out=out)
 
 
-@launch.fused_op("fuser::kda")
+def _symbolic_sizes(q, v, time_dims, t0, steps) -> Optional[str]:
+    """Why a KDA op's call with symbolic sizes keeps the opaque op, or None: symbolic lead dims
+    (batch, heads) are traced into the kernels' grids, strides and workspaces without a guard;
+    K, V and the length must be static (a symbolic length specialised a size in the saved
+    workspaces' shapes when tried; a matched loop unrolls its steps, so its length is static)."""
+    if not all(isinstance(d, int) for d in (q.shape[-1], v.shape[-1], q.shape[time_dims[0]], t0, steps)):
+        return "a symbolic K, V or length"
+    return None
+
+
+def _symbolic_forward(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule (``launch.fused_op``) of :func:`kda` and :func:`kda_save`: the chunk
+    plan's body, with symbolic lead dims (:func:`_symbolic_sizes`; its configs depend on K and V
+    only). The recurrent and parallel plans choose configs and blocks from N, V and T, and keep
+    the opaque op. Both checked by tests/patterns/test_inline_ops.py (no guard while traced)."""
+    q, v, time_dims, t0, steps, plan = args[0], args[2], args[6], args[7], args[8], args[15]
+    if _parsed_plan(plan)["plan"] != "chunk":
+        return f"plan {_parsed_plan(plan)['plan']} chooses its kernels from the sizes"
+    return _symbolic_sizes(q, v, time_dims, t0, steps)
+
+
+def _symbolic_backward(args, kwargs, at: int = 8) -> Optional[str]:
+    """The ``symbolic`` rule of :func:`kda_backward` and :func:`kda_backward_saved` (the chunked
+    backward, configs from K and V): :func:`_symbolic_sizes`; ``at``: where ``time_dims`` is
+    among the op's arguments."""
+    return _symbolic_sizes(args[0], args[2], *args[at:at + 3])
+
+
+@launch.fused_op("fuser::kda", symbolic=_symbolic_forward)
 def kda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
@@ -288,7 +316,7 @@ def _saved_shapes(lead: list, steps, k_dim: int, v_dim: int, plan: dict, scalar_
             (lead + ([tp] if scalar_gate else [tp, k_dim]), f32), (lead + [nc, k_dim], f32), states]
 
 
-@launch.fused_op("fuser::kda_save")
+@launch.fused_op("fuser::kda_save", symbolic=_symbolic_forward)
 def kda_save(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], time_dims: list[int], t0: int, steps: int, scale: float, scalar_gate: bool,
@@ -430,7 +458,7 @@ def backward_reference(q, k, v, g, beta, h0, d_o, d_state, *, time_dims, t0, ste
     return tuple(result)
 
 
-@launch.fused_op("fuser::kda_backward")
+@launch.fused_op("fuser::kda_backward", symbolic=_symbolic_backward)
 def kda_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], d_o: torch.Tensor, d_state: Optional[torch.Tensor], time_dims: list[int], t0: int,
@@ -451,7 +479,7 @@ def _kda_backward_fake(q, k, v, g, beta, h0, d_o, d_state, time_dims, t0, steps,
             torch.empty_like(beta), torch.empty_like(h0) if h0 is not None else q.new_empty(0))
 
 
-@launch.fused_op("fuser::kda_backward_saved")
+@launch.fused_op("fuser::kda_backward_saved", symbolic=functools.partial(_symbolic_backward, at=8 + len(SAVED)))
 def kda_backward_saved(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     h0: Optional[torch.Tensor], d_o: torch.Tensor, d_state: Optional[torch.Tensor],

@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import fuser  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.codegen import launch
@@ -200,6 +201,116 @@ def test_kda_backward_becomes_its_kernel_launches(h0):
     _check_inlined(torch.ops.fuser.kda_backward.default,
                    (q, kk, vv, g, beta, state, torch.empty(1, 70, 2, 48, dtype=torch.bfloat16),
                     torch.empty(1, 2, 32, 48) if h0 else None, [1, 1, 1, 1, 1], 0, 70, 32 ** -0.5, False, 1))
+
+
+def _symbolic_fakes(tensors, dynamic_dims):
+    """Fake GPU tensors whose dims ``dynamic_dims`` are symbolic (duck-sized, as Dynamo marks a
+    dim that changed between calls: equal sizes share a symbol), the rest static; with their
+    shape environment: ``(env, mode, fakes)``."""
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    fakes = []
+    for x in tensors:
+        if x is None:
+            fakes.append(None)
+            continue
+        dims = [DimDynamic.DUCK if d in dynamic_dims else DimDynamic.STATIC for d in range(x.dim())]
+        fakes.append(mode.from_tensor(torch.empty(x.shape, dtype=x.dtype, device=GPU),
+                                      symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+    return env, mode, fakes
+
+
+def _check_inlined_symbolic(fn, fakes, env, mode):
+    """``fn(*fakes)`` traced as AOTAutograd does with symbolic sizes: only kernel launches and
+    tensor ops, at least one launch grid symbolic, and the shape environment without a guard or
+    a replacement (nothing specialised: the graph serves every size)."""
+    with mode:
+        gm = make_fx(dispatch_functionalize(fn), tracing_mode="symbolic")(*fakes)
+    targets = _targets(gm)
+    assert any("triton_kernel_wrapper_functional" in t for t in targets), targets
+    assert not any(t.startswith("fuser.") for t in targets), targets
+    grids = [n.kwargs["grid"] for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
+    assert any(isinstance(d, torch.fx.Node) for grid in grids for dims in grid for d in dims), grids
+    assert not env.guards, [str(g.expr) for g in env.guards]
+    assert not env.replacements, env.replacements
+    return gm
+
+
+#: KDA with a symbolic batch (dim 0 of its [B, T, H, *] inputs, B=3: no other size equals it, so
+#: duck sizing gives it its own symbol). The length stays static: a matched loop unrolls its steps
+KDA_SYM_DIMS = (0,)
+
+
+@pytest.mark.parametrize("h0,t0", [(False, 0), (True, 0), (False, 3)], ids=["plain", "h0_state", "time_window"])
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
+def test_kda_chunk_forward_and_backward_inline_with_symbolic_sizes(h0, t0, scalar_gate):
+    # dynamic shapes (a batch or a length that changed between calls): the chunk plan's kernels
+    # serve every size, so the op is inlined with symbolic grids, strides and workspaces
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(100, 2, 32, 48, scalar_gate=scalar_gate))
+    state = torch.empty(3, 2, 32, 48) if h0 else None
+    do = torch.empty(3, 100, 2, 48, dtype=torch.bfloat16)
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state, do), KDA_SYM_DIMS)
+    steps = 100 - t0
+    rest = ([1, 1, 1, 1, 1], t0, steps, 32 ** -0.5, scalar_gate, 1)
+
+    def fwd_bwd(q, k, v, g, beta, h0, do):
+        o, s = torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest, torch.bfloat16, True, torch.float32,
+                                   "plan=chunk;chunk=64")
+        grads = torch.ops.fuser.kda_backward(q, k, v, g, beta, h0, do[:, t0:], s if h0 is not None else None,
+                                             *rest)
+        return (o, s, *grads)
+
+    _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
+
+
+@pytest.mark.parametrize("k", [32, 128], ids=["states_recomputed", "states_kept"])
+def test_kda_save_and_its_backward_inline_with_symbolic_sizes(k):
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(100, 2, k, 48))
+    do = torch.empty(3, 100, 2, 48, dtype=torch.bfloat16)
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, do), KDA_SYM_DIMS)
+    rest = ([1, 1, 1, 1, 1], 0, 100, k ** -0.5, False, 1)
+
+    def fwd_bwd(q, k, v, g, beta, do):
+        o, s, *saved = torch.ops.fuser.kda_save(q, k, v, g, beta, None, *rest, torch.bfloat16, False,
+                                                torch.float32, "plan=chunk;chunk=64;dots=float32;save=workspaces")
+        return (o, *torch.ops.fuser.kda_backward_saved(q, k, v, g, beta, None, do, None, *saved, *rest, 64))
+
+    _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
+
+
+@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=parallel"])
+def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_sizes(plan):
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(40, 2, 32, 48))
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta), KDA_SYM_DIMS)
+    rest = (None, [1, 1, 1, 1, 1], 0, 40, 32 ** -0.5, False, 1, torch.bfloat16, True, torch.float32,
+            plan)
+    with mode:
+        gm = make_fx(dispatch_functionalize(lambda *xs: torch.ops.fuser.kda(*xs, *rest)),
+                     tracing_mode="symbolic")(*fakes)
+    assert "fuser.kda.default" in _targets(gm)
+    assert launch.stays_opaque((*fakes, *rest), {}, "fuser::kda") == "symbolic sizes"
+    assert launch.stays_opaque((*fakes, *rest), {}, "fuser::attention") == "symbolic sizes"
+
+
+def test_kda_with_a_symbolic_length_stays_opaque():
+    # a symbolic length specialised a size when traced (the saved workspaces' padded length):
+    # the rule keeps those calls opaque, forward and backward
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(100, 2, 32, 48))
+    do = torch.empty(3, 100, 2, 48, dtype=torch.bfloat16)
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, do), (0, 1))
+    t = fakes[0].shape[1]
+    rest = ([1, 1, 1, 1, 1], 0, t, 32 ** -0.5, False, 1)
+
+    def fwd_bwd(q, k, v, g, beta, do):
+        o, _ = torch.ops.fuser.kda(q, k, v, g, beta, None, *rest, torch.bfloat16, False, torch.float32,
+                                   "plan=chunk;chunk=64")
+        return (o, *torch.ops.fuser.kda_backward(q, k, v, g, beta, None, do, None, *rest))
+
+    with mode:
+        gm = make_fx(dispatch_functionalize(fwd_bwd), tracing_mode="symbolic")(*fakes)
+    targets = _targets(gm)
+    assert "fuser.kda.default" in targets and "fuser.kda_backward.default" in targets, targets
+    assert not any("triton_kernel_wrapper" in x for x in targets), targets
 
 
 def test_cpu_tensors_keep_the_opaque_op():
