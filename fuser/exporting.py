@@ -93,9 +93,9 @@ def _check_inlinable(gm: torch.fx.GraphModule) -> None:
         "device": (f"runs on tensors of another device; only ops on "
                    f"{'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an AOTInductor "
                    f"package (on the CPU they need Python and Triton's interpreter). Export on CUDA tensors"),
-        "symbolic sizes": ("has symbolic sizes (dynamic_shapes); fuser's ops become kernels in an AOTInductor "
-                           "package only with static sizes (their kernels and launch configs are chosen from the "
-                           "sizes). Export without dynamic_shapes, one package per shape"),
+        "symbolic sizes": ("has symbolic sizes (dynamic_shapes) its kernels or launch configs are chosen from "
+                           "(only KDA's chunk plan serves a symbolic batch and heads, with static length, K and V); "
+                           "export without dynamic_shapes, one package per shape"),
         "opaque ops": "is kept opaque by FUSER_OPAQUE_OPS=1, which an AOTInductor package cannot run. Unset it",
     }
     for n in gm.graph.nodes:

@@ -224,6 +224,24 @@ def test_kda_recurrent_configs_fit_is_the_committed_model(tmp_path):
     assert len(picks) >= 100 and max(p["regret"] for p in picks) < 1.1
 
 
+def test_overhead_dynamic_batch_smoke(tmp_path):
+    """--dynamic-batch: the compiled impls' batch dim is symbolic (KDA at --batch), the rows say so,
+    and fuser still fuses (the chunk plan forced) and matches eager."""
+    md, data = run_script("overhead", tmp_path, "--ops", "kda", "--modes", "default", "--dynamic-batch",
+                          "--batch", "2", "--fuser-option", "fuser.plan=kda.plan=chunk")
+    assert data["complete"] and "B=2 T=4 H=2 K=V=8 fp32 (B dynamic)" in md
+    (c,) = data["configs"]
+    f = c["results"]["fuser"]
+    assert f["status"] == "ok" and f["fused"] and "chunk" in f["note"], f
+    assert_measured(list(c["results"].values()))
+
+
+def test_overhead_dynamic_batch_needs_two_rows():
+    r = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--smoke", "--dynamic-batch"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and "--batch >= 2" in r.stderr
+
+
 def test_overhead_smoke(tmp_path):
     """Every op in both modes: the default rows measured (host µs per call, checked against eager,
     fuser's op fused, its compile phases reported); the CUDA-graph rows skipped on the CPU."""
