@@ -227,9 +227,9 @@ def _symbolic_forward(args, kwargs) -> Optional[str]:
     plan's body, with symbolic lead dims (:func:`_symbolic_sizes`; its configs depend on K and V
     only). The recurrent and parallel plans choose configs and blocks from N, V and T, and keep
     the opaque op. Both checked by tests/patterns/test_inline_ops.py (no guard while traced)."""
-    q, v, time_dims, t0, steps, plan = args[0], args[2], args[6], args[7], args[8], args[15]
-    if _parsed_plan(plan)["plan"] != "chunk":
-        return f"plan {_parsed_plan(plan)['plan']} chooses its kernels from the sizes"
+    q, v, time_dims, t0, steps, plan = args[0], args[2], args[6], args[7], args[8], _parsed_plan(args[15])["plan"]
+    if plan != "chunk":
+        return f"plan {plan} chooses its kernels from the sizes"
     return _symbolic_sizes(q, v, time_dims, t0, steps)
 
 
@@ -306,7 +306,7 @@ def _saved_shapes(lead: list, steps, k_dim: int, v_dim: int, plan: dict, scalar_
     from ..codegen.kda_chunk import workspace_dtype
 
     chunk = plan["chunk"]
-    nc = -(-steps // chunk)
+    nc = launch.cdiv(steps, chunk)
     tp = nc * chunk
     dt, f32 = workspace_dtype(plan["dots"]), torch.float32
     lead = list(lead)
