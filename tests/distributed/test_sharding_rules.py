@@ -199,6 +199,51 @@ def test_kda_forward_and_backward(mesh, dim):
     _check([x.grad for x in dts], [x.grad for x in lts], pls)
 
 
+@pytest.mark.parametrize("dim", [0, 2], ids=["batch", "heads"])
+@pytest.mark.parametrize("k_dim", [8, 72], ids=["states_recomputed", "states_kept"])
+def test_kda_save_forward_and_backward(mesh, dim, k_dim):
+    """``kda.save=workspaces``: fuser::kda_save returns the forward's workspaces beside o and the
+    state, and its autograd formula hands them to fuser::kda_backward_saved. Every workspace is
+    ``[*L, ...]``, so a batch- or head-sharded call runs on the local shards without communication
+    and the workspaces come out sharded like the inputs; the backward reads them as DTensors. At
+    K=72 with float32 dots the chunk states are among them (``kda_ops.keeps_states``), at K=8 their
+    slot is an empty placeholder (no placement to check)."""
+    from fuser.patterns import kda_ops
+
+    torch.manual_seed(5)
+    b, t, h, vd = 2, 10, 2, 8
+    q, k = torch.randn(b, t, h, k_dim) * 0.3, torch.nn.functional.normalize(torch.randn(b, t, h, k_dim), dim=-1)
+    v, g = torch.randn(b, t, h, vd), -torch.rand(b, t, h, k_dim) * 0.1
+    beta, h0 = torch.rand(b, t, h), torch.randn(b, h, k_dim, vd) * 0.1
+    p, ph0 = Shard(dim), Shard(0 if dim == 0 else 1)
+    plan = kda_ops.plan_string("chunk", chunk=16, save="workspaces")
+    assert kda_ops.keeps_states(k_dim, "float32") == (k_dim > 64)
+
+    def call(q, k, v, g, beta, h0):
+        return torch.ops.fuser.kda_save(q, k, v, g, beta, h0, [1, 1, 1, 1, 1], 0, t, k_dim ** -0.5, False, 1,
+                                        torch.float32, True, torch.float32, plan)
+
+    ins = (q, k, v, g, beta, h0)
+    pls = (p, p, p, p, Shard(0) if dim == 0 else Shard(2), ph0)
+    dts = [_dt(x, pl, mesh, grad=True) for x, pl in zip(ins, pls)]
+    lts = [_local(x, pl).clone().requires_grad_() for x, pl in zip(ins, pls)]
+    with CommDebugMode() as comm:
+        outs = call(*dts)
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    louts = call(*lts)
+    assert len(outs) == 2 + len(kda_ops.SAVED)
+    # o and the final state as kda's; each workspace [*L, ...] sharded on the same lead dim
+    # ([B, H, ...]: the batch dim 0, the heads dim 1), the empty states slot replicated
+    lead = Shard(0) if dim == 0 else Shard(1)
+    kept = [(o, lo) for o, lo in zip(outs[2:], louts[2:]) if lo.numel()]
+    assert len(kept) == len(kda_ops.SAVED) - (0 if k_dim > 64 else 1)
+    _check(outs[:2] + tuple(o for o, _ in kept), louts[:2] + tuple(lo for _, lo in kept),
+           (p, ph0) + (lead,) * len(kept))
+    (outs[0].sum() + outs[1].sum()).backward()
+    (louts[0].sum() + louts[1].sum()).backward()
+    _check([x.grad for x in dts], [x.grad for x in lts], pls)
+
+
 def test_saved_copy(mesh):
     x = _dt(torch.randn(4, 6), Shard(1), mesh)
     y = torch.ops.fuser.saved_copy(x)
@@ -207,8 +252,12 @@ def test_saved_copy(mesh):
 
 
 def test_every_fused_op_has_a_rule():
-    """Each op the patterns emit (and its backward) declares its layout."""
+    """Each op of the ``fuser`` namespace (what the patterns emit, their backwards and the pass's
+    helpers), read off ``torch.library`` so that a new op is covered, declares its layout."""
+    from torch._library.custom_ops import OPDEFS
+
+    names = sorted(name.split("::", 1)[1] for name in OPDEFS if name.startswith("fuser::"))
+    assert {"attention", "attention_backward", "attention_kl", "attention_kl_backward", "h2o", "kda",
+            "kda_backward", "kda_save", "kda_backward_saved", "saved_copy"} <= set(names), names
     ops = {str(op) for op in distributed.LAYOUTS}
-    for name in ("attention", "attention_backward", "attention_kl", "attention_kl_backward", "h2o", "kda",
-                 "kda_backward", "saved_copy"):
-        assert f"fuser.{name}.default" in ops, name
+    assert [name for name in names if f"fuser.{name}.default" not in ops] == []
