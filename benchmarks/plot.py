@@ -20,6 +20,9 @@ A results file may ask for another kind of plot with a top-level ``"plot"`` entr
   diag_cache plan's time against K, one line per cache layout), the records ``R`` as horizontal
   lines (e.g. two_kernel, one_kernel) and the floor dashed. Without any such record the
   default plot (time against N) is drawn instead.
+- ``{"kind": "curves", "field": F, "xlabel": ..., "ylabel": ...}`` (``benchmarks/distributed.py``):
+  one panel per configuration, each record's list ``F`` (e.g. the loss of every training step)
+  against its index, one line per implementation.
 """
 
 from __future__ import annotations
@@ -66,7 +69,46 @@ def caption(json_path: Path) -> str:
     spec = data.get("plot") or {}
     if spec.get("kind") == "sweep" and any(_swept(c, spec) for c in _configs(data)):
         return f"median ms against {spec.get('xlabel') or spec.get('x')}, one line per {spec.get('series')}"
+    if spec.get("kind") == "curves":
+        return f"{spec.get('ylabel') or spec.get('field')} against {spec.get('xlabel') or 'index'}, one line per implementation"
     return "median ms against N"
+
+
+def _curves_plot(plt, configs: list, spec: dict, json_path: Path, meta: dict, out: Path) -> Optional[Path]:
+    """The ``"curves"`` plot (see the module docstring); None when no record holds the list."""
+    from matplotlib.ticker import MaxNLocator
+
+    field = spec.get("field")
+
+    def curves(c):
+        return {i: r[field] for i, r in c["results"].items() if isinstance(r, dict) and r.get(field)}
+
+    panels = [c for c in configs if curves(c)]
+    if not panels:
+        return None
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    impls = sorted({i for c in panels for i in curves(c)})
+    colors = {i: plt.cm.tab10(k % 10) for k, i in enumerate(impls)}
+    for ax, c in zip(axes.flat, panels):
+        for impl, ys in curves(c).items():
+            ax.plot(range(len(ys)), ys, marker="o", ms=3, label=impl, color=colors[impl],
+                    lw=2.2 if impl.startswith("fuser") else 1.2, ls="-" if impl.startswith("fuser") else "--")
+        ax.set_title(", ".join(f"{k}={v}" for k, v in _facet(c)) + f", N={c['N']}", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(spec.get("xlabel") or "index")
+        ax.set_ylabel(spec.get("ylabel") or field)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = next(iter(axes.flat)).get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=8)
+    _title(fig, json_path, meta)
+    fig.tight_layout(rect=(0, 0, 0.9, 0.93))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _sweep_plot(plt, configs: list, spec: dict, json_path: Path, meta: dict, out: Path) -> Optional[Path]:
@@ -139,6 +181,8 @@ def plot_results(json_path: Path, out: Optional[Path] = None) -> Optional[Path]:
         done = _sweep_plot(plt, configs, spec, json_path, data.get("meta", {}), out)
         if done is not None:
             return done
+    if spec.get("kind") == "curves":
+        return _curves_plot(plt, configs, spec, json_path, data.get("meta", {}), out)
     panels: dict[tuple, list] = {}
     for c in configs:
         panels.setdefault(_facet(c), []).append(c)

@@ -297,6 +297,34 @@ def test_compile_time_smoke(tmp_path):
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
 
 
+def test_distributed_smoke(tmp_path):
+    """The tiny HF Llama trained 3 steps on 2 gloo ranks under FSDP2 (per-layer compile) and DDP,
+    fuser and Inductor each in its own process group: fuser fuses the layer's attention in both
+    settings and its losses follow Inductor's (fp32); the tables and the loss-curve data are there."""
+    pytest.importorskip("transformers")
+    md, data = run_script("distributed", tmp_path)
+    assert data["complete"] and [c["setting"] for c in data["configs"]] == ["fsdp2", "ddp"]
+    assert data["plot"]["kind"] == "curves" and data["plot"]["field"] == "losses"
+    assert "speedup vs inductor" in md and "loss Δ vs inductor" in md and "losses per step" in md
+    for c in data["configs"]:
+        fz, ind = c["results"]["fuser"], c["results"]["inductor"]
+        for r in (fz, ind):
+            assert r["status"] == "ok" and len(r["losses"]) == 3 and r["step_ms"] > 0 and r["first_step_s"] > 0, r
+            assert len(r["step_ms_ranks"]) == 2
+        assert fz["fused"] == fz["matches"] == 1 and fz["graphs"] >= 1, fz
+        assert fz["loss_delta"] is not None and fz["loss_delta"] <= 1e-4 and not fz["wrong"], fz
+        assert ind["fused"] is None  # Inductor's rows carry no fuser report
+
+
+def test_distributed_refuses_more_ranks_than_gpus(tmp_path):
+    """On a GPU machine with fewer GPUs than --world the script stops with a clear message;
+    on a CPU-only one --device cuda is refused the same way (no CUDA device)."""
+    out = tmp_path / "d.md"
+    r = subprocess.run([sys.executable, str(BENCH / "distributed.py"), "--device", "cuda", "--world", "64",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and ("only" in r.stderr or "no CUDA device" in r.stderr), r.stderr[-2000:]
+
+
 def test_kda_save_needs_a_gpu():
     """benchmarks/kda_save.py measures the two ``save`` plans on the GPU only (a clear error
     without one); the plans it compares are kda_ops' own."""
