@@ -687,6 +687,37 @@ def add_driver_args(p, *, budget_s: float, warmup: int = 25, rep: int = 100, out
                    help="tiny sizes (fp32): an end-to-end check of the script, also on CPU (interpreter)")
 
 
+#: the sizes of the Hugging Face Llama the model benchmarks build from a config (no download)
+LLAMA_SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq")
+
+
+def add_llama_args(p, full: dict, smoke: dict) -> None:
+    """``--layers``, ``--hidden``, ``--intermediate``, ``--heads``, ``--kv-heads``, ``--vocab``,
+    ``--seq`` (N) of the Llama a script builds (:func:`llama_config`); defaults ``full``, or
+    ``smoke`` with ``--smoke``, filled in by :func:`finish_llama_args`."""
+    for name in LLAMA_SIZES:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=("N " if name == "seq" else "") + f"(default {full[name]}; {smoke[name]} with --smoke)")
+
+
+def finish_llama_args(a, full: dict, smoke: dict) -> None:
+    """Fill in the sizes :func:`add_llama_args` left open (they depend on ``--smoke``)."""
+    for name in LLAMA_SIZES:
+        if getattr(a, name) is None:
+            setattr(a, name, (smoke if a.smoke else full)[name])
+
+
+def llama_config(sizes: dict, attn: str):
+    """transformers' ``LlamaConfig`` of ``sizes`` (the :data:`LLAMA_SIZES` keys) with
+    ``attn_implementation=attn`` (``"eager"``: the written-out softmax; ``"sdpa"``)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
+        max_position_embeddings=max(sizes["seq"], 64), attn_implementation=attn)
+
+
 def finish_driver_args(a, *, out_name: str, warmup: int = 25, rep: int = 100, smoke_warmup: int = 1,
                        smoke_rep: int = 5):
     """Fill in the defaults :func:`add_driver_args` left open (they depend on ``--smoke``)."""

@@ -98,6 +98,9 @@ CACHES = ("cold", "warm")
 WRONG_TOL = {"bf16": 5e-2, "fp16": 5e-2, "fp32": 1e-3}
 TARGET_RATIO = 1.1  # issue 11: fuser's first call at most 1.1x Inductor's, cold and warm
 RESULT_TAG = "COMPILE_TIME_RESULT "
+#: the Llama's sizes (common.add_llama_args): examples/h2o_llama.py's, and a tiny one for --smoke
+LLAMA = {"layers": 4, "hidden": 1024, "intermediate": 2816, "heads": 16, "kv_heads": 4, "vocab": 32000, "seq": 4096}
+LLAMA_SMOKE = {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 64}
 CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "FUSER_CACHE_DIR": "fuser", "TRITON_CACHE_DIR": "triton"}
 
 
@@ -112,14 +115,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="default train prefill (prefill with --smoke)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
-    p.add_argument("--layers", type=int, default=None, help="default 4 (1 with --smoke)")
-    p.add_argument("--hidden", type=int, default=None, help="default 1024 (64 with --smoke)")
-    p.add_argument("--intermediate", type=int, default=None, help="default 2816 (128 with --smoke)")
-    p.add_argument("--heads", type=int, default=None, help="default 16 (4 with --smoke)")
-    p.add_argument("--kv-heads", type=int, default=None, help="default 4 (2 with --smoke)")
-    p.add_argument("--vocab", type=int, default=None, help="default 32000 (128 with --smoke)")
+    common.add_llama_args(p, LLAMA, LLAMA_SMOKE)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=None, help="N (default 4096; 64 with --smoke)")
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--cache-root", default=None, help="where the cache directories go (default: a new temp dir)")
     p.add_argument("--child-timeout", type=float, default=240.0, help="seconds per measuring process (default 240)")
@@ -132,13 +129,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     small = a.smoke
     common.finish_driver_args(a, out_name="compile_time")
-    a.layers = a.layers or (1 if small else 4)
-    a.hidden = a.hidden or (64 if small else 1024)
-    a.intermediate = a.intermediate or (128 if small else 2816)
-    a.heads = a.heads or (4 if small else 16)
-    a.kv_heads = a.kv_heads or (2 if small else 4)
-    a.vocab = a.vocab or (128 if small else 32000)
-    a.seq = a.seq or (64 if small else 4096)
+    common.finish_llama_args(a, LLAMA, LLAMA_SMOKE)
     a.dtype = a.dtype or ("fp32" if small else "bf16")
     a.workloads = a.workloads or (["prefill"] if small else list(WORKLOADS))
     return a
@@ -166,11 +157,7 @@ def run_child(spec: dict) -> dict:
     device = "cuda" if spec["device"] == "cuda" else "cpu"
     dtype = getattr(torch, common.DTYPES[spec["dtype"]])
     torch.manual_seed(spec["seed"])
-    cfg = transformers.LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=max(spec["seq"], 64), attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).to(device, dtype)
+    model = transformers.LlamaForCausalLM(common.llama_config(spec, "eager")).to(device, dtype)
     train = spec["workload"] == "train"
     model.train(train)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), device=device)

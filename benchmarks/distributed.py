@@ -78,6 +78,9 @@ WRONG_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 #: steps 0 and 1 compile and warm up; the timings and the peak memory are of the later steps
 WARM_STEPS = 2
 RESULT_FILE = "result.json"
+#: the Llama's sizes (common.add_llama_args): issue 12's, and a tiny one for --smoke
+LLAMA = {"layers": 4, "hidden": 2048, "intermediate": 5632, "heads": 16, "kv_heads": 4, "vocab": 32000, "seq": 4096}
+LLAMA_SMOKE = {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 32}
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,14 +94,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     p.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=list(DEFAULT_BACKENDS))
     p.add_argument("--steps", type=int, default=None, help="training steps per cell (default 8; 3 with --smoke)")
-    p.add_argument("--layers", type=int, default=None, help="default 4 (1 with --smoke)")
-    p.add_argument("--hidden", type=int, default=None, help="default 2048 (64 with --smoke)")
-    p.add_argument("--intermediate", type=int, default=None, help="default 5632 (128 with --smoke)")
-    p.add_argument("--heads", type=int, default=None, help="default 16 (4 with --smoke)")
-    p.add_argument("--kv-heads", type=int, default=None, help="default 4 (2 with --smoke)")
-    p.add_argument("--vocab", type=int, default=None, help="default 32000 (128 with --smoke)")
+    common.add_llama_args(p, LLAMA, LLAMA_SMOKE)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank (default 2)")
-    p.add_argument("--seq", type=int, default=None, help="N (default 4096; 32 with --smoke)")
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--child-timeout", type=float, default=420.0, help="seconds per cell (default 420)")
@@ -108,13 +105,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     small = a.smoke
     common.finish_driver_args(a, out_name="distributed")
     a.steps = a.steps or (3 if small else 8)
-    a.layers = a.layers or (1 if small else 4)
-    a.hidden = a.hidden or (64 if small else 2048)
-    a.intermediate = a.intermediate or (128 if small else 5632)
-    a.heads = a.heads or (4 if small else 16)
-    a.kv_heads = a.kv_heads or (2 if small else 4)
-    a.vocab = a.vocab or (128 if small else 32000)
-    a.seq = a.seq or (32 if small else 4096)
+    common.finish_llama_args(a, LLAMA, LLAMA_SMOKE)
     a.dtype = a.dtype or ("fp32" if small else "bf16")
     if a.steps <= WARM_STEPS:
         p.error(f"--steps must be above {WARM_STEPS} (steps 0..{WARM_STEPS - 1} compile and warm up)")
@@ -139,8 +130,12 @@ def _fuser_summary(rep) -> dict:
     fused = [m for m in rep.matches if m.fused]
     plans = sorted({f"{m.pattern}:{m.plan.name}" for m in fused if m.plan is not None})
     rejected = sorted({r.reason.split(";")[0][:120] for r in rep.rejected})
+    # how the attention's mask reached the graph: causal from indices, or a data mask (a block
+    # compiled on its own receives the model's causal mask as a tensor)
+    masks = sorted({f"causal={m.summary.get('causal')} mask={str(m.summary.get('mask')).split(' ')[0]}"
+                    for m in fused if "causal" in m.summary})
     return {"fused": len(fused), "matches": len(rep.matches), "graphs": rep.graphs, "plans": plans,
-            "rejected": rejected}
+            "rejected": rejected, "masks": masks}
 
 
 def train_rank(rank: int, world: int, spec: dict) -> dict:
@@ -165,11 +160,7 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
             opts.setdefault("fuser.interpret", True)
         kw = {"backend": "fuser", "options": opts or None}
     torch.manual_seed(spec["seed"])  # the same weights on every rank and for every backend
-    cfg = transformers.LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=max(spec["seq"], 64), attn_implementation=attn)
-    model = transformers.LlamaForCausalLM(cfg).to(device, dtype)
+    model = transformers.LlamaForCausalLM(common.llama_config(spec, attn)).to(device, dtype)
     model.train()
     if spec["setting"] == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -254,7 +245,7 @@ def child_main(spec_json: str) -> int:
                   "traceback": failed[0].get("traceback")}
     else:
         peaks = [r["peak_gib"] for r in ranks if r.get("peak_gib") is not None]
-        result = {key: ranks[0].get(key) for key in ("fused", "matches", "graphs", "plans", "rejected")}
+        result = {key: ranks[0].get(key) for key in ("fused", "matches", "graphs", "plans", "rejected", "masks")}
         result.update(status="ok", losses=ranks[0]["losses"], first_step_s=max(r["first_step_s"] for r in ranks),
                       step_ms=max(r["step_ms"] for r in ranks), peak_gib=max(peaks) if peaks else None,
                       peak_gib_ranks=peaks, step_ms_ranks=[r["step_ms"] for r in ranks])
@@ -310,7 +301,7 @@ class DistributedBenchmark(common.Benchmark):
     def new_record(self, impl: str, run) -> dict:
         return {**super().new_record(impl, run), "losses": None, "step_ms": None, "peak_gib": None,
                 "peak_gib_ranks": None, "step_ms_ranks": None, "fused": None, "matches": None, "graphs": None,
-                "plans": None, "rejected": None, "loss_delta": None, "wrong": False, "process_s": None}
+                "plans": None, "rejected": None, "masks": None, "loss_delta": None, "wrong": False, "process_s": None}
 
     def setup(self) -> Optional[int]:
         status = super().setup()
@@ -353,9 +344,9 @@ class DistributedBenchmark(common.Benchmark):
             else:
                 rec.update(json.loads(line[len(RESULT_TAG):]))
                 if rec.get("fused") is not None:
-                    rec["note"] = (f"fused {rec['fused']} of {rec['matches']} ({', '.join(rec['plans']) or '-'}); "
-                                   f"{rec['graphs']} graphs" + (f"; declined: {'; '.join(rec['rejected'])}"
-                                                                 if rec["rejected"] else ""))
+                    rec["note"] = (f"fused {rec['fused']} of {rec['matches']} ({', '.join(rec['plans']) or '-'}; "
+                                   f"{', '.join(rec.get('masks') or []) or '-'}); {rec['graphs']} graphs"
+                                   + (f"; declined: {'; '.join(rec['rejected'])}" if rec["rejected"] else ""))
         except subprocess.TimeoutExpired:
             rec.update(status=f"timeout ({a.child_timeout:.0f} s)", error=f"cell timed out after {a.child_timeout:.0f} s")
         rec["process_s"] = time.perf_counter() - t0

@@ -48,6 +48,14 @@ def _floor(c: dict) -> Optional[float]:
     return max(found) if found else None
 
 
+def _grid(plt, n: int):
+    """A figure of ``n`` panels, at most 4 a row: ``(fig, axes [rows, cols], rows)``."""
+    cols = min(4, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    return fig, axes, rows
+
+
 def _title(fig, json_path: Path, meta: dict) -> None:
     fig.suptitle(f"{json_path.stem}: {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
                  f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}", fontsize=9)
@@ -86,9 +94,7 @@ def _curves_plot(plt, configs: list, spec: dict, json_path: Path, meta: dict, ou
     panels = [c for c in configs if curves(c)]
     if not panels:
         return None
-    cols = min(4, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes, rows = _grid(plt, len(panels))
     impls = sorted({i for c in panels for i in curves(c)})
     colors = {i: plt.cm.tab10(k % 10) for k, i in enumerate(impls)}
     for ax, c in zip(axes.flat, panels):
@@ -121,9 +127,7 @@ def _sweep_plot(plt, configs: list, spec: dict, json_path: Path, meta: dict, out
     panels = [c for c in configs if swept(c)]
     if not panels:
         return None
-    cols = min(4, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes, rows = _grid(plt, len(panels))
     names = sorted({r.get(series) for c in panels for r in swept(c)}, key=str)
     refs = list(spec.get("references") or [])
     colors = {n: plt.cm.tab10(k % 10) for k, n in enumerate(names + refs)}
@@ -189,9 +193,7 @@ def plot_results(json_path: Path, out: Optional[Path] = None) -> Optional[Path]:
     impls = sorted({i for c in configs for i, r in c["results"].items() if isinstance(r, dict) and r.get("ms")})
     if not impls:
         return None
-    cols = min(4, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes, rows = _grid(plt, len(panels))
     colors = {i: plt.cm.tab10(k % 10) for k, i in enumerate(impls)}
     for ax, (facet, cs) in zip(axes.flat, panels.items()):
         cs = sorted(cs, key=lambda c: c["N"])

@@ -131,6 +131,10 @@ _DESC_SUFFIX = {"none": "", "host": "_tmahost", "device": "_tmadev"}
 #: any path; opt-in).
 TMA_SETTING = os.environ.get("FUSER_ATTN_TMA", "auto").strip().lower() or "auto"
 BWD_TEMPLATE = "attention_bwd.py.jinja"
+#: per-row statistics of a data mask split at the diagonal (:func:`mask_tiles_skippable`)
+MASK_ROWS_TEMPLATE = "attention_mask_rows.py.jinja"
+#: the mask-rows kernel's launch config (bandwidth-bound: one read of the mask)
+MASK_ROWS_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 
 
 
@@ -317,7 +321,32 @@ def kernels_for(
                 bwd_mode=bwd_mode, interpret=interpret, **fills,
             )
         )
+    if mask_skips(causal, mask_kind, mask_row_broadcast, as_predicate(mask_pred)):
+        kernels.append(mask_rows_kernel(mask_kind=mask_kind, interpret=interpret))
     return kernels
+
+
+def mask_skips(causal, mask_kind: str, mask_row_broadcast: bool, pred: Optional[tuple]) -> bool:
+    """Whether a variant skips, on a run-time proof (:func:`mask_tiles_skippable`), the key tiles
+    that its data mask hides above the diagonal: a full ``[Nq, Nk]`` data mask (not one row
+    broadcast over the queries), no causal masking and no index predicate of the pattern's own
+    (those have static bounds). The templates hold the same condition (``mask_skip``)."""
+    return (mask_kind != "none" and not variants.is_causal(causal) and pred is None
+            and not (mask_row_broadcast and mask_kind != "none"))
+
+
+def mask_rows_kernel(*, mask_kind: str, interpret: bool) -> RenderedKernel:
+    """Render the mask-rows kernel (:func:`mask_tiles_skippable`) for a data mask kind."""
+    if mask_kind not in MASK_KINDS or mask_kind == "none":
+        raise ValueError(f"mask_kind must be one of {[m for m in MASK_KINDS if m != 'none']}, got {mask_kind!r}")
+    name = "attention_mask_rows" + variants.MASK_SUFFIX[mask_kind] + ("_interp" if interpret else "")
+    return render(MASK_ROWS_TEMPLATE, name, mask_kind=mask_kind, interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_module(mask_kind: str, interpret: bool):
+    kernel = mask_rows_kernel(mask_kind=mask_kind, interpret=interpret)
+    return kernel, launch.kernel_module(kernel, interpret)
 
 
 # --------------------------------------------------------------------------------------------
@@ -647,6 +676,100 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
     return {"skip_hidden": flag}
 
 
+#: the relative error of one float32 rounding (the kernels' ``s + b``)
+_F32_ROUNDING = 2.0 ** -24
+
+
+def _score_bound(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``S``, a 0-dim float32 tensor on q's device: every base-2 score ``|scale·log2(e)·q_i·k_j|``
+    is at most S (Cauchy–Schwarz over the largest norms, 1e-3 relative margin for the float32
+    norms and the dots' rounding); ``inf``/``nan`` when a norm is not finite."""
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
+    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
+    return (abs(float(scale)) * LOG2E * (1.0 + 1e-3)) * q_norm * k_norm
+
+
+def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scale: float, mask_kind: str,
+                         mask_fill: float = NEG_INF, offset: int = 0) -> torch.Tensor:
+    """Whether every entry a data mask gives above the diagonal ``j > i + offset`` adds exactly 0
+    to its row, so that the kernels may skip the key tiles past each query block's last diagonal
+    (and the dK/dV kernel the query tiles before a key block's first): a 0-dim int32 tensor on
+    q's device, computed there (no host sync; capture-safe), read by the variants of
+    :func:`mask_skips`. Models that build their causal mask outside the compiled code (a
+    transformer block compiled on its own under FSDP2, a graph piece of DDP's optimizer, a mask
+    made before ``torch.compile``) hand it to fuser as a plain tensor: this recovers the causal
+    tile skipping from the mask's values, at the cost of one read of the mask.
+
+    q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, mask ``[B, Hq, Nq, Nk]`` (the kernels' expanded
+    view, stride 0 on broadcast dims; bool as bool or uint8); ``mask_kind`` ``"additive"``,
+    ``"bool_keep"`` or ``"bool_drop"``; ``mask_fill`` the score of a boolean mask's hidden entry
+    (natural-log units; ``-inf`` hides it); ``scale`` natural-log units.
+
+    Derivation (base 2, as the kernels compute). Every score satisfies ``|s_ij| ≤ S``
+    (:func:`_score_bound`). The softmax sees ``e_ij = s_ij + b_ij`` (additive mask, ``b`` its
+    base-2 value, as the kernels compute it), ``s_ij`` or ``-inf`` (boolean, hidden entries
+    ``-inf``), or ``s_ij`` or ``F`` (boolean with a finite fill ``F``: replaced). Split each row i
+    at the diagonal into A (keys ``j > i + offset``) and D (the rest); the kernels skip only keys
+    in A. Per row the mask-rows kernel (``templates/attention_mask_rows.py.jinja``, one read of the
+    mask) gives ``max_A b``, ``max_D b`` (boolean: 0 for a visible entry, ``-inf`` for a hidden
+    one; NaN counted as ``+inf``) and whether A and D hold hidden entries. The kernels form
+    ``s + b`` in float32, one rounding of relative error ``u = 2^-24``: so every entry of A is at
+    most ``U_i = (max_A b + S)(1 ∓ u)`` (widened away from zero; with a finite fill also ``F`` when
+    A holds a hidden entry) and the row's max over D at least ``L_i = (max_D b − S)(1 ± u)`` (resp.
+    ``F``), evaluated in float64. When ``U_i − L_i ≤ −200`` (or A adds only ``-inf``), every
+    skipped entry lies at least 200 below its row's max, which the unskipped part of the row
+    then attains alone: its weight ``exp2(e − m)`` (forward) and ``P = exp2(e − LSE)`` (backward)
+    are exactly 0 in float32, as computed they would be, so skipping changes no bit of the
+    output, the statistics or the gradients. A row whose D holds nothing above the fill's level
+    while A holds finite entries (left padding: eager spreads such a row over every key, all its
+    float32 scores rounding to ``finfo.min``), a NaN or ``+inf`` in A, huge scores, or a
+    non-finite norm fails the test: then every tile is visited. transformers' causal mask (0 on
+    and below the diagonal, ``finfo.min`` above; right padding too) passes whenever ``S`` is
+    below ~1e38.
+    """
+    _, module = _rows_module(mask_kind, launch.interpreted(q.device))
+    b, h, n_q, n_k = mask.shape
+    # broadcast dims of the mask (stride 0) are one problem, not B or H copies of it
+    rows_b = 1 if mask.stride(0) == 0 else b
+    rows_h = 1 if mask.stride(1) == 0 else h
+    m = mask[:rows_b, :rows_h]
+    stats = launch.empty((rows_b * rows_h, 4, n_q), torch.float32, q.device)
+    with launch.launching(launch.interpreted(q.device)):
+        module.launch_rows(m, stats, offset=int(offset), config=MASK_ROWS_CONFIG)
+    above, below, above_hidden, below_hidden = (x.double() for x in stats.unbind(1))
+    bound = _score_bound(q, k, scale).double()
+    # in float64, widened by the kernels' one float32 rounding of s + b (relative 2^-24): near
+    # finfo.min a float32 sum swallows the score, and entries of the two parts can round equal
+    upper = above + bound
+    upper = torch.where(above == NEG_INF, above, upper + _F32_ROUNDING * upper.abs())
+    lower = below - bound
+    lower = lower - _F32_ROUNDING * lower.abs()
+    if mask_kind != "additive" and mask_fill > NEG_INF:
+        fill = variants.fill_base2(mask_fill)  # replaced scores: exactly the fill
+        upper = torch.maximum(upper, torch.where(above_hidden > 0, fill, NEG_INF))
+        lower = torch.maximum(lower, torch.where(below_hidden > 0, fill, NEG_INF))
+    # the difference, not lower - 200: float64 cannot hold 200 beside ~3e38 either
+    ok = (upper == NEG_INF) | (upper - lower <= -SKIP_MARGIN_BASE2)
+    return (ok.all() & torch.isfinite(bound)).to(torch.int32)
+
+
+def _mask_skip_arg(q, k, mask4, scale: float, causal, mask_kind: str, row_broadcast: bool, pred,
+                   mask_fill_k: str, mask_fill: float) -> dict:
+    """``{"skip_hidden": flag}`` (:func:`mask_tiles_skippable`, at the bottom-right diagonal
+    ``offset = Nk − Nq``) for the variants of :func:`mask_skips`, else nothing."""
+    if mask4 is None or not mask_skips(causal, mask_kind, row_broadcast, pred):
+        return {}
+    fill = mask_fill if mask_fill_k != "hide" else NEG_INF
+    return {"skip_hidden": mask_tiles_skippable(q, k, mask4, scale=scale, mask_kind=mask_kind, mask_fill=fill,
+                                                offset=mask_skip_offset(q.shape[2], k.shape[2]))}
+
+
+def mask_skip_offset(n_q: int, n_k: int) -> int:
+    """The diagonal the mask-skipping variants test (:func:`mask_tiles_skippable`): bottom-right,
+    ``Nk − Nq`` (0 for self-attention; transformers' mask with a KV cache lies so)."""
+    return n_k - n_q
+
+
 def _desc_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether q, k, v, out can move through tensor descriptors: head dims powers of two in
     16..256 (no padding), a contiguous last dim, every other stride a positive multiple of 16
@@ -806,6 +929,10 @@ def forward(
     desc = desc_mode(q, k, v, out, tma)
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
+    fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
+                                mask_fill))
+    offset = mask_skip_offset(n_q, n_k) if "skip_hidden" in fills and mask4 is not None \
+        else variants.causal_offset(causal, n_q, n_k)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -825,7 +952,7 @@ def forward(
                 module.launch_fwd(
                     *args,
                     qk_scale=float(scale) * LOG2E,
-                    causal_offset=variants.causal_offset(causal, n_q, n_k),
+                    causal_offset=offset,
                     config=cfg,
                     input_precision=precision,
                     **fills,
@@ -929,6 +1056,10 @@ def backward(
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
+    fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
+                                mask_fill))
+    offset = mask_skip_offset(n_q, n_k) if "skip_hidden" in fills and mask4 is not None \
+        else variants.causal_offset(causal, n_q, n_k)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:
@@ -952,7 +1083,7 @@ def backward(
                 *args,
                 scale=float(scale),
                 qk_scale=float(scale) * LOG2E,
-                causal_offset=variants.causal_offset(causal, n_q, n_k),
+                causal_offset=offset,
                 config=cfg,
                 input_precision=precision,
                 **fills,

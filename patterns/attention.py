@@ -264,9 +264,10 @@ class AttentionPattern(Pattern):
 
         if plan.params.get("impl") != "fuser":
             return []
+        from fuser.patterns.attention_plans import mask_row_broadcast
+
         b = m.bindings
-        ms = b["mask_shape"]
-        row_bcast = ms is not None and (len(ms) < 2 or ms[-2] == 1)
+        row_bcast = mask_row_broadcast(b)
         mode = plan.params.get("backward", "two_kernel")
         out = []
         for bwd_mode in (("two_kernel", "atomic_dq") if mode == "autotune" else (mode,)):

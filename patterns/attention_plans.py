@@ -58,6 +58,21 @@ def _shape_subs(m: Match) -> dict:
     }
 
 
+def mask_row_broadcast(b: dict) -> bool:
+    """Whether the match's data mask is one row broadcast over the queries (key padding)."""
+    ms = b["mask_shape"]
+    return ms is not None and (len(ms) < 2 or ms[-2] == 1)
+
+
+def skips_on_mask(b: dict) -> bool:
+    """Whether fuser's kernels test the match's data mask at run time for key tiles it hides
+    above the diagonal (``codegen/attention.py`` ``mask_skips``, ``mask_tiles_skippable``)."""
+    from fuser.codegen import attention as kernels
+
+    return bool(b["mask_terms"]) and kernels.mask_skips(b["causal"], b["mask_kind"], mask_row_broadcast(b),
+                                                         kernels.as_predicate(b["pred"]))
+
+
 def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
     """Symbolic cost terms of one candidate (see the module docstring)."""
     b = m.bindings
@@ -88,6 +103,11 @@ def cost_terms(m: Match, impl: str, backward: str | None) -> dict:
             terms["bytes"] = terms["bytes"] + 2 * score_bytes + io
             terms["launches"] = 10
         return terms
+    # the run-time test of a data mask for tiles it hides above the diagonal reads the mask once
+    # more, forward and backward; the estimate keeps every tile (whether they are skipped is
+    # known only at run time)
+    if impl == "fuser" and skips_on_mask(b):
+        mask_bytes = 2 * mask_bytes
     terms = {
         "flops": 2 * bh * pairs * (cm.D + cm.DV),
         "bytes": io + 4 * bh * cm.NQ + mask_bytes,
@@ -162,9 +182,11 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         if mode:
             params["backward"] = mode
             name = f"fuser[backward={mode}]"
+        skip = ("; key tiles the mask hides above the diagonal skipped where a run-time test of its values "
+                "proves they add 0 (estimate: every tile)") if skips_on_mask(b) else ""
         out.append(Candidate(name, params, terms, _estimate(terms, subs, model, kind, "fuser"),
-                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}",
-                             deterministic=mode != "atomic_dq"))
+                             "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}"
+                             + skip, deterministic=mode != "atomic_dq"))
     if training and ctx.options.autotune:
         best = min(c.estimate_ms for c in out)
         terms = cost_terms(m, "fuser", "autotune")

@@ -442,12 +442,19 @@ def test_causal_fill_skips_tiles_only_when_proven(monkeypatch, mode):
         return torch.ones((), dtype=torch.int32, device=q.device)
 
     monkeypatch.setattr(attention, "hidden_tiles_skippable", always)
+    check_forced_skip(q, k, v, kw, fwd_cfg, bwd_cfg, expected, calls)
+
+
+def check_forced_skip(q, k, v, kw: dict, fwd_cfg: dict, bwd_cfg: dict, expected, calls: list) -> None:
+    """With a skip flag forced on (the caller's monkeypatch, which appends to ``calls``): the
+    forward and both backwards (outputs poisoned) equal ``expected(q, k, v)`` in float64 — the
+    attention without the keys the kernels skip — which differs from the unskipped reference."""
     with launch.poison_outputs():
         out, lse = attention.forward(q, k, v, config=fwd_cfg, **kw)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     want_out = expected(*leaves)
-    filled, _ = reference(*(t.double() for t in (q, k, v)), **kw)
-    assert calls and _rel(out, want_out) < 1e-5 and _rel(filled, want_out) > 1e-2
+    unskipped, _ = reference(*(t.double() for t in (q, k, v)), **kw)
+    assert calls and _rel(out, want_out) < 1e-5 and _rel(unskipped, want_out) > 1e-2
     dout = torch.randn_like(out)
     want = torch.autograd.grad(want_out, leaves, dout.double())
     for bwd_mode in attention.BWD_MODES:
@@ -812,7 +819,11 @@ def test_kernels_for_renders_every_variant():
                                     bwd_mode=bwd_mode, interpret=interpret, need_lse=need_lse,
                                     training=training,
                                 )
-                                assert len(ks) == (2 if training else 1)
+                                rows = attention.mask_skips(causal, mask_kind, row, None)
+                                assert len(ks) == (2 if training else 1) + rows
+                                if rows:  # the mask-rows kernel of the run-time skip test, last
+                                    assert ks[-1].name.startswith("attention_mask_rows")
+                                    assert "def attention_mask_rows_kernel" in ks[-1].source
                                 for kern in ks:
                                     if kern.path not in seen:
                                         seen.add(kern.path)
@@ -858,6 +869,11 @@ def test_kernels_for_renders_fill_variants():
                     assert (ks == plain) == (not mask_fill_on and not causal_fill_on)
                     two_part = attention.two_part_stats(causal=causal, mask_kind=mask_kind, **fills)
                     assert two_part == (mask_kind == "additive" or mask_fill_on or causal_fill_on)
+                    skips = attention.mask_skips(causal, mask_kind, False, None)
+                    if skips:  # the mask-rows kernel of the run-time skip test (test_attention_mask_skip.py)
+                        assert ks[-1].name.startswith("attention_mask_rows")
+                        compile(ks[-1].source, ks[-1].path, "exec")
+                        ks = ks[:-1]
                     for kern in ks:
                         if kern.name not in names:
                             names.add(kern.name)
@@ -876,7 +892,8 @@ def test_kernels_for_renders_fill_variants():
                             if mask_kind != "none":
                                 assert ("hi = N_K" in src) if kern is ks[0] else ("    lo = 0\n" in src)
                         else:
-                            assert "SkipHidden" not in src
+                            # a full data mask without causal masking: the run-time mask test's flag
+                            assert ("SkipHidden" in src) == skips
                         assert ("DEFER_SCALE" in src) == (kern is ks[0] and not two_part)
     assert {"attention_fwd_causalfill", "attention_fwd_causaladd_maskkeepfill", "attention_bwd_maskdropfill_atomicdq",
             "attention_fwd_maskkeepfill"} <= names

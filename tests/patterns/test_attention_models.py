@@ -66,3 +66,37 @@ def test_hf_model_fused_and_matches_eager(build, gqa, with_mask, attn):
     # right padding under a causal mask leaves every query some visible key: all rows compare
     assert _rel(out_f, out_e) < 1e-4
     assert max(_rel(a, b) for a, b in zip(gf, ge) if b.norm() > 0) < 1e-3
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "attention_mask"])
+def test_per_layer_compile_gets_the_causal_mask_as_data_and_skips_on_its_values(with_mask):
+    """Each decoder layer compiled on its own (torchtitan's and FSDP2's order): transformers builds
+    the causal mask outside the layer, so the compiled graph receives it as a plain tensor
+    (``causal=none``, an additive data mask). fuser fuses it with the kernels that test the mask's
+    values at run time (the mask-rows kernel in explain()'s kernels) and skip the key tiles it
+    hides above the diagonal; logits and gradients equal eager's, right padding included."""
+    from fuser import report
+
+    torch.manual_seed(0)
+    model = _llama("eager").train()
+    ids = torch.randint(0, 64, (2, 40))
+    kw = {"use_cache": False}
+    if with_mask:
+        mask = torch.ones(2, 40, dtype=torch.long)
+        mask[1, -7:] = 0
+        kw["attention_mask"] = mask
+    want = model(ids, **kw).logits
+    ge = torch.autograd.grad(want.float().logsumexp(-1).mean(), list(model.parameters()))
+    torch._dynamo.reset()
+    with report.collecting() as rep:
+        for layer in model.model.layers:
+            layer.compile(backend="fuser", fullgraph=True)
+        got = model(ids, **kw).logits
+    gf = torch.autograd.grad(got.float().logsumexp(-1).mean(), list(model.parameters()))
+    assert rep.fused and not rep.rejected, str(rep)  # each layer's graph (or one, reused)
+    for m in rep.fused:
+        assert m.summary["causal"] == "none" and m.summary["mask"].startswith("additive"), m.summary
+        assert any(k.name.startswith("attention_mask_rows_maskadd") for k in m.kernels), [k.name for k in m.kernels]
+    assert "run-time test of its values" in str(rep)
+    assert _rel(got, want) < 1e-4
+    assert max(_rel(a, b) for a, b in zip(gf, ge) if b.norm() > 0) < 1e-3
