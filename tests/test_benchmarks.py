@@ -314,6 +314,11 @@ def test_distributed_smoke(tmp_path):
         assert fz["fused"] == fz["matches"] == 1 and fz["graphs"] >= 1, fz
         assert fz["loss_delta"] is not None and fz["loss_delta"] <= 1e-4 and not fz["wrong"], fz
         assert ind["fused"] is None  # Inductor's rows carry no fuser report
+    # a layer compiled on its own receives the model's causal mask as data; the whole model
+    # (DDP, one piece here) builds it in the graph, where it is read as causal
+    fsdp2, ddp = (c["results"]["fuser"] for c in data["configs"])
+    assert fsdp2["masks"] == ["causal=none mask=additive"] and ddp["masks"] == ["causal=top_left mask=none"], \
+        (fsdp2["masks"], ddp["masks"])
 
 
 def test_distributed_refuses_more_ranks_than_gpus(tmp_path):
