@@ -764,6 +764,14 @@ def _mask_skip_arg(q, k, mask4, scale: float, causal, mask_kind: str, row_broadc
                                                 offset=mask_skip_offset(q.shape[2], k.shape[2]))}
 
 
+def _launch_offset(causal, mask_kind: str, row_broadcast: bool, pred, mask4, n_q: int, n_k: int) -> int:
+    """The kernels' ``CAUSAL_OFFSET``: the causal alignment's, or for the mask-skipping variants
+    the diagonal their mask was tested at (:func:`mask_skip_offset`)."""
+    if mask4 is not None and mask_skips(causal, mask_kind, row_broadcast, pred):
+        return mask_skip_offset(n_q, n_k)
+    return variants.causal_offset(causal, n_q, n_k)
+
+
 def mask_skip_offset(n_q: int, n_k: int) -> int:
     """The diagonal the mask-skipping variants test (:func:`mask_tiles_skippable`): bottom-right,
     ``Nk − Nq`` (0 for self-attention; transformers' mask with a KV cache lies so)."""
@@ -931,8 +939,7 @@ def forward(
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
     fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
                                 mask_fill))
-    offset = mask_skip_offset(n_q, n_k) if "skip_hidden" in fills and mask4 is not None \
-        else variants.causal_offset(causal, n_q, n_k)
+    offset = _launch_offset(causal, mask_kind, bool(row_broadcast), pred, mask4, n_q, n_k)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -1058,8 +1065,7 @@ def backward(
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
     fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
                                 mask_fill))
-    offset = mask_skip_offset(n_q, n_k) if "skip_hidden" in fills and mask4 is not None \
-        else variants.causal_offset(causal, n_q, n_k)
+    offset = _launch_offset(causal, mask_kind, bool(row_broadcast), pred, mask4, n_q, n_k)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:

@@ -188,3 +188,18 @@ def test_which_variants_skip_and_what_explain_lists():
     assert not any(kn.name.startswith("attention_mask_rows") for kn in plain)
     with pytest.raises(ValueError, match="mask_kind"):
         attention.mask_rows_kernel(mask_kind="none", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pad", [None, [0, 300]], ids=["causal", "right_padded"])
+def test_gpu_hf_mask_skips_and_matches_the_reference(dtype, pad):
+    """transformers' causal mask as a bf16/fp16 tensor at a real size (ragged N): the proof holds
+    on the GPU, and the forward and both backwards equal float64 (as close as SDPA on the causal
+    case is)."""
+    dev = torch.device("cuda")
+    b, h, n, d = 2, 4, 1000, 128
+    q, k, v = _qkv(31, b, h, h, n, n, d, d, dtype=dtype, device=dev)
+    mask = _hf_mask(b, n, n, fill=torch.finfo(dtype).min, pad=pad).to(dev, dtype)
+    assert _flag(q, k, mask, scale=d ** -0.5) == 1
+    _check(q, k, v, mask=mask, mask_kind="additive", tol=2e-2)
