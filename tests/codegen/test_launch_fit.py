@@ -92,15 +92,18 @@ def _traced(key, configs, need, limit):
     return _launches(gm)
 
 
-def _launches(gm):
-    """The non-tensor arguments of each kernel launch in ``gm``, with the ``num_warps`` and
-    ``num_stages`` (wrap_triton keeps them as the one config of an autotuner)."""
+def _launches(gm, kernel_name=None):
+    """The non-tensor arguments of each kernel launch in ``gm`` (of the kernel ``kernel_name``
+    only, when given), with the ``num_warps`` and ``num_stages`` (wrap_triton keeps them as the
+    one config of an autotuner)."""
     out = []
     for node in gm.graph.nodes:
         if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            if kernel_name is not None and getattr(getattr(kernel, "fn", kernel), "__name__", None) != kernel_name:
+                continue
             args = {k: v for k, v in node.kwargs["kwargs"].items() if not isinstance(v, torch.fx.Node)}
             args.update(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
-            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
             for cfg in getattr(kernel, "configs", ())[:1]:
                 args.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             out.append(args)
@@ -273,9 +276,14 @@ def _attention_fwd_launch(d, dtype, mask_kind="additive"):
     stats = torch.empty(b, h, 2, n, device="meta")
     mask = torch.empty(b, h, n, n, dtype=dtype, device="meta")
 
+    # a full data mask without causal masking: the kernel reads the run-time skip flag
+    # (attention.mask_tiles_skippable; any value: only the compile is asked for here)
+    extra = {"skip_hidden": torch.empty((), dtype=torch.int32, device="meta")} \
+        if attention.mask_skips("none", mask_kind, False, None) else {}
+
     def run(cfg):
         module.launch_fwd(q, k, v, out, stats, mask, qk_scale=0.125 * attention.LOG2E, causal_offset=0, config=cfg,
-                          input_precision="ieee")
+                          input_precision="ieee", **extra)
 
     return run
 
@@ -313,8 +321,10 @@ def test_traced_attention_records_a_config_that_fits(monkeypatch):
             lambda *xs: torch.ops.fuser.attention.default(*xs, 0.125, "none", "additive", True,
                                                           "backward=two_kernel;autotune=0", -math.inf, -math.inf,
                                                           "replace", "", [], -math.inf, "replace")))(q, k, v, bias)
-    got = [(c["BLOCK_M"], c["BLOCK_N"]) for c in _launches(gm)]
+    # (the mask-rows kernel of the run-time skip test launches too, with its own fixed config)
+    got = [(c["BLOCK_M"], c["BLOCK_N"]) for c in _launches(gm, "attention_fwd_kernel")]
     assert got == [(fitting["BLOCK_M"], fitting["BLOCK_N"])]
+    assert len(_launches(gm, "attention_mask_rows_kernel")) == 1
 
 
 def test_kda_backward_offers_fewer_stages(monkeypatch):
