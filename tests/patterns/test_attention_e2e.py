@@ -249,3 +249,43 @@ def test_einsum_on_bnhd_operands_writing_bnhd():
         return torch.einsum("bhnm,bmhd->bnhd", s.softmax(-1), v)
 
     _check(fn, _inputs((2, 13, 3, 8), (2, 13, 3, 8)))
+
+
+def test_a_data_mask_is_tested_on_every_call_not_at_compile_time():
+    """One compiled graph (dynamic sizes) served a causal mask as data, then a mask whose upper
+    triangle is visible, then left padding, then another length: the run-time test of the mask
+    (codegen/attention.py mask_tiles_skippable) decides per call whether the tiles above the
+    diagonal are skipped, so every call equals eager, forward and backward."""
+    def attend(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
+
+    fmin = torch.finfo(torch.float32).min
+
+    def causal(n):
+        return torch.zeros(1, 1, n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), fmin)
+
+    def visible_upper(n):
+        m = causal(n)
+        m[..., : n // 3, n - 5:] = 0.0
+        return m
+
+    def left_padded(n):
+        m = causal(n).expand(2, 1, n, n).clone()
+        m[1, :, :, :6] = fmin
+        return m
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="fuser", dynamic=True)
+    with collecting() as rep:
+        for n, build in ((40, causal), (40, visible_upper), (40, left_padded), (57, causal), (57, visible_upper)):
+            q, k, v = _inputs((2, 2, n, 16), (2, 2, n, 16), seed=n)
+            mask = build(n)
+            out = compiled(q, k, v, mask)
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = attend(*leaves, mask.double())
+            assert _rel(out, ref) < 1e-4, (n, build.__name__)
+            g = torch.randn_like(ref)
+            got = torch.autograd.grad(out, (q, k, v), g.float())
+            want = torch.autograd.grad(ref, leaves, g)
+            assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-4, (n, build.__name__)
+    assert rep.fused and all(m.summary["mask"].startswith("additive") for m in rep.fused), str(rep)
