@@ -687,6 +687,27 @@ def add_driver_args(p, *, budget_s: float, warmup: int = 25, rep: int = 100, out
                    help="tiny sizes (fp32): an end-to-end check of the script, also on CPU (interpreter)")
 
 
+def child_env(extra: Optional[dict] = None) -> dict:
+    """The environment of a measuring child process (``--child``): this one's, plus ``extra``,
+    with the repository root first on ``PYTHONPATH`` (the child imports fuser from this checkout)."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def child_outcome(returncode: int, stdout: str, stderr: str, tag: str) -> tuple[Optional[dict], dict]:
+    """What a measuring child process left: ``(result, {})`` with the JSON of its last stdout line
+    that starts with ``tag``, or ``(None, failure)`` — a nonzero exit or no such line — with the
+    record fields ``status`` (``err: `` and its last unindented line of output) and ``error``
+    (its exit code and last lines)."""
+    line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith(tag)), None)
+    if returncode == 0 and line is not None:
+        return json.loads(line[len(tag):]), {}
+    tail = (stderr or stdout).strip().splitlines()[-12:]
+    msg = next((ln for ln in reversed(tail) if ln.strip() and not ln.startswith(" ")), "no result")
+    return None, {"status": "err: " + msg[:80], "error": f"exit {returncode}: " + " | ".join(tail)[-1500:]}
+
+
 #: the sizes of the Hugging Face Llama the model benchmarks build from a config (no download)
 LLAMA_SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq")
 

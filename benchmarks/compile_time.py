@@ -389,8 +389,7 @@ class CompileTimeBenchmark(common.Benchmark):
             folder = Path(a.out_dir) if a.out_dir else Path(a.out).parent
             spec["profile_path"] = str(folder / f"compile_time_profile_{cfg.workload}_{cfg.cache}_{name}.txt")
             spec["profile_top"] = a.profile
-        env = {**os.environ, **env_dirs}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(common.REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env = common.child_env(env_dirs)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
         rec["cache_dirs"] = env_dirs
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -404,13 +403,11 @@ class CompileTimeBenchmark(common.Benchmark):
         if proc is not None:
             try:
                 stdout, stderr = proc.communicate(timeout=max(1.0, a.child_timeout - (time.perf_counter() - t0)))
-                line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith(RESULT_TAG)), None)
-                if proc.returncode != 0 or line is None:
-                    tail = (stderr or stdout).strip().splitlines()[-12:]
-                    msg = next((ln for ln in reversed(tail) if ln.strip() and not ln.startswith(" ")), "no result")
-                    rec.update(status="err: " + msg[:80], error=f"exit {proc.returncode}: " + " | ".join(tail)[-1500:])
+                result, failure = common.child_outcome(proc.returncode, stdout, stderr, RESULT_TAG)
+                if result is None:
+                    rec.update(failure)
                 else:
-                    rec.update(json.loads(line[len(RESULT_TAG):]))
+                    rec.update(result)
                     rec["ms"] = rec["first_call_s"] * 1e3
                     if cfg.cache == "cold":
                         self.state[("cold", cfg.workload, name)] = True

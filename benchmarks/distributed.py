@@ -328,21 +328,18 @@ class DistributedBenchmark(common.Benchmark):
                 "seed": a.seed, "steps": a.steps, "layers": a.layers, "hidden": a.hidden,
                 "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "vocab": a.vocab,
                 "batch": a.batch, "seq": a.seq, "lr": a.lr, "fuser_options": a.fuser_options}
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(common.REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env = common.child_env()
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (the device machines' rule)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.child_timeout,
                                cwd=str(common.REPO_ROOT))
-            line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(RESULT_TAG)), None)
-            if r.returncode != 0 or line is None:
-                tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
-                msg = next((ln for ln in reversed(tail) if ln.strip() and not ln.startswith(" ")), "no result")
-                rec.update(status="err: " + msg[:80], error=f"exit {r.returncode}: " + " | ".join(tail)[-1500:])
+            result, failure = common.child_outcome(r.returncode, r.stdout, r.stderr, RESULT_TAG)
+            if result is None:
+                rec.update(failure)
             else:
-                rec.update(json.loads(line[len(RESULT_TAG):]))
+                rec.update(result)
                 if rec.get("fused") is not None:
                     rec["note"] = (f"fused {rec['fused']} of {rec['matches']} ({', '.join(rec['plans']) or '-'}; "
                                    f"{', '.join(rec.get('masks') or []) or '-'}); {rec['graphs']} graphs"

@@ -331,8 +331,7 @@ def mask_skips(causal, mask_kind: str, mask_row_broadcast: bool, pred: Optional[
     that its data mask hides above the diagonal: a full ``[Nq, Nk]`` data mask (not one row
     broadcast over the queries), no causal masking and no index predicate of the pattern's own
     (those have static bounds). The templates hold the same condition (``mask_skip``)."""
-    return (mask_kind != "none" and not variants.is_causal(causal) and pred is None
-            and not (mask_row_broadcast and mask_kind != "none"))
+    return mask_kind != "none" and not variants.is_causal(causal) and pred is None and not mask_row_broadcast
 
 
 def mask_rows_kernel(*, mask_kind: str, interpret: bool) -> RenderedKernel:
@@ -630,6 +629,19 @@ def _fill_args(mask_fill_k: str, causal_fill_k: str, mask_fill: float, causal_fi
 SKIP_MARGIN_BASE2 = 200.0
 
 
+#: the relative error of one float32 rounding (the kernels' ``s + b``)
+_F32_ROUNDING = 2.0 ** -24
+
+
+def _score_bound(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``S``, a 0-dim float32 tensor on q's device: every base-2 score ``|scale·log2(e)·q_i·k_j|``
+    is at most S (Cauchy–Schwarz over the largest norms, 1e-3 relative margin for the float32
+    norms and the dots' rounding); ``inf``/``nan`` when a norm is not finite."""
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
+    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
+    return (abs(float(scale)) * LOG2E * (1.0 + 1e-3)) * q_norm * k_norm
+
+
 def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal_fill: float,
                            causal_fill_mode: str, causal_offset: int) -> torch.Tensor:
     """Whether the key tiles entirely above the causal diagonal may be skipped although their
@@ -655,10 +667,7 @@ def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, ca
     """
     if causal_offset < 0 or not causal_fill < 0:
         return torch.zeros((), dtype=torch.int32, device=q.device)
-    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
-    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
-    bound = (abs(float(scale)) * LOG2E * (1.0 + 1e-3)) * q_norm * k_norm
-    reach = (2.0 if causal_fill_mode == "add" else 1.0) * bound + SKIP_MARGIN_BASE2
+    reach = (2.0 if causal_fill_mode == "add" else 1.0) * _score_bound(q, k, scale) + SKIP_MARGIN_BASE2
     return (reach < -float(causal_fill) * LOG2E).to(torch.int32)
 
 
@@ -674,19 +683,6 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
         flag = hidden_tiles_skippable(q, k, scale=scale, causal_fill=causal_fill, causal_fill_mode=causal_fill_k,
                                       causal_offset=offset)
     return {"skip_hidden": flag}
-
-
-#: the relative error of one float32 rounding (the kernels' ``s + b``)
-_F32_ROUNDING = 2.0 ** -24
-
-
-def _score_bound(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """``S``, a 0-dim float32 tensor on q's device: every base-2 score ``|scale·log2(e)·q_i·k_j|``
-    is at most S (Cauchy–Schwarz over the largest norms, 1e-3 relative margin for the float32
-    norms and the dots' rounding); ``inf``/``nan`` when a norm is not finite."""
-    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
-    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
-    return (abs(float(scale)) * LOG2E * (1.0 + 1e-3)) * q_norm * k_norm
 
 
 def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scale: float, mask_kind: str,
@@ -753,23 +749,19 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
     return (ok.all() & torch.isfinite(bound)).to(torch.int32)
 
 
-def _mask_skip_arg(q, k, mask4, scale: float, causal, mask_kind: str, row_broadcast: bool, pred,
-                   mask_fill_k: str, mask_fill: float) -> dict:
-    """``{"skip_hidden": flag}`` (:func:`mask_tiles_skippable`, at the bottom-right diagonal
-    ``offset = Nk − Nq``) for the variants of :func:`mask_skips`, else nothing."""
+def _mask_skip(q, k, mask4, scale: float, causal, mask_kind: str, row_broadcast: bool, pred,
+               mask_fill_k: str, mask_fill: float) -> tuple[dict, int]:
+    """``(fills, offset)`` of a launch: for the variants of :func:`mask_skips` the flag of
+    :func:`mask_tiles_skippable` (``{"skip_hidden": flag}``) tested at the bottom-right diagonal
+    (:func:`mask_skip_offset`), which is then the kernels' ``CAUSAL_OFFSET``; otherwise nothing
+    and the causal alignment's offset."""
+    n_q, n_k = q.shape[2], k.shape[2]
     if mask4 is None or not mask_skips(causal, mask_kind, row_broadcast, pred):
-        return {}
+        return {}, variants.causal_offset(causal, n_q, n_k)
+    offset = mask_skip_offset(n_q, n_k)
     fill = mask_fill if mask_fill_k != "hide" else NEG_INF
-    return {"skip_hidden": mask_tiles_skippable(q, k, mask4, scale=scale, mask_kind=mask_kind, mask_fill=fill,
-                                                offset=mask_skip_offset(q.shape[2], k.shape[2]))}
-
-
-def _launch_offset(causal, mask_kind: str, row_broadcast: bool, pred, mask4, n_q: int, n_k: int) -> int:
-    """The kernels' ``CAUSAL_OFFSET``: the causal alignment's, or for the mask-skipping variants
-    the diagonal their mask was tested at (:func:`mask_skip_offset`)."""
-    if mask4 is not None and mask_skips(causal, mask_kind, row_broadcast, pred):
-        return mask_skip_offset(n_q, n_k)
-    return variants.causal_offset(causal, n_q, n_k)
+    flag = mask_tiles_skippable(q, k, mask4, scale=scale, mask_kind=mask_kind, mask_fill=fill, offset=offset)
+    return {"skip_hidden": flag}, offset
 
 
 def mask_skip_offset(n_q: int, n_k: int) -> int:
@@ -937,9 +929,9 @@ def forward(
     desc = desc_mode(q, k, v, out, tma)
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill, skip_hidden))
-    fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
-                                mask_fill))
-    offset = _launch_offset(causal, mask_kind, bool(row_broadcast), pred, mask4, n_q, n_k)
+    skip, offset = _mask_skip(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
+                              mask_fill)
+    fills.update(skip)
     args = [q, k, v, out]
     if need_lse:
         args.append(lse)
@@ -1063,9 +1055,9 @@ def backward(
                                  mask_fill_k, causal_fill_k, *((pred, pred_fill_k) if pred is not None else ()))
     fills = _fill_args(mask_fill_k, causal_fill_k, mask_fill, causal_fill, pred, pred_fill_k, pred_fill, pred_consts)
     fills.update(_skip_arg(q, k, scale, causal, mask_kind, causal_fill_k, causal_fill))
-    fills.update(_mask_skip_arg(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
-                                mask_fill))
-    offset = _launch_offset(causal, mask_kind, bool(row_broadcast), pred, mask4, n_q, n_k)
+    skip, offset = _mask_skip(q, k, mask4, scale, causal, mask_kind, bool(row_broadcast), pred, mask_fill_k,
+                              mask_fill)
+    fills.update(skip)
     delta = launch.empty((b, hq, n_q), torch.float32, q.device)
     args = [dout, q, k, v, out, lse, delta, dq, dk, dv]
     if mask4 is not None:
