@@ -16,11 +16,16 @@ tensors with scale ``D^-0.5`` (``i`` = query index, ``j`` = key index, from ``to
 - ``hf_causal``: transformers' eager spelling of causal attention: an additive float32 bias
   ``zeros(N, N).masked_fill(j > i, finfo(float32).min)`` added to the scores. A finite fill:
   every row has a visible key, so this equals causal attention (SDPA's ``is_causal``).
+- ``hf_causal_data``: the same bias built once outside the compiled function and passed to it
+  as an input ``[1, 1, N, N]``, the way a decoder layer compiled on its own (FSDP2 per-layer
+  compile) receives transformers' mask: fuser cannot read its values at compile time and tests
+  them on every call (``codegen.attention.mask_tiles_skippable``) before skipping the tiles above
+  the diagonal.
 - ``prefix``: a prefix-LM mask over the first ``--prefix`` keys: ``keep = (j <= i) | (j < P)``.
 
 Implementations: ``eager`` (that function), ``inductor`` and ``fuser`` (``torch.compile`` of it,
 default backend / ``backend="fuser"``), ``sdpa`` (``F.scaled_dot_product_attention`` with
-``is_causal`` for ``hf_causal`` and a dense boolean ``[N, N]`` mask otherwise: the memory-
+``is_causal`` for ``hf_causal`` and ``hf_causal_data`` and a dense boolean ``[N, N]`` mask otherwise: the memory-
 efficient kernel, as flash takes no mask), ``flex`` (``flex_attention`` compiled, with a
 ``create_block_mask`` block mask of the same predicate, built once per N outside the timed
 region). Modes: ``fwd`` (under ``no_grad``) and ``fwdbwd`` (forward plus
@@ -47,7 +52,9 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-MASKS = ("window", "hf_causal", "prefix")
+MASKS = ("window", "hf_causal", "hf_causal_data", "prefix")
+#: the masks that reach the compiled function as an input tensor (the bias of :func:`causal_bias`)
+DATA_MASKS = ("hf_causal_data",)
 IMPLS = ("eager", "inductor", "fuser", "sdpa", "flex")
 BASELINES = ("eager", "inductor", "sdpa", "flex")
 TITLE = "Masked attention: fuser vs eager, Inductor, SDPA, FlexAttention"
@@ -118,21 +125,36 @@ def naive(mask: str, scale: float, window: int, prefix: int) -> Callable:
         s = s.masked_fill(~keep, float("-inf"))
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
-    return {"window": window_attention, "hf_causal": hf_causal_attention, "prefix": prefix_attention}[mask]
+    def hf_causal_data_attention(q, k, v, bias):
+        s = (q @ k.transpose(-2, -1)) * scale + bias
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+    return {"window": window_attention, "hf_causal": hf_causal_attention, "hf_causal_data": hf_causal_data_attention,
+            "prefix": prefix_attention}[mask]
+
+
+def causal_bias(n: int, device: str):
+    """transformers' additive causal mask ``[1, 1, n, n]`` float32: 0 where ``j <= i``, else
+    ``finfo(float32).min``."""
+    import torch
+
+    idx = torch.arange(n, device=device)
+    bias = torch.zeros(n, n, device=device).masked_fill(idx[None, :] > idx[:, None], torch.finfo(torch.float32).min)
+    return bias[None, None]
 
 
 def keep_fn(mask: str, window: int, prefix: int) -> Callable:
     """``keep(i, j)`` on index tensors: FlexAttention's mask_mod body and the dense mask."""
     if mask == "window":
         return lambda i, j: (j <= i) & (j > i - window)
-    if mask == "hf_causal":
+    if mask in ("hf_causal", "hf_causal_data"):
         return lambda i, j: j <= i
     return lambda i, j: (j <= i) | (j < prefix)
 
 
 def visible_pairs(mask: str, n: int, window: int, prefix: int) -> int:
     """The number of (i, j) pairs ``mask`` keeps at length ``n`` (for the FLOP count)."""
-    if mask == "hf_causal":
+    if mask in ("hf_causal", "hf_causal_data"):
         return n * (n + 1) // 2
     if mask == "window":
         w = min(window, n)
@@ -153,13 +175,16 @@ def build(impl: str, mask: str, a, n: int, device: str, scale: float) -> Callabl
     keep = keep_fn(mask, a.window, a.prefix)
     if impl in ("eager", "inductor", "fuser"):
         fn = common.fresh_function(naive(mask, scale, a.window, a.prefix), f"{impl}_{mask}")
-        if impl == "eager":
-            return fn
-        torch._dynamo.reset()
-        kw = {"backend": "fuser", "options": dict(a.fuser_options) or None} if impl == "fuser" else {}
-        return torch.compile(fn, dynamic=False, **kw)
+        if impl != "eager":
+            torch._dynamo.reset()
+            kw = {"backend": "fuser", "options": dict(a.fuser_options) or None} if impl == "fuser" else {}
+            fn = torch.compile(fn, dynamic=False, **kw)
+        if mask in DATA_MASKS:
+            bias = causal_bias(n, device)
+            return lambda q, k, v, fn=fn: fn(q, k, v, bias)
+        return fn
     if impl == "sdpa":
-        if mask == "hf_causal":
+        if mask in ("hf_causal", "hf_causal_data"):
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         idx = torch.arange(n, device=device)
         dense = keep(idx[:, None], idx[None, :])

@@ -20,6 +20,9 @@ Settings (``--settings``):
   root (FSDP2 from ``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` before 2.6).
 - ``ddp``: ``torch.compile(DDP(model), backend=...)``: Dynamo's DDPOptimizer splits the graph at
   the gradient buckets and calls the backend once per piece.
+- ``single``: ``torch.compile(model, backend=...)`` of the whole model with no wrapper, each rank
+  on its own rows with no communication: the one-GPU number the other settings are held against
+  (the whole model in one graph, so the causal mask is built inside it).
 
 Backends (``--backends``): ``fuser`` (``backend="fuser"`` on ``attn_implementation="eager"``, the
 written-out softmax attention), ``fuser_sdpa`` (fuser on HF's SDPA attention), ``inductor``
@@ -39,7 +42,9 @@ rounding moves a step's loss by a few 1e-3 between backends, the optimizer carri
 Flags: ``--world`` (default 2; ranks are GPUs 0..world-1, or CPU processes with ``--device cpu``),
 ``--settings``, ``--backends``, ``--steps`` (default 8; at least 3), ``--layers``, ``--hidden``,
 ``--intermediate``, ``--heads``, ``--kv-heads``, ``--vocab``, ``--batch``, ``--seq``,
-``--dtype``, ``--lr``, ``--child-timeout`` (s, default 420), ``--budget-s`` (default 1500), ``--out``,
+``--dtype``, ``--lr``, ``--child-timeout`` (s, default 420), ``--profile`` (rank 0 profiles one
+step after the timed ones with ``torch.profiler`` and the parent writes the top kernels by device
+time of every cell to ``distributed_profile.txt`` beside the results), ``--budget-s`` (default 1500), ``--out``,
 ``--out-dir``, ``--fuser-option key=value``, ``--device``, ``--seed``, ``--smoke`` (world 2 on
 the CPU: gloo, 1 layer, hidden 64, N=32, fp32, 3 steps; fuser's kernels in Triton's
 interpreter). Results: ``benchmarks/results/distributed.md`` (+ ``.json``, and ``.png``: the loss
@@ -66,7 +71,9 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-SETTINGS = ("fsdp2", "ddp")
+SETTINGS = ("fsdp2", "ddp", "single")
+#: kernels per cell in the ``--profile`` table
+PROFILE_ROWS = 30
 #: backend name -> (torch.compile backend, attn_implementation)
 BACKENDS = {"fuser": ("fuser", "eager"), "fuser_sdpa": ("fuser", "sdpa"), "inductor": ("inductor", "sdpa"),
             "inductor_eager": ("inductor", "eager")}
@@ -99,6 +106,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--child-timeout", type=float, default=420.0, help="seconds per cell (default 420)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one extra step of rank 0 per cell (torch.profiler; top kernels by device time)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one cell (JSON spec)
     common.add_driver_args(p, budget_s=1500.0, out_name="distributed")
     a = p.parse_args(argv)
@@ -166,6 +175,8 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         run = torch.compile(DDP(model, device_ids=[rank] if cuda else None), **kw)
+    elif spec["setting"] == "single":
+        run = torch.compile(model, **kw)
     else:
         try:
             from torch.distributed.fsdp import fully_shard
@@ -181,18 +192,23 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
         run = model
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     losses, times, out = [], [], {}
-    for step in range(spec["steps"]):
+
+    def step_once(step: int):
         ids = _tokens(spec, step, rank, device)
+        loss = run(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for step in range(spec["steps"]):
         if step == WARM_STEPS and cuda:
             torch.cuda.reset_peak_memory_stats(device)
         common.synchronize(spec["device"])
         t0 = time.perf_counter()
         ctx = fuser.report.collecting() if (fuser is not None and step == 0) else contextlib.nullcontext()
         with ctx as rep:
-            loss = run(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            loss = step_once(step)
         common.synchronize(spec["device"])
         times.append(time.perf_counter() - t0)
         if rep is not None:
@@ -202,7 +218,35 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
         losses.append(mean.item() / world)
     out.update(losses=losses, first_step_s=times[0], step_ms=statistics.median(times[WARM_STEPS:]) * 1e3,
                peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None)
+    if spec.get("profile"):
+        # one more step (after the timed ones: the timings and the peak are not disturbed), every rank
+        # steps so the collectives match; rank 0's table is reported
+        out["profile"] = _profile_step(lambda: step_once(spec["steps"]), cuda) if rank == 0 else None
+        if rank != 0:
+            step_once(spec["steps"])
     return out
+
+
+def _profile_step(step, cuda: bool) -> str:
+    """``torch.profiler``'s table of one call of ``step``: the :data:`PROFILE_ROWS` ops and kernels
+    with the most self device time (CPU time without a GPU), and the step's total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        common.synchronize("cuda" if cuda else "cpu")
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    try:
+        table = events.table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=90)
+    except (AttributeError, KeyError):  # older names of the same column
+        table = events.table(sort_by="self_cuda_time_total" if cuda else key, row_limit=PROFILE_ROWS,
+                             max_name_column_width=90)
+    if cuda:
+        torch.cuda.synchronize()
+    return table
 
 
 def _rank_main(rank: int, world: int, spec: dict, store: str, result_dir: str) -> None:
@@ -245,7 +289,8 @@ def child_main(spec_json: str) -> int:
                   "traceback": failed[0].get("traceback")}
     else:
         peaks = [r["peak_gib"] for r in ranks if r.get("peak_gib") is not None]
-        result = {key: ranks[0].get(key) for key in ("fused", "matches", "graphs", "plans", "rejected", "masks")}
+        result = {key: ranks[0].get(key) for key in ("fused", "matches", "graphs", "plans", "rejected", "masks",
+                                                    "profile")}
         result.update(status="ok", losses=ranks[0]["losses"], first_step_s=max(r["first_step_s"] for r in ranks),
                       step_ms=max(r["step_ms"] for r in ranks), peak_gib=max(peaks) if peaks else None,
                       peak_gib_ranks=peaks, step_ms_ranks=[r["step_ms"] for r in ranks])
@@ -304,6 +349,7 @@ class DistributedBenchmark(common.Benchmark):
                 "plans": None, "rejected": None, "masks": None, "loss_delta": None, "wrong": False, "process_s": None}
 
     def setup(self) -> Optional[int]:
+        self.profiles: dict[str, str] = {}
         status = super().setup()
         if status is not None:
             return status
@@ -327,7 +373,7 @@ class DistributedBenchmark(common.Benchmark):
         spec = {"setting": cfg.setting, "backend": name, "world": a.world, "device": self.device, "dtype": a.dtype,
                 "seed": a.seed, "steps": a.steps, "layers": a.layers, "hidden": a.hidden,
                 "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "vocab": a.vocab,
-                "batch": a.batch, "seq": a.seq, "lr": a.lr, "fuser_options": a.fuser_options}
+                "batch": a.batch, "seq": a.seq, "lr": a.lr, "fuser_options": a.fuser_options, "profile": a.profile}
         env = common.child_env()
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (the device machines' rule)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
@@ -339,6 +385,9 @@ class DistributedBenchmark(common.Benchmark):
             if result is None:
                 rec.update(failure)
             else:
+                profile = result.pop("profile", None)
+                if profile:
+                    self.profiles[f"{cfg.setting} {name}"] = profile
                 rec.update(result)
                 if rec.get("fused") is not None:
                     rec["note"] = (f"fused {rec['fused']} of {rec['matches']} ({', '.join(rec['plans']) or '-'}; "
@@ -351,6 +400,22 @@ class DistributedBenchmark(common.Benchmark):
         rec["ms"] = rec.get("step_ms")
         self.progress(run, name, rec)
         return rec
+
+    def write(self, done: bool) -> list[Path]:
+        """The results, and with ``--profile`` the cells' profiles in ``<stem>_profile.txt``."""
+        written = super().write(done)
+        if self.profiles:
+            text = "\n\n".join(f"=== {cell} (rank 0, one step after the timed ones) ===\n{table}"
+                                for cell, table in self.profiles.items())
+            path = Path(self.args.out).with_name(Path(self.args.out).stem + "_profile.txt")
+            path.write_text(f"{self.shape()}\n\n{text}\n")
+            written.append(path)
+            if self.args.out_dir:
+                copy = Path(self.args.out_dir) / path.name
+                if copy.resolve() != path.resolve():
+                    copy.write_text(path.read_text())
+                    written.append(copy)
+        return written
 
     def progress(self, run, name, rec) -> None:
         if rec["status"] != "ok":

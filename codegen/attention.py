@@ -685,13 +685,26 @@ def _skip_arg(q, k, scale: float, causal, mask_kind: str, causal_fill_k: str, ca
     return {"skip_hidden": flag}
 
 
+#: :func:`mask_tiles_skippable`'s bit: the key tiles above the diagonal are skipped
+MASK_SKIP_ABOVE = 1
+#: :func:`mask_tiles_skippable`'s bit: the mask is not read on tiles entirely on or below the diagonal
+MASK_FREE_BELOW = 2
+
+
 def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scale: float, mask_kind: str,
                          mask_fill: float = NEG_INF, offset: int = 0) -> torch.Tensor:
-    """Whether every entry a data mask gives above the diagonal ``j > i + offset`` adds exactly 0
-    to its row, so that the kernels may skip the key tiles past each query block's last diagonal
-    (and the dK/dV kernel the query tiles before a key block's first): a 0-dim int32 tensor on
+    """What the kernels may leave out of a data mask's work: a 0-dim int32 tensor of bit flags on
     q's device, computed there (no host sync; capture-safe), read by the variants of
-    :func:`mask_skips`. Models that build their causal mask outside the compiled code (a
+    :func:`mask_skips`:
+
+    - :data:`MASK_SKIP_ABOVE` (1): every entry above the diagonal ``j > i + offset`` adds
+      exactly 0 to its row, so the kernels skip the key tiles past each query block's last
+      diagonal (and the dK/dV kernel the query tiles before a key block's first);
+    - :data:`MASK_FREE_BELOW` (2): the mask leaves every entry on and below the diagonal as it
+      is (an additive 0, a boolean keep), so the kernels do not read it on the tiles that lie
+      there entirely (they compute ``s`` where they would compute ``s + 0``: the same bits).
+
+    Both set, a causal mask given as data costs what causal attention costs, plus this test. Models that build their causal mask outside the compiled code (a
     transformer block compiled on its own under FSDP2, a graph piece of DDP's optimizer, a mask
     made before ``torch.compile``) hand it to fuser as a plain tensor: this recovers the causal
     tile skipping from the mask's values, at the cost of one read of the mask.
@@ -722,6 +735,11 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
     non-finite norm fails the test: then every tile is visited. transformers' causal mask (0 on
     and below the diagonal, ``finfo.min`` above; right padding too) passes whenever ``S`` is
     below ~1e38.
+
+    The second flag needs no bound: per row the kernel also gives ``min_D b``; the mask is a
+    no-op on D when ``max_D b ≤ 0 ≤ min_D b`` (additive: every entry ±0, NaN counted ``+inf``;
+    boolean: no hidden entry in D). Right padding (``finfo.min`` on the padded keys, below the
+    diagonal) clears it: those tiles read the mask.
     """
     _, module = _rows_module(mask_kind, launch.interpreted(q.device))
     b, h, n_q, n_k = mask.shape
@@ -729,10 +747,11 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
     rows_b = 1 if mask.stride(0) == 0 else b
     rows_h = 1 if mask.stride(1) == 0 else h
     m = mask[:rows_b, :rows_h]
-    stats = launch.empty((rows_b * rows_h, 4, n_q), torch.float32, q.device)
+    stats = launch.empty((rows_b * rows_h, 5, n_q), torch.float32, q.device)
     with launch.launching(launch.interpreted(q.device)):
         module.launch_rows(m, stats, offset=int(offset), config=MASK_ROWS_CONFIG)
-    above, below, above_hidden, below_hidden = (x.double() for x in stats.unbind(1))
+    above, below, above_hidden, below_hidden, below_min = (x.double() for x in stats.unbind(1))
+    free_below = ((below <= 0) & (below_min >= 0) & (below_hidden == 0)).all()
     bound = _score_bound(q, k, scale).double()
     # in float64, widened by the kernels' one float32 rounding of s + b (relative 2^-24): near
     # finfo.min a float32 sum swallows the score, and entries of the two parts can round equal
@@ -746,7 +765,8 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
         lower = torch.maximum(lower, torch.where(below_hidden > 0, fill, NEG_INF))
     # the difference, not lower - 200: float64 cannot hold 200 beside ~3e38 either
     ok = (upper == NEG_INF) | (upper - lower <= -SKIP_MARGIN_BASE2)
-    return (ok.all() & torch.isfinite(bound)).to(torch.int32)
+    above_ok = ok.all() & torch.isfinite(bound)
+    return above_ok.to(torch.int32) * MASK_SKIP_ABOVE + free_below.to(torch.int32) * MASK_FREE_BELOW
 
 
 def _mask_skip(q, k, mask4, scale: float, causal, mask_kind: str, row_broadcast: bool, pred,

@@ -182,8 +182,9 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
         if mode:
             params["backward"] = mode
             name = f"fuser[backward={mode}]"
-        skip = ("; key tiles the mask hides above the diagonal skipped where a run-time test of its values "
-                "proves they add 0 (estimate: every tile)") if skips_on_mask(b) else ""
+        skip = ("; key tiles the mask hides above the diagonal skipped, and the mask not read on the tiles below "
+                "it, where a run-time test of its values proves they add 0 / change nothing (estimate: every tile)"
+                ) if skips_on_mask(b) else ""
         out.append(Candidate(name, params, terms, _estimate(terms, subs, model, kind, "fuser"),
                              "FlashAttention-2 kernels" + ("" if not mode else f", {mode} backward") + f"; {tiles}"
                              + skip, deterministic=mode != "atomic_dq"))

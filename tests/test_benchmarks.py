@@ -298,12 +298,13 @@ def test_compile_time_smoke(tmp_path):
 
 
 def test_distributed_smoke(tmp_path):
-    """The tiny HF Llama trained 3 steps on 2 gloo ranks under FSDP2 (per-layer compile) and DDP,
-    fuser and Inductor each in its own process group: fuser fuses the layer's attention in both
-    settings and its losses follow Inductor's (fp32); the tables and the loss-curve data are there."""
+    """The tiny HF Llama trained 3 steps on 2 gloo ranks under FSDP2 (per-layer compile), DDP and
+    the whole model compiled on each rank, fuser and Inductor each in its own process group: fuser
+    fuses the layer's attention in every setting and its losses follow Inductor's (fp32); the
+    tables, the loss-curve data and (``--profile``) every cell's profile are there."""
     pytest.importorskip("transformers")
-    md, data = run_script("distributed", tmp_path)
-    assert data["complete"] and [c["setting"] for c in data["configs"]] == ["fsdp2", "ddp"]
+    md, data = run_script("distributed", tmp_path, "--profile")
+    assert data["complete"] and [c["setting"] for c in data["configs"]] == ["fsdp2", "ddp", "single"]
     assert data["plot"]["kind"] == "curves" and data["plot"]["field"] == "losses"
     assert "speedup vs inductor" in md and "loss Δ vs inductor" in md and "losses per step" in md
     for c in data["configs"]:
@@ -316,9 +317,15 @@ def test_distributed_smoke(tmp_path):
         assert ind["fused"] is None  # Inductor's rows carry no fuser report
     # a layer compiled on its own receives the model's causal mask as data; the whole model
     # (DDP, one piece here) builds it in the graph, where it is read as causal
-    fsdp2, ddp = (c["results"]["fuser"] for c in data["configs"])
+    fsdp2, ddp, single = (c["results"]["fuser"] for c in data["configs"])
     assert fsdp2["masks"] == ["causal=none mask=additive"] and ddp["masks"] == ["causal=top_left mask=none"], \
         (fsdp2["masks"], ddp["masks"])
+    assert single["masks"] == ["causal=top_left mask=none"], single["masks"]
+    profile = (tmp_path / "distributed_profile.txt").read_text()
+    for cell in ("fsdp2 fuser", "fsdp2 inductor", "ddp fuser", "ddp inductor", "single fuser", "single inductor"):
+        assert f"=== {cell} (rank 0" in profile, cell
+    assert "Self CPU" in profile and "aten::" in profile
+    assert not any("profile" in r for c in data["configs"] for r in c["results"].values())  # not in the JSON
 
 
 def test_distributed_refuses_more_ranks_than_gpus(tmp_path):
