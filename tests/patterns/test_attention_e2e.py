@@ -253,9 +253,11 @@ def test_einsum_on_bnhd_operands_writing_bnhd():
 
 def test_a_data_mask_is_tested_on_every_call_not_at_compile_time():
     """One compiled graph (dynamic sizes) served a causal mask as data, then a mask whose upper
-    triangle is visible, then left padding, then another length: the run-time test of the mask
-    (codegen/attention.py mask_tiles_skippable) decides per call whether the tiles above the
-    diagonal are skipped, so every call equals eager, forward and backward."""
+    triangle is visible, then left padding, then biases and a hidden key below the diagonal,
+    then another length: the run-time test of the mask (codegen/attention.py
+    mask_tiles_skippable) decides per call whether the tiles above the diagonal are skipped and
+    whether the tiles below it may go without the mask, so every call equals eager, forward
+    and backward."""
     def attend(q, k, v, mask):
         return torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
 
@@ -274,10 +276,18 @@ def test_a_data_mask_is_tested_on_every_call_not_at_compile_time():
         m[1, :, :, :6] = fmin
         return m
 
+    def changed_below(n):  # far below the diagonal, on every tile size the kernels use
+        m = causal(n)
+        m[..., n - 1, :8] = 3.0
+        m[..., n - 2, 1] = fmin
+        m[..., n // 2 + 4, 2] = -2.0
+        return m
+
     torch._dynamo.reset()
     compiled = torch.compile(attend, backend="fuser", dynamic=True)
     with collecting() as rep:
-        for n, build in ((40, causal), (40, visible_upper), (40, left_padded), (57, causal), (57, visible_upper)):
+        for n, build in ((40, causal), (40, visible_upper), (40, left_padded), (40, changed_below), (57, causal),
+                         (57, visible_upper), (57, changed_below)):
             q, k, v = _inputs((2, 2, n, 16), (2, 2, n, 16), seed=n)
             mask = build(n)
             out = compiled(q, k, v, mask)

@@ -110,7 +110,11 @@ class Spec:
     ``fill``, ``mask_shape`` (broadcasting, incl. beyond q's batch/heads), ``window``,
     ``prefix``, ``empty_row`` (data masks: one query row sees no key), ``data_values``
     (``"visible_first"``: a data mask hides nothing at the first call, a learned bias starts at
-    zero), ``mask_name`` (argument
+    zero; ``"causal"``: a data mask with a causal mask's values, as transformers passes it to a
+    block compiled on its own — bottom-right, hidden above the diagonal (``finfo.min`` for a
+    bias) — and at later calls sometimes changed: keys at the right hidden (padding), an entry
+    above the diagonal visible, an entry on or below it hidden or biased; the values fuser's
+    run-time mask test reads), ``mask_name`` (argument
     or buffer name), ``module_name`` (submodule holding a learned bias).
 
     Gradients: ``grad`` (``"none"``: no input requires grad; ``"train"``; ``"no_grad"``: inputs
@@ -217,6 +221,12 @@ def _maybe(rng: random.Random, p: float, value, default):
     return value if rng.random() < p else default
 
 
+def _data_values(u: float) -> str:
+    """``Spec.data_values`` from one uniform draw (one draw whatever the outcome, so the fields
+    drawn after it are the same as when it had two outcomes)."""
+    return "visible_first" if u < 0.3 else "causal" if u < 0.55 else "random"
+
+
 def sample(rng: random.Random, seed: int = 0) -> Spec:
     """Draw a random program. Each feature is non-default with a moderate probability, so
     most programs combine a few adversarial features with an otherwise fusable attention."""
@@ -314,7 +324,7 @@ def sample(rng: random.Random, seed: int = 0) -> Spec:
         kl_factor=rng.random() < 0.2,
         kl_mask_sides=_maybe(rng, 0.1, "student", "both"),
         gqa_side=rng.choice(["both", "teacher", "student"]),
-        data_values=_maybe(rng, 0.4, "visible_first", "random"),
+        data_values=_data_values(rng.random()),
         score=_maybe(rng, 0.25, rng.choice(SCORES[1:]), "none"),
     )
     # make the combinations that have hidden bugs before more likely than independent draws
@@ -394,7 +404,10 @@ def _normalize_once(spec: Spec) -> Spec:
             r["mask_shape"] = d.mask_shape
         if mask not in ("data_bool", "padding"):
             r["empty_row"] = False
-        if mask not in ("data_bool", "data_bias", "param_bias") or len(r["calls"]) < 2:
+        if mask not in ("data_bool", "data_bias", "param_bias") or (
+                len(r["calls"]) < 2 and r["data_values"] == "visible_first"):
+            r["data_values"] = d.data_values
+        if r["data_values"] == "causal" and mask not in ("data_bool", "data_bias"):
             r["data_values"] = d.data_values
         if mask not in ("data_bool", "data_bias") and not (mask in STATIC_MASKS and r["builder"].startswith("buffer")):
             r["mask_name"] = d.mask_name
@@ -987,7 +1000,9 @@ def _render_inputs(spec: Spec) -> list[str]:
         mag = spec.magnitude if x[0] in "qk" else 1.0
         scale = f" * {mag!r}" if mag != 1.0 else ""
         out.append(f"{x} = (torch.randn({_shape_src(spec, x)}, generator=g, dtype=torch.float64){scale}).to(dtype)")
-    if spec.mask == "data_bool":
+    if spec.mask in ("data_bool", "data_bias") and spec.data_values == "causal":
+        out += _render_causal_data_mask(spec)
+    elif spec.mask == "data_bool":
         cmp = "<" if spec.polarity == "hide" else ">="
         out.append(f"{spec.mask_name} = torch.rand({_mask_input_shape(spec)}, generator=g) {cmp} 0.3")
         if spec.empty_row:
@@ -995,7 +1010,7 @@ def _render_inputs(spec: Spec) -> list[str]:
         if spec.data_values == "visible_first":
             out.append("if call == 0:  # the first call's mask hides nothing")
             out.append(f"    {spec.mask_name}.fill_({spec.polarity == 'keep'})")
-    if spec.mask == "data_bias":
+    elif spec.mask == "data_bias":
         out.append(f"{spec.mask_name} = torch.randn({_mask_input_shape(spec)}, generator=g, dtype=torch.float64).to(dtype)")
         if spec.data_values == "visible_first":
             out.append("if call == 0:  # the first call's bias is zero")
@@ -1005,6 +1020,34 @@ def _render_inputs(spec: Spec) -> list[str]:
         if spec.empty_row:
             out.append("lengths[0] = 0  # batch row 0 sees no key")
     out.append("return {" + ", ".join(f'"{n}": {n}' for n in _input_names(spec)) + "}")
+    return out
+
+
+def _render_causal_data_mask(spec: Spec) -> list[str]:
+    """``data_values="causal"``: the statements building a causal mask's values as an input
+    (bool: what ``polarity`` says; bias: 0 visible, ``finfo(dtype).min`` hidden), changed at
+    later calls by one draw of ``g``."""
+    name = spec.mask_name
+    out = ["keep = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)  # bottom-right causal",
+           "change = 0 if call == 0 else int(torch.randint(0, 5, (), generator=g))",
+           "i = int(torch.randint(0, n_q, (), generator=g))",
+           "above = i + n_k - n_q + 1 < n_k  # row i has a key above its diagonal",
+           "j = int(torch.randint(max(i + n_k - n_q + 1, 0), n_k, (), generator=g)) if above else 0",
+           "j_below = int(torch.randint(0, max(min(i + n_k - n_q, n_k - 1), 0) + 1, (), generator=g))",
+           "if change == 1:  # right padding: the last keys hidden",
+           "    keep[:, n_k - max(1, n_k // 5):] = False",
+           "elif change == 2 and above:  # a key above the diagonal visible",
+           "    keep[i, j] = True",
+           "elif change == 3:  # a key on or below the diagonal hidden",
+           "    keep[i, j_below] = False"]
+    if spec.mask == "data_bool":
+        keep_or_hide = "keep" if spec.polarity == "keep" else "~keep"
+        out.append(f"{name} = ({keep_or_hide}).expand({_mask_input_shape(spec)}).clone()")
+    else:
+        out += [f"{name} = torch.zeros({_mask_input_shape(spec)}, dtype=torch.float64)"
+                ".masked_fill(~keep, torch.finfo(dtype).min).to(dtype)",
+                "if change == 4:  # a bias on or below the diagonal",
+                f"    {name}[..., i, j_below] = 2.0"]
     return out
 
 

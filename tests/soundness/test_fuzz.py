@@ -62,6 +62,39 @@ def test_fuzz_budget():
         pytest.fail(_report(failures), pytrace=False)
 
 
+CAUSAL_DATA_SEED = 2
+CAUSAL_DATA_COUNT = int(os.environ.get("FUSER_FUZZ_CAUSAL_DATA_COUNT", "8"))
+
+
+def test_causal_data_masks_reach_the_run_time_mask_test(monkeypatch):
+    """Random attention programs whose data mask holds a causal mask's values (``data_values=
+    "causal"``: what a block compiled on its own receives, changed at later calls) equal eager,
+    and the launcher's run-time mask test (``mask_tiles_skippable``) answered with each of its
+    bits among them: the kernels' skipping paths (the tiles above the diagonal, the mask left
+    unread below it) ran, and so did the refusals."""
+    from fuser.codegen import attention
+
+    flags = []
+    test = attention.mask_tiles_skippable
+
+    def recorded(*args, **kw):
+        flag = test(*args, **kw)
+        flags.append(int(flag))
+        return flag
+
+    monkeypatch.setattr(attention, "mask_tiles_skippable", recorded)
+    # programs of several calls: the later calls change the mask's values under the compiled graph
+    specs = [s for s in (fuzz.program_spec(CAUSAL_DATA_SEED, i) for i in range(4000))
+             if s.data_values == "causal" and s.pattern == "attention" and len(s.calls) > 1][:CAUSAL_DATA_COUNT]
+    assert len(specs) == CAUSAL_DATA_COUNT
+    stats, failures = fuzz.fuzz(specs, minimise=False, log=lambda s: None)
+    print(stats.table(), "flags:", sorted(set(flags)))
+    if failures:
+        pytest.fail(_report(failures), pytrace=False)
+    both = attention.MASK_SKIP_ABOVE | attention.MASK_FREE_BELOW
+    assert both in flags and attention.MASK_FREE_BELOW in flags, flags
+
+
 def test_kda_fuzz_budget():
     """KDA_CI_COUNT random KDA loops (seed KDA_CI_SEED) compiled with fuser equal eager: fused
     where the pattern can prove the loop, declined otherwise. fuser's rewritten graphs run
