@@ -3,14 +3,17 @@
 - ``test_fuzz_budget``: a fixed-seed budget of random programs (CI: CPU, kernels in Triton's
   interpreter). Every failing program is reported with its source, program seed and what
   differed; ``python -m tests.soundness.fuzz --program <seed>`` re-runs and shrinks one.
+- ``test_causal_data_masks_reach_the_run_time_mask_test``: random programs whose data mask
+  holds a causal mask's values (changed between calls) equal eager and reach each bit of the
+  attention launcher's run-time mask test.
 - ``test_known_failure``: the minimal programs of the failure classes found so far
-  (:mod:`.corpus`), one test each.
+  (:mod:`.corpus`), one test each; a class whose fix belongs elsewhere is a strict xfail (its
+  ``xfail`` reason), so that the fix landing shows.
 - the rest tests the harness itself: generation is deterministic and (almost always) valid
   Python that eager runs; planted wrong answers, wrong gradients, crashes and recompiles are
   caught; the NaN rules; shrinking.
 
-The budget and corpus tests are marked ``xfail(strict=False)`` while the issue-8 fixes are
-pending: REMOVE THE MARKERS when they land, so that a failure fails CI.
+A failure of the budget tests fails CI.
 """
 
 from __future__ import annotations
