@@ -109,10 +109,7 @@ def naive(mask: str, scale: float, window: int, prefix: int) -> Callable:
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
     def hf_causal_attention(q, k, v):
-        n = q.shape[-2]
-        i = torch.arange(n, device=q.device)[:, None]
-        j = torch.arange(n, device=q.device)[None, :]
-        bias = torch.zeros(n, n, device=q.device).masked_fill(j > i, torch.finfo(torch.float32).min)
+        bias = causal_bias(q.shape[-2], q.device)  # built inside the compiled function
         s = (q @ k.transpose(-2, -1)) * scale + bias
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 

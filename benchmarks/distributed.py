@@ -230,23 +230,14 @@ def train_rank(rank: int, world: int, spec: dict) -> dict:
 def _profile_step(step, cuda: bool) -> str:
     """``torch.profiler``'s table of one call of ``step``: the :data:`PROFILE_ROWS` ops and kernels
     with the most self device time (CPU time without a GPU), and the step's total."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         step()
         common.synchronize("cuda" if cuda else "cpu")
-    events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    try:
-        table = events.table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=90)
-    except (AttributeError, KeyError):  # older names of the same column
-        table = events.table(sort_by="self_cuda_time_total" if cuda else key, row_limit=PROFILE_ROWS,
-                             max_name_column_width=90)
-    if cuda:
-        torch.cuda.synchronize()
-    return table
+    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=90)
 
 
 def _rank_main(rank: int, world: int, spec: dict, store: str, result_dir: str) -> None:

@@ -259,7 +259,7 @@ def fwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, need_lse: bo
         FWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         need_lse=bool(need_lse), interpret=bool(interpret), desc=desc,
-        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
+        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide", mask_skip_bits=_MASK_SKIP_BITS,
         **_pred_params(pred, pred_fill_k, backward=False),
     )
 
@@ -280,7 +280,7 @@ def bwd_kernel(*, causal, mask_kind: str, mask_row_broadcast: bool, bwd_mode: st
         BWD_TEMPLATE, name,
         causal=causal, mask_kind=mask_kind, mask_row_broadcast=row,
         atomic_dq=bwd_mode == "atomic_dq", interpret=bool(interpret),
-        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide",
+        causal_fill=causal_fill_k, mask_fill_finite=mask_fill_k != "hide", mask_skip_bits=_MASK_SKIP_BITS,
         **_pred_params(pred, pred_fill_k, backward=True),
     )
 
@@ -691,6 +691,10 @@ MASK_SKIP_ABOVE = 1
 MASK_FREE_BELOW = 2
 
 
+#: the flag values the kernels test (their template parameter ``mask_skip_bits``)
+_MASK_SKIP_BITS = {"above": MASK_SKIP_ABOVE, "free": MASK_FREE_BELOW}
+
+
 def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scale: float, mask_kind: str,
                          mask_fill: float = NEG_INF, offset: int = 0) -> torch.Tensor:
     """What the kernels may leave out of a data mask's work: a 0-dim int32 tensor of bit flags on
@@ -704,8 +708,9 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
       is (an additive 0, a boolean keep), so the kernels do not read it on the tiles that lie
       there entirely (they compute ``s`` where they would compute ``s + 0``: the same bits).
 
-    Both set, a causal mask given as data costs what causal attention costs, plus this test. Models that build their causal mask outside the compiled code (a
-    transformer block compiled on its own under FSDP2, a graph piece of DDP's optimizer, a mask
+    Both set, a causal mask given as data costs causal attention's work plus the mask's reads on
+    the diagonal tiles and this test. Models that build their causal mask outside the compiled
+    code (a transformer block compiled on its own under FSDP2, a graph piece of DDP's optimizer, a mask
     made before ``torch.compile``) hand it to fuser as a plain tensor: this recovers the causal
     tile skipping from the mask's values, at the cost of one read of the mask.
 
