@@ -12,10 +12,12 @@ Each application is timed by phase (:class:`fuser.report.CompileTimes`, on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import time
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -305,6 +307,14 @@ def apply(
     return result
 
 
+def _weak_method(obj: Any, name: str) -> Callable:
+    """``obj.name`` as a function that holds ``obj`` weakly: stored back on ``obj`` (timed), a
+    bound method would make ``obj`` a reference cycle, freed only by a later collection (see
+    :meth:`fuser.static.StaticEvaluator.slice` for why a compile leaves no garbage behind)."""
+    fn, ref = getattr(type(obj), name), weakref.ref(obj)
+    return functools.wraps(fn)(lambda *args, **kwargs: fn(ref(), *args, **kwargs))
+
+
 def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options: Options, grad_enabled: bool,
            graph_index: int, patterns: list[Pattern], timer: PhaseTimer, *, inputs: Optional[dict] = None,
            match_only: Optional[str] = None) -> PassResult:
@@ -323,7 +333,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         inputs = _placeholder_inputs(gm, example_inputs)
     evaluator = StaticEvaluator(view, inputs, owner=gm)
     for name in ("slice", "evaluate", "max_numel", "constant"):
-        setattr(evaluator, name, timer.wrap("static masks", getattr(evaluator, name)))
+        setattr(evaluator, name, timer.wrap("static masks", _weak_method(evaluator, name)))
     check_region, place = timer.wrap("regions", _check_region), timer.wrap("regions", _place)
     remap, stale_placement = timer.wrap("regions", _remap), timer.wrap("regions", _stale_placement)
     choose = timer.wrap("plan", planner.choose)

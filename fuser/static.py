@@ -141,7 +141,10 @@ class StaticEvaluator:
         self.view = view
         self.inputs = dict(inputs)
         self.owner = owner
-        self._slices: dict[fx.Node, StaticSlice | NotStatic] = {}
+        # a declined slice is cached as its reason, never as the exception: a raised exception
+        # holds its traceback, the traceback every frame up to the compiler's caller, and this
+        # cache would keep them alive (see :meth:`slice`)
+        self._slices: dict[tuple, StaticSlice | str] = {}
 
     # ----------------------------------------------------------------------------------
     def slice(self, node: fx.Node, at: Optional[fx.Node] = None) -> StaticSlice:
@@ -151,14 +154,19 @@ class StaticEvaluator:
         if any of its leaves is data, or a tensor of the slice is written through an alias."""
         key = (node, at)
         hit = self._slices.get(key)
-        if isinstance(hit, NotStatic):
-            raise hit
+        if isinstance(hit, str):
+            raise NotStatic(hit)  # a fresh exception each time: the cache holds no traceback
         if hit is not None:
             return hit
         try:
             result = self._collect(node, at if at is not None else node)
         except NotStatic as exc:
-            self._slices[key] = exc
+            # The reason, not ``exc``: ``exc.__traceback__`` reaches this frame and, through
+            # f_back, every caller up to Dynamo's, and ``self`` -> the cache -> ``exc`` would
+            # make that a reference cycle. Frames kept alive until a later collection broke
+            # DDPOptimizer, which frees a guard in its per-piece frame by reference counting
+            # (tests/fuser/test_backend.py::test_the_backend_leaves_its_callers_frames_...).
+            self._slices[key] = str(exc)
             raise
         self._slices[key] = result
         return result

@@ -264,3 +264,62 @@ def test_kernels_go_to_the_session_cache_not_the_users():
     cache = os.path.realpath(os.environ["FUSER_CACHE_DIR"])
     assert "fuser-test-cache" in cache  # tests/conftest.py's temporary directory
     assert rep.kernels and all(os.path.realpath(kk.path).startswith(cache + os.sep) for kk in rep.kernels)
+
+
+
+def _masked_attn(q, k, v, keep, bias):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")) + bias
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "declined"])
+def test_the_backend_leaves_its_callers_frames_to_reference_counting(fused):
+    """Nothing fuser keeps after compiling a graph holds the frames that called it.
+
+    DDPOptimizer depends on this: it compiles each piece of a split graph from a frame
+    (``run_node``) holding a guard whose ``__del__`` turns TracingContext.fakify_first_call off,
+    trusting reference counting to run it when that frame returns. The static-mask evaluator
+    once cached its NotStatic exceptions, each with a traceback reaching every calling frame,
+    in a reference cycle; a collection during the next piece's compile then ran the old guard's
+    ``__del__``, and the next piece's fake first call ran Inductor's code on fake tensors
+    (CI, test_ddp_split_graph: FakeTensorDeviceMismatchError, meta and cpu). Dynamo collects
+    after each compile, so the frame is checked here where DDPOptimizer's is: inside the
+    compile, right after the backend returned, with the collector off."""
+    import gc
+    import weakref
+
+    class Sentinel:  # a local of the frame that calls the backend, as DDPOptimizer's guard
+        pass
+
+    def compile_piece(gm, example_inputs):
+        sentinel = Sentinel()
+        compiled = backend.fuser_backend(gm, example_inputs, options={"fuser.interpret": True})
+        return compiled, weakref.ref(sentinel)
+
+    freed: list = []
+
+    def caller_backend(gm, example_inputs):
+        compiled, ref = compile_piece(gm, example_inputs)
+        freed.append(ref() is None)
+        return compiled
+
+    q, k, v = _qkv()
+    # an input mask and an input bias: the static-mask evaluator declines both (NotStatic);
+    # a mask per head as well as per query is not one fuser reads (the region is declined)
+    keep = torch.rand(1, 1, 12, 12) > 0.3 if fused else torch.rand(2, 2, 12, 12) > 0.3
+    keep[..., 0] = True
+    bias = torch.randn(12, 12)
+    torch._dynamo.reset()
+    compiled = torch.compile(_masked_attn, backend=caller_backend, fullgraph=True)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with fuser.report.collecting() as rep:
+            out = compiled(q, k, v, keep, bias)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert freed == [True], "a compile left its caller's frame to the garbage collector"
+    assert bool(rep.fused) == fused and bool(rep.rejected) != fused, (rep.fused, rep.rejected)
+    torch.testing.assert_close(out, _masked_attn(q, k, v, keep, bias), atol=1e-5, rtol=1e-5)
