@@ -60,11 +60,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import importlib.util
 import os
 import tempfile
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -302,6 +304,10 @@ def fuser_fast(gm, example_inputs, **kwargs):
 BACKENDS = {"fuser_fast": fuser_fast}
 
 
+class _Sentinel:
+    """A local whose death :func:`counting_backend` watches."""
+
+
 def counting_backend(name: str) -> tuple[Callable, list]:
     """A backend that forwards to the backend ``name`` (registered with Dynamo, or one of
     :data:`BACKENDS`) and records each graph it is given (one entry per compiled graph:
@@ -310,12 +316,30 @@ def counting_backend(name: str) -> tuple[Callable, list]:
 
     inner = BACKENDS[name] if name in BACKENDS else lookup_backend(name)
     graphs: list = []
+    frames_left: list = []  # graphs whose compile left the calling frame to the collector
+
+    def compile_graph(gm, example_inputs, kwargs):
+        # the caller's frame holds a local whose death is watched: a backend must leave it to
+        # reference counting (DDPOptimizer's per-piece guard relies on it; see
+        # tests/fuser/test_backend.py::test_the_backend_leaves_its_callers_frames_...)
+        sentinel = _Sentinel()
+        return inner(gm, example_inputs, **kwargs), weakref.ref(sentinel)
 
     def backend(gm, example_inputs, **kwargs):
         graphs.append(len(gm.graph.nodes))
-        return inner(gm, example_inputs, **kwargs)
+        enabled = gc.isenabled()
+        gc.disable()  # no collection until the check: only reference counting frees the frame
+        try:
+            compiled, sentinel = compile_graph(gm, example_inputs, kwargs)
+            if sentinel() is not None:
+                frames_left.append(len(graphs) - 1)
+        finally:
+            if enabled:
+                gc.enable()
+        return compiled
 
     backend.__name__ = f"counting_{name}"
+    backend.frames_left = frames_left
 
     return backend, graphs
 
@@ -520,6 +544,10 @@ def _run(ns: Any, program: Program, out: Outcome, backend: str, check_recompiles
         # a pattern that raised while matching or rewriting (the pass left the region to Inductor
         # and warned): the result is right, but the pattern has a bug
         out.failures.append(Failure("internal", -1, internal[0][:300]))
+    if be.frames_left and backend.startswith("fuser") and not out.failures:
+        out.failures.append(Failure("internal", -1, f"compiling graph {be.frames_left[0]} left the frame that "
+                                    "called the backend alive in a reference cycle (freed only by a later "
+                                    "collection: DDPOptimizer relies on reference counting there)"))
     out.compiles[backend] = len(graphs)
     torch._dynamo.reset()
     if check_recompiles and not out.failures and len(ns.CALLS) > 1:
