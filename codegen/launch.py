@@ -515,11 +515,45 @@ def _mock_args(values):
 
 
 _binders: dict[tuple, tuple] = {}
-_shared_needs: dict[tuple, int] = {}
+#: per compile key: the bytes of shared memory, or a Future of them while a compile runs
+_shared_needs: dict[tuple, Any] = {}
 _shared_lock = threading.Lock()
+_pool: Any = None
+#: threads that compile kernels for :func:`compiled_shared_memory` (Triton releases the GIL while
+#: it compiles: two compiles on two cores take about the time of one)
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) -> int:
+def _compile_pool():
+    global _pool
+    with _shared_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="fuser-compile")
+        return _pool
+
+
+def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict) -> "int | tuple[str, str]":
+    """One compile of ``kernel`` for ``target`` (a worker of :func:`_compile_pool`): its
+    ``metadata.shared``, or ``(exception type name, message)`` when it does not compile (kept as
+    text: a cached exception would hold, through its traceback, every frame that re-raised it)."""
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    try:
+        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+        return int(compiled.metadata.shared)
+    except Exception as exc:  # noqa: BLE001 - raised again, afresh, by whoever asks
+        return (type(exc).__name__, str(exc))
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel did not compile for :func:`compiled_shared_memory` (the message names Triton's
+    exception and says what it said)."""
+
+
+def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) -> int | None:
     """Bytes of shared memory ``kernel[grid](*args, **kwargs)`` needs per program, compiled for
     Triton ``target`` (:func:`compile_target`) without a device: no launch, no GPU needed.
 
@@ -530,14 +564,16 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     compiles it, and the result is the compiled kernel's ``metadata.shared``: the bytes Triton's
     launcher compares with the device's limit. Cached per (kernel source hash, specialisation,
     options, target); a miss costs one full compile of the kernel (1-3 s for an attention kernel
-    on a 2-core CPU), which also fills Triton's on-disk cache. Uses Triton's
-    ``create_function_from_signature`` and ``JITFunction._pack_args`` (the same in Triton 3.6
-    and 3.9).
+    on a 2-core CPU), which also fills Triton's on-disk cache. The compile runs on a thread of
+    :func:`_compile_pool`: inside :func:`prefetching` this returns None at once (the compile
+    goes on in the background, and a later call with the same key waits for it); otherwise it
+    waits. Uses Triton's ``create_function_from_signature`` and ``JITFunction._pack_args`` (the
+    same in Triton 3.6 and 3.9).
 
-    Raises whatever Triton raises when the kernel does not compile.
+    Raises:
+        KernelCompileError: the kernel does not compile (not inside :func:`prefetching`).
     """
-    from triton.compiler import ASTSource, make_backend
-    from triton.compiler import compile as triton_compile
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     tkey = (target.backend, target.arch, target.warp_size)
@@ -551,11 +587,24 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     margs, mkw = _mock_args(args), dict(zip(kwargs, _mock_args(kwargs.values())))
     bound, specialization, options = binder(*margs, **mkw)
     key = (kernel.cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
-    need = _shared_needs.get(key)
+    with _shared_lock:
+        need = _shared_needs.get(key)
     if need is None:
         opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
-        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=opts.__dict__)
-        need = _shared_needs[key] = int(compiled.metadata.shared)
+        pool = _compile_pool()
+        with _shared_lock:
+            need = _shared_needs.get(key)
+            if need is None:
+                need = _shared_needs[key] = pool.submit(_compile_shared, kernel, signature, constexprs, attrs, target,
+                                                        opts.__dict__)
+    if prefetching_now():
+        return None
+    if not isinstance(need, (int, tuple)):  # a Future
+        need = need.result()
+        with _shared_lock:
+            _shared_needs[key] = need
+    if isinstance(need, tuple):
+        raise KernelCompileError(f"kernel {_kernel_name(kernel)} does not compile for {target}: {need[0]}: {need[1]}")
     return need
 
 
@@ -609,6 +658,12 @@ class _DryLaunch:
             name = _kernel_name(self.kernel)
             if limit is None:
                 raise _Unchecked(name)
+            if prefetching_now():  # start the compile, check nothing: the traced run checks
+                try:
+                    self.need(self.kernel, grid, args, kwargs, first.device)
+                except Exception:  # noqa: BLE001 - the traced run meets it again and says so
+                    pass
+                return
             try:
                 need = self.need(self.kernel, grid, args, kwargs, first.device)
             except Exception as exc:  # noqa: BLE001 - the real launch raises it again if it is real
@@ -743,6 +798,10 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
         raise ValueError(f"launch_first_fitting: no configs for {key}")
     known = _fitting.get(key)
     start = configs.index(known) if known is not None and known in configs else None
+    if prefetching_now():  # start the compiles the traced run will check; remember nothing
+        for cfg in ([configs[start]] if start is not None else configs[:PREFETCH_CONFIGS]):
+            check_fit(run, cfg, need=need, limit=limit)
+        return
     if start is None:
         too_large = []
         for i, cfg in enumerate(configs):
@@ -770,6 +829,82 @@ def launch_first_fitting(key: tuple, configs: list[dict], run: Callable[[dict], 
             continue
         _fitting[key] = configs[i]
         return
+
+
+#: How many configs of a :func:`launch_first_fitting` call :func:`prefetching` compiles ahead
+#: (the second is compiled when the first does not fit, as for an additive mask's forward on an H100)
+PREFETCH_CONFIGS = 2
+_prefetch = threading.local()
+
+
+def prefetching_now() -> bool:
+    """Whether this thread is inside :func:`prefetching`."""
+    return getattr(_prefetch, "on", False)
+
+
+@contextlib.contextmanager
+def prefetching() -> Iterator[None]:
+    """Within: the fit checks of :func:`launch_first_fitting` start their kernels' compiles
+    (:func:`compiled_shared_memory`, in the background) for its first :data:`PREFETCH_CONFIGS`
+    configs (the one remembered for its key, when there is one) and check, run, record and
+    remember nothing. :func:`prefetch_compiles` traces a fused op's call so: the traced run that
+    follows (AOTAutograd's, for Inductor) then finds its compiles done or under way, all started
+    together instead of one after another as it meets them."""
+    old = prefetching_now()
+    _prefetch.on = True
+    try:
+        yield
+    finally:
+        _prefetch.on = old
+
+
+def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> bool:
+    """Start the compiles that tracing ``op(*args, **kwargs)`` for Inductor will check
+    (:func:`prefetching`): its forward and, when ``grad`` and an input requires grad, its
+    backward (autograd's, through the op's formula), traced as AOTAutograd traces them (fake
+    tensors, functionalised) but recording nothing. ``op``: a fused op (:func:`fused_op`);
+    ``args``/``kwargs``: the call's arguments, tensors fake (the graph's example values).
+
+    Returns whether the trace ran: not for calls that keep the opaque op
+    (:func:`stays_opaque`: CPU, symbolic sizes, whose trace could add a guard to the caller's
+    shape environment), or when the trace failed (the real one meets the
+    same failure and reports it; nothing here changes what is compiled or run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if _op_name(op) not in _FUSED_OPS or stays_opaque(args, kwargs, op) is not None or _symbolic(args, kwargs):
+        return False
+    flat, spec = tree_flatten((list(args), dict(kwargs)))
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    # stand-ins of the same sizes, strides, dtypes, devices and requires_grad in a fake mode of
+    # their own: the graph's example values may come from several fake modes (DDPOptimizer's
+    # pieces mix its inputs' with Dynamo's), and this trace must add nothing to theirs
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        stand_ins = [torch.empty_strided(tuple(flat[i].shape), tuple(flat[i].stride()), dtype=flat[i].dtype,
+                                         device=flat[i].device).requires_grad_(flat[i].requires_grad)
+                     for i in where]
+
+    def joint(*tensors):
+        vals = list(flat)
+        for i, t in zip(where, tensors):
+            vals[i] = t
+        a, kw = tree_unflatten(vals, spec)
+        out = op(*a, **kw)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        ins = [t for t in tensors if t.requires_grad]
+        if grad and outs and ins:
+            torch.autograd.grad(outs, ins, [torch.ones_like(o) for o in outs], allow_unused=True)
+
+    try:
+        with fake_mode, prefetching(), torch.set_grad_enabled(grad):
+            make_fx(dispatch_functionalize(joint))(*stand_ins)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.debug("fuser: prefetching the compiles of %s failed (%s: %s)", _op_name(op), type(exc).__name__, exc)
+        return False
+    return True
 
 
 def tracing() -> bool:
@@ -848,6 +983,16 @@ def stays_opaque(args, kwargs, op=None) -> str | None:
     return None
 
 
+#: the names of the ops :func:`fused_op` made (``"fuser::attention"``)
+_FUSED_OPS: set[str] = set()
+
+
+def is_fused_op(target) -> bool:
+    """Whether ``target`` (an FX node's target: an op overload or packet) is an op of :func:`fused_op`."""
+    name = _op_name(target) or _op_name(getattr(target, "default", None))
+    return name in _FUSED_OPS
+
+
 def fused_op(name: str, *, mutates_args=(),
              symbolic: Callable[[tuple, dict], "str | None"] | None = None) -> Callable[[Callable[..., Any]], Any]:
     """``torch.library.custom_op(name, mutates_args=...)`` whose GPU kernels Inductor launches
@@ -862,6 +1007,7 @@ def fused_op(name: str, *, mutates_args=(),
 
     def decorate(fn: Callable[..., Any]):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        _FUSED_OPS.add(name)
         if symbolic is not None:
             _SYMBOLIC_RULES[name] = symbolic
         inline_into_inductor(op, fn)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from . import options as options_mod
 from . import passes, registry
@@ -133,6 +134,11 @@ def fuser_backend(
         exc.first_useful_frame = inspect.currentframe()
         raise
     _tell(result, opts)
+    if result.times is not None and any(m.fused for m in result.matches):
+        t0 = time.perf_counter()
+        started = prefetch_kernel_compiles(gm, example_inputs, grad=torch.is_grad_enabled())
+        if started:
+            result.times.phases["prefetch"] = (time.perf_counter() - t0) * 1e3
     record(result, opts)
     patches: dict[str, Any] = {}
     if mode is not None:
@@ -141,6 +147,58 @@ def fuser_backend(
     existing = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = _cache_key_pass(existing)
     return _compile_timed(compile_fx, gm, example_inputs, patches, result.times, opts.enabled)
+
+
+def prefetch_kernel_compiles(gm: fx.GraphModule, example_inputs: Sequence[Any] = (), *, grad: bool) -> int:
+    """Start, in the background, the compiles of the kernels that tracing the fused ops of
+    ``gm`` for Inductor will check (:func:`fuser.codegen.launch.prefetch_compiles`, with each
+    call's arguments as the graph's example values, ``meta["val"]`` or Dynamo's
+    ``meta["example_value"]``): AOTAutograd's trace then waits on compiles
+    started together (forward and backward kernels, every fused op of the graph) instead of
+    making them one after another. Returns how many calls were traced so; a call whose arguments
+    lack example values is skipped. A placeholder without one (the pieces DDPOptimizer splits
+    off) takes its entry of ``example_inputs``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given = dict(zip(placeholders, example_inputs)) if len(placeholders) == len(example_inputs) else {}
+    started, seen = 0, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not launch.is_fused_op(node.target):
+            continue
+        missing = []
+
+        def val(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val", a.meta.get("example_value", given.get(a)))  # AOT's / Dynamo's / given
+                if v is None:
+                    missing.append(a)
+                return v
+            return a
+
+        args, kwargs = fx.node.map_aggregate(node.args, val), fx.node.map_aggregate(node.kwargs, val)
+        if missing:
+            continue
+        key = _call_key(node.target, args, kwargs)
+        if key is not None and key in seen:  # the same call again (every layer's): the same compiles
+            continue
+        seen.add(key)
+        if launch.prefetch_compiles(node.target, args, dict(kwargs), grad=grad):
+            started += 1
+    return started
+
+
+def _call_key(target, args, kwargs) -> "tuple | None":
+    """What decides a fused call's kernels and their launches: the op, each tensor's sizes,
+    strides, dtype, device and ``requires_grad``, every other argument's repr (None when a
+    size is symbolic: such calls are not prefetched)."""
+    parts: list = [str(target)]
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor):
+            if any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
+                return None
+            parts.append((tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.requires_grad))
+        else:
+            parts.append(repr(x))
+    return tuple(parts)
 
 
 def compiled_autograd_graph() -> bool:
