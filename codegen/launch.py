@@ -520,8 +520,10 @@ _shared_needs: dict[tuple, Any] = {}
 _shared_lock = threading.Lock()
 _pool: Any = None
 #: threads that compile kernels for :func:`compiled_shared_memory` (Triton releases the GIL while
-#: it compiles: two compiles on two cores take about the time of one)
-COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: it compiles: two compiles on two cores take about the time of one); ``FUSER_COMPILE_THREADS``
+#: (read at import) sets it, and 0 compiles on the calling thread and prefetches nothing
+#: (:func:`prefetch_compiles`), as before the pool existed
+COMPILE_THREADS = int(os.environ.get("FUSER_COMPILE_THREADS", "") or max(1, min(8, os.cpu_count() or 1)))
 
 
 def _compile_pool():
@@ -589,6 +591,11 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     key = (kernel.cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
     with _shared_lock:
         need = _shared_needs.get(key)
+    if need is None and COMPILE_THREADS <= 0:
+        opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
+        need = _compile_shared(kernel, signature, constexprs, attrs, target, opts.__dict__)
+        with _shared_lock:
+            _shared_needs[key] = need
     if need is None:
         opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
         pool = _compile_pool()
@@ -865,7 +872,8 @@ def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> b
     tensors, functionalised) but recording nothing. ``op``: a fused op (:func:`fused_op`);
     ``args``/``kwargs``: the call's arguments, tensors fake (the graph's example values).
 
-    Returns whether the trace ran: not for calls that keep the opaque op
+    Returns whether the trace ran: not with ``FUSER_COMPILE_THREADS=0`` (:data:`COMPILE_THREADS`),
+    not for calls that keep the opaque op
     (:func:`stays_opaque`: CPU, symbolic sizes, whose trace could add a guard to the caller's
     shape environment), or when the trace failed (the real one meets the
     same failure and reports it; nothing here changes what is compiled or run)."""
@@ -874,7 +882,8 @@ def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> b
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    if _op_name(op) not in _FUSED_OPS or stays_opaque(args, kwargs, op) is not None or _symbolic(args, kwargs):
+    if (COMPILE_THREADS <= 0 or _op_name(op) not in _FUSED_OPS or stays_opaque(args, kwargs, op) is not None
+            or _symbolic(args, kwargs)):
         return False
     flat, spec = tree_flatten((list(args), dict(kwargs)))
     where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]

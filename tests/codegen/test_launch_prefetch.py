@@ -151,3 +151,13 @@ def test_the_backend_prefetches_the_fused_calls_of_its_graph(fresh):
     q.meta.pop("example_value", None)
     launch._shared_needs.clear()
     assert backend.prefetch_kernel_compiles(fx.GraphModule(torch.nn.Module(), g), grad=True) == 0
+
+
+def test_no_compile_threads_compiles_on_the_calling_thread_and_prefetches_nothing(fresh, monkeypatch):
+    monkeypatch.setattr(launch, "COMPILE_THREADS", 0)
+    mode, op, args = _call("none")
+    assert not launch.prefetch_compiles(op, args, {}, grad=True)
+    assert launch._shared_needs == {}
+    x = torch.empty(16, device="meta")
+    need = launch.compiled_shared_memory(_copy, (x, x), {"BLOCK": 16}, launch.compile_target(x.device))
+    assert isinstance(need, int) and list(launch._shared_needs.values()) == [need]
