@@ -891,10 +891,10 @@ def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> b
     # their own: the graph's example values may come from several fake modes (DDPOptimizer's
     # pieces mix its inputs' with Dynamo's), and this trace must add nothing to theirs
     fake_mode = FakeTensorMode()
-    with fake_mode:
-        stand_ins = [torch.empty_strided(tuple(flat[i].shape), tuple(flat[i].stride()), dtype=flat[i].dtype,
-                                         device=flat[i].device).requires_grad_(flat[i].requires_grad)
-                     for i in where]
+
+    def stand_in(x: torch.Tensor) -> torch.Tensor:
+        t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+        return t.requires_grad_(x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex))
 
     def joint(*tensors):
         vals = list(flat)
@@ -909,7 +909,7 @@ def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> b
 
     try:
         with fake_mode, prefetching(), torch.set_grad_enabled(grad):
-            make_fx(dispatch_functionalize(joint))(*stand_ins)
+            make_fx(dispatch_functionalize(joint))(*[stand_in(flat[i]) for i in where])
     except Exception as exc:  # noqa: BLE001 - see above
         log.debug("fuser: prefetching the compiles of %s failed (%s: %s)", _op_name(op), type(exc).__name__, exc)
         return False
