@@ -591,19 +591,18 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     key = (kernel.cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
     with _shared_lock:
         need = _shared_needs.get(key)
-    if need is None and COMPILE_THREADS <= 0:
-        opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
-        need = _compile_shared(kernel, signature, constexprs, attrs, target, opts.__dict__)
-        with _shared_lock:
-            _shared_needs[key] = need
     if need is None:
         opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
-        pool = _compile_pool()
+        compile_args = (kernel, signature, constexprs, attrs, target, opts.__dict__)
+        pool = _compile_pool() if COMPILE_THREADS > 0 else None
         with _shared_lock:
             need = _shared_needs.get(key)
-            if need is None:
-                need = _shared_needs[key] = pool.submit(_compile_shared, kernel, signature, constexprs, attrs, target,
-                                                        opts.__dict__)
+            if need is None and pool is not None:
+                need = _shared_needs[key] = pool.submit(_compile_shared, *compile_args)
+        if need is None:  # FUSER_COMPILE_THREADS=0: on this thread
+            need = _compile_shared(*compile_args)
+            with _shared_lock:
+                _shared_needs[key] = need
     if prefetching_now():
         return None
     if not isinstance(need, (int, tuple)):  # a Future

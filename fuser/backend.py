@@ -134,14 +134,14 @@ def fuser_backend(
         exc.first_useful_frame = inspect.currentframe()
         raise
     _tell(result, opts)
-    if result.times is not None and any(m.fused for m in result.matches):
+    if any(m.fused for m in result.matches):
         t0 = time.perf_counter()
         try:
             started = prefetch_kernel_compiles(gm, example_inputs, grad=torch.is_grad_enabled())
         except Exception as exc:  # noqa: BLE001 - only a head start: Inductor's trace compiles what is missing
             log.debug("fuser: prefetching kernel compiles failed (%s: %s)", type(exc).__name__, exc)
             started = 0
-        if started:
+        if started and result.times is not None:
             result.times.phases["prefetch"] = (time.perf_counter() - t0) * 1e3
     record(result, opts)
     patches: dict[str, Any] = {}

@@ -67,8 +67,14 @@ def _traced_launches(mode, op, args):
         gm = make_fx(dispatch_functionalize(joint))(*args[:3])
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
-            if "triton_kernel_wrapper" in str(n.target)]
+    out = []
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper" in str(n.target):
+            kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            cfg = [(c.kwargs, c.num_warps, c.num_stages) for c in getattr(kernel, "configs", ())[:1]]
+            consts = sorted(kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"]).items(), key=str)
+            out.append((kernel.fn.__name__, repr(consts), repr(cfg)))
+    return out
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "additive"])
@@ -84,10 +90,15 @@ def test_prefetch_starts_the_forward_and_backward_compiles_and_remembers_nothing
     # the forward's first two configs (the second is checked when the first does not fit)
     fwd = _fwd_kernel(mask_kind).cache_key
     assert sum(k[0] == fwd for k in started) == 2
-    # the traced run compiles nothing more, and records launches as it would have
+    # the traced run compiles nothing more, and records the launches (kernels, constants,
+    # configs) it records without the prefetch
     got = _traced_launches(mode, op, args)
     assert set(launch._shared_needs) == set(started)
-    assert {"attention_fwd_kernel", "attention_bwd_dkdv", "attention_bwd_dq"} <= set(got)
+    assert {"attention_fwd_kernel", "attention_bwd_dkdv", "attention_bwd_dq"} <= {g[0] for g in got}
+    launch._fitting.clear()
+    launch._checked.clear()
+    launch._shared_needs.clear()
+    assert _traced_launches(*_call(mask_kind)) == got
 
 
 def test_without_grad_only_the_forward_is_started(fresh):
