@@ -1,4 +1,4 @@
-"""Config sweep for the attention-KL Triton kernels: time every candidate launch config.
+"""Config sweep for the attention-KL and attention Triton kernels: time every candidate launch config.
 
 Usage (on a GPU, one process)::
 
@@ -6,6 +6,7 @@ Usage (on a GPU, one process)::
     python benchmarks/tune_attention_kl.py --families fwd bwd_frozen_two --causal 1 --seqs 4096 16384
     python benchmarks/tune_attention_kl.py --list             # the candidates, as on an H100; runs nothing
     python benchmarks/tune_attention_kl.py --smoke --out-dir /tmp/tune_smoke   # tiny sizes, CPU (interpreter)
+    python benchmarks/tune_attention_kl.py --families attn_fwd --batch 4 --seqs 1024 2048 --timing cudagraph
 
 What is measured: the launchers of ``codegen/attention_kl.py``, called directly with one explicit
 ``config=`` each, on seeded ``randn`` q1, k1, q2, k2 ``[B, H, N, D]`` (default B=1, H=16, D=128,
@@ -13,7 +14,11 @@ bf16; scale D^-0.5; causal = ``"top_left"``, the same as bottom-right for Nq == 
 ``fwd`` = ``forward(need_stats=True)`` (training), ``fwd_nostats`` (inference); ``bwd_frozen_atomic``
 / ``bwd_frozen_two`` = ``backward(needs_grad=(F, F, T, T))``, bwd_mode atomic_dq / two_kernel;
 ``bwd_both_two`` / ``bwd_both_atomic``: all four gradients (the forward runs once per group, table
-default, for the statistics; only ``backward`` is timed). Order: family, causal, N, configs.
+default, for the statistics; only ``backward`` is timed). Attention (``codegen/attention.py``, q, k, v
+``[B, H, N, D]``, no data mask): ``attn_fwd`` = ``forward(need_lse=True)`` (training), ``attn_fwd_nolse``
+(inference); each of their groups also times ``torch.nn.functional.scaled_dot_product_attention``
+on the same inputs (whichever backend torch picks; the row ``SDPA`` of the summary, ``best vs SDPA`` =
+SDPA ms / best ms). Order: family, causal, N, configs.
 
 Candidates: the current table's entries for the key (``candidate_configs``), its default first,
 then the grids below, deduplicated (atomic_dq ignores BLOCK_M2/N2). Forward: ``FWD_*`` axes pruned
@@ -28,9 +33,11 @@ min(12, cores - 4)) compiles ahead in J spawned processes, each config run once 
 N' = N (N <= 512) else 256 + N % 16 (same Triton specialization), so this process finds Triton's
 disk cache warm: ``compile s`` = the worker's first call, ``first call s`` then only loads the
 binary. Check: each output (rows, statistics; gradients) vs the default config's, max |diff| /
-max |default|, the worst; above 1e-2 (bf16/fp16; fp32 1e-3) reads WRONG. FLOPs as in
+max |default|, the worst (attention: also SDPA's output vs the default's); above 1e-2 (bf16/fp16; fp32 1e-3) reads WRONG. FLOPs as in
 ``benchmarks/attention_kl.py`` (useful work, plan-independent): per visible pair 4·D fwd, 8·D bwd
-frozen, 12·D bwd both; pairs N² or N(N+1)/2 causal.
+frozen, 12·D bwd both (attention forward: 4·D); pairs N² or N(N+1)/2 causal. ``--timing cudagraph``:
+``do_bench_cudagraph`` (GPU time alone, no launch cost; a short kernel's host launch would otherwise
+decide its row) instead of ``do_bench``.
 
 Outputs: ``tune_attention_kl.md`` / ``.json`` in ``--out-dir`` (env ``FUSER_BENCH_OUT_DIR``, else
 ``$TMPDIR/tune_attention_kl``), rewritten after every group (``--out PATH``: there, copied to
@@ -60,7 +67,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-TITLE = "fuser attention-KL config sweep"
+TITLE = "fuser attention-KL / attention config sweep"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 WRONG_TOL = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-3}
 DEFAULTS = {"seqs": [8192], "dtype": "bf16", "heads": 16, "dim": 128, "warmup": 10, "rep": 40, "max_configs": 0}
@@ -73,7 +80,15 @@ FAMILIES = {  # name -> launcher arguments
     "bwd_frozen_two": {"kind": "bwd", "needs_grad": FROZEN, "bwd_mode": "two_kernel"},
     "bwd_both_two": {"kind": "bwd", "needs_grad": BOTH, "bwd_mode": "two_kernel"},
     "bwd_both_atomic": {"kind": "bwd", "needs_grad": BOTH, "bwd_mode": "atomic_dq"},
+    "attn_fwd": {"kind": "fwd", "kernel": "attention", "need_lse": True},
+    "attn_fwd_nolse": {"kind": "fwd", "kernel": "attention", "need_lse": False},
 }
+KL_FAMILIES = [f for f, spec in FAMILIES.items() if "kernel" not in spec]
+
+
+def is_attention(fam: str) -> bool:
+    return FAMILIES[fam].get("kernel") == "attention"
+
 
 # --------------------------------------------------------------------------------------------
 # candidate grids (edit here)
@@ -143,9 +158,13 @@ def table_configs(spec: dict, fam: str, causal: bool) -> list[dict]:
     """The current table's configs for this family's key, default first."""
     import torch
 
+    from fuser.codegen import attention as attn
     from fuser.codegen import attention_kl as akl
 
     f, dtype = FAMILIES[fam], getattr(torch, DTYPES[spec["dtype"]])
+    if is_attention(fam):
+        return attn.candidate_configs(head_dim=spec["dim"], head_dim_v=spec["dim"], dtype=dtype, device=spec["device"],
+                                      causal="top_left" if causal else "none", kind="fwd")
     return akl.candidate_configs(head_dim1=spec["dim"], head_dim2=spec["dim"], dtype=dtype, device=spec["device"],
                                  causal="top_left" if causal else "none", kind=f["kind"],
                                  teacher_grad=f.get("needs_grad", BOTH)[0])
@@ -171,8 +190,9 @@ def candidates(spec: dict, fam: str, causal: bool, limit: int = 0) -> list[tuple
 def problem(spec: dict, fam: str, causal: bool, n: int, cache: dict) -> dict:
     """Inputs (for a backward also g and the forward's statistics); ``cache`` keeps the last."""
     is_bwd = FAMILIES[fam]["kind"] == "bwd"
-    if (causal, n, is_bwd) in cache:
-        return cache[(causal, n, is_bwd)]
+    kind = (FAMILIES[fam].get("kernel", "attention_kl"), causal, n, is_bwd)
+    if kind in cache:
+        return cache[kind]
     import torch
 
     from fuser.codegen import attention_kl as akl
@@ -180,6 +200,11 @@ def problem(spec: dict, fam: str, causal: bool, n: int, cache: dict) -> dict:
     cache.clear()
     torch.manual_seed(spec["seed"] + n)
     shape = (spec["batch"], spec["heads"], n, spec["dim"])
+    if is_attention(fam):
+        q, k, v = (torch.randn(shape, dtype=getattr(torch, DTYPES[spec["dtype"]]), device=spec["device"])
+                   for _ in range(3))
+        cache[kind] = {"inputs": (q, k, v), "scale": spec["dim"] ** -0.5, "causal": "top_left" if causal else "none"}
+        return cache[kind]
     q1, k1, q2, k2 = (torch.randn(shape, dtype=getattr(torch, DTYPES[spec["dtype"]]), device=spec["device"])
                       for _ in range(4))
     p = {"inputs": (q1, k1, q2, k2), "scale": spec["dim"] ** -0.5, "causal": "top_left" if causal else "none"}
@@ -193,15 +218,24 @@ def problem(spec: dict, fam: str, causal: bool, n: int, cache: dict) -> dict:
             except Exception:  # noqa: BLE001
                 if i == len(table_configs(spec, "fwd", causal)) - 1:
                     raise
-    cache[(causal, n, is_bwd)] = p
+    cache[kind] = p
     return p
 
 
 def make_call(p: dict, fam: str, cfg: dict):
     """A zero-argument callable: one launcher call with ``cfg``, returning its output tensors."""
+    from fuser.codegen import attention as attn
     from fuser.codegen import attention_kl as akl
 
-    f, (q1, k1, q2, k2), s = FAMILIES[fam], p["inputs"], p["scale"]
+    f, s = FAMILIES[fam], p["scale"]
+    if is_attention(fam):
+        q, k, v = p["inputs"]
+
+        def run_attention():
+            return [t for t in attn.forward(q, k, v, scale=s, causal=p["causal"], need_lse=f["need_lse"], config=cfg)
+                    if t is not None]
+        return run_attention
+    q1, k1, q2, k2 = p["inputs"]
     if f["kind"] == "fwd":
         def run():
             return [t for t in akl.forward(q1, k1, q2, k2, scale1=s, scale2=s, causal=p["causal"],
@@ -213,6 +247,14 @@ def make_call(p: dict, fam: str, cfg: dict):
                                         needs_grad=f["needs_grad"], bwd_mode=f["bwd_mode"], config=cfg)
                 if t is not None]
     return run_bwd
+
+
+def sdpa_call(p: dict):
+    """SDPA on an attention problem's inputs (torch picks the backend), as a one-element list."""
+    import torch.nn.functional as F
+
+    q, k, v = p["inputs"]
+    return lambda: [F.scaled_dot_product_attention(q, k, v, is_causal=p["causal"] != "none", scale=p["scale"])]
 
 
 _WORKER_CACHE: dict = {}
@@ -255,7 +297,7 @@ def rel_diff(out: list, ref: list) -> float:
 
 def flops(args, fam: str, causal: bool, n: int) -> float:
     f = FAMILIES[fam]
-    per_pair = 4 if f["kind"] == "fwd" else (12 if f["needs_grad"][0] else 8)
+    per_pair = 4 if f["kind"] == "fwd" else (12 if f["needs_grad"][0] else 8)  # attention forward: 4·D too
     return args.batch * args.heads * (n * (n + 1) / 2 if causal else float(n) * n) * per_pair * args.dim
 
 
@@ -293,7 +335,8 @@ def run_group(args, spec: dict, group: dict, futures: dict, state: dict) -> None
                 return 0.0
             return rel_diff(out, ref["out"])
 
-        m = common.measure(make_call(p, fam, rec["cfg"]), spec["device"], args.warmup, args.rep, check=check)
+        m = common.measure(make_call(p, fam, rec["cfg"]), spec["device"], args.warmup, args.rep, check=check,
+                           timing=args.timing)
         rec.update(status="ok" if m.ok else m.status.replace("err:", "error:", 1), ms=m.ms, first_call_s=m.first_call_s,
                    extra_mib=m.extra_mib, rel_diff=m.check, error=m.error, wrong=m.ok and not m.check <= args.tol,
                    tflops=group["flops"] / (m.ms * 1e-3) / 1e12 if m.ms else None)
@@ -305,6 +348,14 @@ def run_group(args, spec: dict, group: dict, futures: dict, state: dict) -> None
     d = recs[0]["ms"] if recs[0]["status"] == "ok" else None
     for rec in recs:
         rec["vs_default"] = d / rec["ms"] if (rec["ms"] and d) else None
+    if is_attention(fam) and p is not None and not state.get("broken"):
+        m = common.measure(sdpa_call(p), spec["device"], args.warmup, args.rep,
+                           check=(lambda out: rel_diff(out, ref["out"])) if "out" in ref else None, timing=args.timing)
+        group["sdpa"] = {"status": "ok" if m.ok else m.status, "ms": m.ms, "rel_diff": m.check,
+                         "tflops": group["flops"] / (m.ms * 1e-3) / 1e12 if m.ms else None}
+        print(f"[{common.elapsed_s():4.0f}s] {fam} {'causal' if causal else 'full'} N={n} SDPA "
+              f"{common.fmt_ms(m.ms) + ' ms' if m.ok else m.status[:40]:>10}  diff {common.fmt_err(m.check)}",
+              file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +386,17 @@ def group_md(g: dict) -> str:
     top = [cfg_literal(r["cfg"]) for r in ranked(g)[:5] if r["status"] == "ok" and not r.get("wrong")]
     ref = g.get("reference")
     ref = f"; diffs vs {ref} (the default failed)" if ref and ref != g["results"][0]["config"] else ""
+    sdpa = g.get("sdpa")
+    if sdpa:
+        flag = " WRONG" if sdpa.get("rel_diff") is not None and not sdpa["rel_diff"] <= args_tol(g) else ""
+        ref += (f"; SDPA {common.fmt_ms(sdpa['ms'])} ms, its output vs the default's "
+                f"{common.fmt_err(sdpa.get('rel_diff'))}{flag}" if sdpa["status"] == "ok" else f"; SDPA: {sdpa['status']}")
     return (f"## {title(g)}\n\n{len(g['results'])} configs, {common.fmt_sig(g['flops'] / 1e9)} GFLOP{ref}. "
             f"Fastest first, as table entries: `{', '.join(top) or '—'}`\n\n{table}")
+
+
+def args_tol(g: dict) -> float:
+    return g.get("tol", 1e-2)
 
 
 def summary_md(groups: list[dict]) -> str:
@@ -344,17 +404,26 @@ def summary_md(groups: list[dict]) -> str:
     for g in groups:
         ok, d = [r for r in ranked(g) if r["status"] == "ok"], g["results"][0]
         b = next((r for r in ok if not r.get("wrong")), {})
+        sdpa = g.get("sdpa") or {}
         rows.append([g["family"], "causal" if g["causal"] else "none", g["N"], f"{len(ok)}/{len(g['results'])}",
                      b.get("config", "—"), common.fmt_ms(b.get("ms")), common.fmt_sig(b.get("tflops")), d["config"],
                      common.fmt_ms(d["ms"]) if d["status"] == "ok" else d["status"][:40],
-                     common.fmt_ratio(b.get("vs_default")), sum(1 for r in g["results"] if r.get("wrong")) or ""])
+                     common.fmt_ratio(b.get("vs_default")),
+                     common.fmt_ms(sdpa.get("ms")) if sdpa.get("status", "ok") == "ok" else sdpa["status"][:30],
+                     common.fmt_ratio(common.ratio(sdpa.get("ms"), b.get("ms"))),
+                     common.fmt_ratio(common.ratio(sdpa.get("ms"), d["ms"] if d["status"] == "ok" else None)),
+                     sum(1 for r in g["results"] if r.get("wrong")) or ""])
     return common.md_table(["family", "causal", "N", "ok", "best config", "best ms", "best TFLOP/s",
-                            "default config", "default ms", "speedup", "WRONG"], rows, "llrrlrrlrrr")
+                            "default config", "default ms", "speedup", "SDPA ms", "best vs SDPA", "default vs SDPA",
+                            "WRONG"], rows, "llrrlrrlrrrrrr")
 
 
 def legend(args) -> str:
-    return (f"B={args.batch}, H={args.heads}, D={args.dim}, dtype={args.dtype}; do_bench warmup={args.warmup} ms "
+    timed = "do_bench_cudagraph (GPU time, no launch cost)" if args.timing == "cudagraph" else "do_bench"
+    return (f"B={args.batch}, H={args.heads}, D={args.dim}, dtype={args.dtype}; {timed} warmup={args.warmup} ms "
             f"rep={args.rep} ms (median). FLOPs per visible pair: 4·D fwd, 8·D bwd frozen, 12·D bwd both. "
+            "SDPA (attention families only) = torch's scaled_dot_product_attention on the same inputs; "
+            "best / default vs SDPA = SDPA ms / ms (>1: faster than SDPA). "
             "`*` = in the current table; vs default / speedup = default ms / ms (>1: faster than the default); "
             "compile s = a precompile worker's first call; first call s = this process's; max rel diff = "
             f"worst max|diff| / max|ref| vs the default's outputs, above {args.tol:g} reads WRONG. "
@@ -387,7 +456,8 @@ def write(args, meta: dict, groups: list[dict], state: dict, done: bool) -> list
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=list(FAMILIES))
+    p.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=KL_FAMILIES,
+                   help="default: the attention-KL ones (attn_fwd, attn_fwd_nolse: attention's forward)")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 (80 with --smoke)")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 (fp32 with --smoke)")
@@ -396,6 +466,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=None, help="head dim, both sides (default 128; 16 with --smoke)")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warm-up ms (default 10)")
     p.add_argument("--rep", type=int, default=None, help="do_bench repetition ms (default 40)")
+    p.add_argument("--timing", choices=common.TIMINGS, default="events",
+                   help="events: do_bench (launch included); cudagraph: do_bench_cudagraph (GPU time)")
     p.add_argument("--max-configs", type=int, default=None, help="first K candidates per family (0: all; --smoke: 2)")
     p.add_argument("--jobs", type=int, default=None, help="precompile processes (GPU: min(12, cores - 4); 0: none)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no config after this many s (0: no limit)")
@@ -430,6 +502,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     if args.list:
         attention_kl_configs.device_kind = lambda _dev: "sm90"  # the H100 tables, without a GPU (nothing is launched)
+        from fuser.codegen import launch
+        launch.device_kind = lambda _dev: "sm90"
     if args.jobs is None:
         args.jobs = min(12, max(1, (os.cpu_count() or 1) - 4)) if device == "cuda" and not args.list else 0
     spec = {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": args.dtype, "device": device,
@@ -439,7 +513,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for causal in args.causals:
             cands = candidates(spec, fam, causal, args.max_configs)
             atomic = FAMILIES[fam].get("bwd_mode") == "atomic_dq"
-            groups += [{"family": fam, "causal": causal, "N": n, "flops": flops(args, fam, causal, n),
+            groups += [{"family": fam, "causal": causal, "N": n, "flops": flops(args, fam, causal, n), "tol": args.tol,
                         "results": [{"config": cfg_label(c, atomic), "cfg": c, "in_table": t, "default": i == 0,
                                      "status": "pending", "ms": None} for i, (c, t) in enumerate(cands)]}
                        for n in args.seqs]
@@ -472,6 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     state.pop("cache", None)
     written = write(args, meta, groups, state, done=True)
     wrong = [f"{title(g)}: {r['config']}" for g in groups for r in g["results"] if r.get("wrong")]
+    wrong += [f"{title(g)}: SDPA vs the default" for g in groups
+              if (g.get("sdpa") or {}).get("rel_diff") is not None and not g["sdpa"]["rel_diff"] <= args.tol]
     if state.get("budget_hit"):
         print(f"NOTE: time budget of {args.budget_s:.0f} s was spent; later configs were skipped.")
     if wrong:

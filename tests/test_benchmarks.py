@@ -62,6 +62,20 @@ def test_attention_kl_smoke(tmp_path):
     assert fz[1]["rel_err_grads"] is not None
 
 
+def test_config_sweep_attention_families_smoke(tmp_path):
+    md, data = run_script("tune_attention_kl", tmp_path, "--families", "attn_fwd", "fwd_nostats", "--causal", "both")
+    groups = {(g["family"], g["causal"]): g for g in data["groups"]}
+    assert data["complete"] and set(groups) == {(f, c) for f in ("attn_fwd", "fwd_nostats") for c in (False, True)}
+    for (fam, _), g in groups.items():
+        assert [r["status"] for r in g["results"]] == ["ok", "ok"], g["results"]
+        assert all(r["rel_diff"] <= 1e-3 and not r["wrong"] for r in g["results"])
+        if fam == "attn_fwd":  # SDPA timed on the same inputs and checked against the default config
+            assert g["sdpa"]["status"] == "ok" and g["sdpa"]["ms"] > 0 and g["sdpa"]["rel_diff"] <= 1e-5
+        else:
+            assert "sdpa" not in g
+    assert "best vs SDPA" in md and "SDPA " in md
+
+
 def test_attention_masks_smoke(tmp_path):
     md, data = run_script("attention_masks", tmp_path, "--masks", "window", "--seqs", "48", "--impls", "eager", "fuser")
     assert data["complete"] and len(data["configs"]) == 2
