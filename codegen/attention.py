@@ -373,7 +373,12 @@ _INTERP_BWD = [_bwd(16, 32, 32, 16, 4, 1, pre=32), _bwd(32, 16, 16, 32, 4, 1, pr
 _FWD_TABLE = {
     # 16-bit inputs. Measured on an H100 (Triton 3.6, bf16, B=4, H=16, N=4096): D=64 non-causal
     # 128x64/4 warps 402 TFLOP/s, causal 64x64 384; D=128 128x128/8 warps/3 stages 507 (causal 425).
-    ("sm90", 64, 2): [_fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(64, 128, 4, 3), _fwd(128, 64, 8, 4)],
+    # Swept again on an H200 (benchmarks/results/tune_attention_d64.md, tune_attention_d128.md; GPU
+    # time under CUDA graphs, N = 1024 ... 4096): D=64 non-causal 128x64/8 warps/3 stages 1.06x the
+    # 4-warp one at N=1024, 1.02x at 4096 (the first entry since); D=128 128x128/8/3 within 0.4% of
+    # the best everywhere but causal N <= 2048 (N=1024: 64x64/4/3 1.12x faster; not keyed on N).
+    ("sm90", 64, 2): [_fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(64, 128, 4, 3),
+                      _fwd(128, 64, 8, 4)],
     ("sm90", 128, 2): [_fwd(128, 128, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 32, 4, 3)],
     ("sm90", 256, 2): [_fwd(64, 64, 4, 2), _fwd(128, 64, 8, 2), _fwd(128, 32, 8, 2), _fwd(64, 32, 4, 2)],
     # fp32 inputs (tiles twice the bytes)

@@ -524,6 +524,13 @@ _pool: Any = None
 #: (read at import) sets it, and 0 compiles on the calling thread and prefetches nothing
 #: (:func:`prefetch_compiles`), as before the pool existed
 COMPILE_THREADS = int(os.environ.get("FUSER_COMPILE_THREADS", "") or max(1, min(8, os.cpu_count() or 1)))
+#: whether the backend traces a graph's fused calls before Inductor compiles it, to start their
+#: kernels' compiles together (:func:`prefetch_compiles`; ``fuser.backend.prefetch_kernel_compiles``).
+#: ``FUSER_PREFETCH=1`` (read at import) turns it on; off by default: on an H200 (torch 2.11,
+#: Triton 3.6) a 4-layer Llama training step's first call took 35.5 s cold with it, 32.1 s without
+#: (the trace itself took 4.6 s of the main thread) and 6.9 s warm against Inductor's 3.9 (a warm FX-graph cache
+#: needs none of the compiles it starts; benchmarks/results/compile_time_prefetch.md, compile_time_serial.md)
+PREFETCH = os.environ.get("FUSER_PREFETCH", "").strip().lower() in ("1", "true", "on")
 
 
 def _compile_pool():

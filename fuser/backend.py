@@ -134,7 +134,7 @@ def fuser_backend(
         exc.first_useful_frame = inspect.currentframe()
         raise
     _tell(result, opts)
-    if any(m.fused for m in result.matches):
+    if launch.PREFETCH and any(m.fused for m in result.matches):
         t0 = time.perf_counter()
         try:
             started = prefetch_kernel_compiles(gm, example_inputs, grad=torch.is_grad_enabled())

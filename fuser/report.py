@@ -101,7 +101,7 @@ class CompileTimes:
             ``render`` (kernel templates rendered and written), ``import kernels`` (rendered
             modules imported while compiling), ``emit`` (the replacement inserted into the graph),
             ``recompile`` (graph lint and ``recompile``), ``other`` (the rest of the pass),
-            ``prefetch`` (on the GPU: the fused ops' calls traced to start, in the background,
+            ``prefetch`` (with ``FUSER_PREFETCH=1``, on the GPU: the fused ops' calls traced to start, in the background,
             the compiles their fit checks wait on; ``fuser.backend.prefetch_kernel_compiles``).
         total_ms: the sum of the phases: fuser's own time on this graph.
         inductor_ms: Inductor's ``compile_fx`` on the rewritten graph (not fuser's; fuser's

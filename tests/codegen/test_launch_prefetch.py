@@ -172,3 +172,23 @@ def test_no_compile_threads_compiles_on_the_calling_thread_and_prefetches_nothin
     x = torch.empty(16, device="meta")
     need = launch.compiled_shared_memory(_copy, (x, x), {"BLOCK": 16}, launch.compile_target(x.device))
     assert isinstance(need, int) and list(launch._shared_needs.values()) == [need]
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_backend_prefetches_only_when_asked(on, monkeypatch):
+    """``FUSER_PREFETCH`` (``launch.PREFETCH``, off by default: it measured slower on the GPU)
+    decides whether the backend walks a fused graph's calls before Inductor compiles it."""
+    monkeypatch.setattr(launch, "PREFETCH", on)
+    walked = []
+    monkeypatch.setattr(backend, "prefetch_kernel_compiles", lambda gm, inputs=(), *, grad: walked.append(grad) or 0)
+
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1) @ v
+
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, backend="fuser", options={"fuser.interpret": True})
+    with fuser.report.collecting() as rep:
+        torch.testing.assert_close(compiled(q, k, v), attn(q, k, v), rtol=1e-4, atol=1e-4)
+    assert rep.fused, rep
+    assert walked == ([True] if on else [])  # grad mode on (as in the caller)
