@@ -66,7 +66,8 @@ stored or not, fills -inf or finite (and the causal fill mode), the predicate's 
 kind, bwd mode, interpreter or GPU); sizes, fill values and predicate constants are runtime
 arguments (sequence lengths and predicate constants are ``do_not_specialize``, floats are never
 specialised, so one compiled kernel serves every length and fill value). Block sizes and warps
-come from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`) via :func:`candidate_configs`.
+come from one table (:data:`_FWD_TABLE`, :data:`_BWD_TABLE`; a causal forward over at most
+:data:`SHORT_CAUSAL_N` keys and queries from :data:`_FWD_SHORT_CAUSAL_TABLE`) via :func:`candidate_configs`.
 
 Shapes: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (any strides, never
 copied), ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``), D and Dv in
@@ -402,6 +403,17 @@ _FWD_CAUSAL_TABLE = {
     ("sm90", 64, 2): [_fwd(64, 64, 4, 3), _fwd(128, 64, 8, 4), _fwd(128, 64, 4, 3), _fwd(64, 128, 4, 3)],
 }
 
+# Causal forward over short sequences (max(Nq, Nk) <= SHORT_CAUSAL_N): the triangle leaves few key
+# tiles per 128-row block, and smaller blocks balance it across the SMs. H200, bf16, B=4, H=16,
+# D=128, GPU time under CUDA graphs (benchmarks/results/tune_attention_d128.md): N=1024 64x64/4
+# warps/3 stages 0.066 ms against 0.074 for _FWD_TABLE's first (128x128/8/3); at N=2048 that one
+# is within 2% of the best (64x64 4% slower), so the bound is 1024. D=64 keeps _FWD_CAUSAL_TABLE
+# (64x64/4/3, also the best at N=1024). Keys missing here fall back to the tables above.
+SHORT_CAUSAL_N = 1024
+_FWD_SHORT_CAUSAL_TABLE = {
+    ("sm90", 128, 2): [_fwd(64, 64, 4, 3), _fwd(64, 32, 4, 3), _fwd(128, 128, 8, 3), _fwd(128, 64, 8, 3)],
+}
+
 # Tensor-descriptor forward (desc "host"/"device", 16-bit, sm90). Measured on an H100 this session
 # (torch 2.11, Triton 3.6, bf16, B=4, H=16, D=128, GPU time under CUDA graphs) with a minimal
 # FA2 kernel loading through host descriptors (scratch/att_tma.py's _fa_desc, the same loop as
@@ -446,7 +458,7 @@ def _dim_bucket(head_dim: int, head_dim_v: int) -> int:
 
 
 def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, device, causal="none", kind: str = "fwd",
-                      desc: str = "none") -> list[dict]:
+                      desc: str = "none", n_ctx: Optional[int] = None) -> list[dict]:
     """Launch configs for one problem kind, best first (the first is the default).
 
     Keys: fwd ``BLOCK_M, BLOCK_N, num_warps, num_stages``; bwd ``BLOCK_M1, BLOCK_N1`` (dK/dV
@@ -455,6 +467,9 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     or a bool) picks the causal forward ordering where one is measured (:data:`_FWD_CAUSAL_TABLE`).
     ``desc`` (the forward's path, :func:`desc_mode`): a descriptor path takes
     :data:`_FWD_DESC_TABLE` / :data:`_FWD_DESC_CAUSAL_TABLE` where they have the key.
+    ``n_ctx``: ``max(Nq, Nk)`` where known (an int; None: unknown, the long-sequence tables): a
+    causal pointer forward with ``n_ctx <= SHORT_CAUSAL_N`` takes :data:`_FWD_SHORT_CAUSAL_TABLE`
+    where it has the key (:func:`short_causal`).
     """
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
@@ -471,27 +486,35 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
         table = _FWD_DESC_CAUSAL_TABLE if causal_fwd else _FWD_DESC_TABLE
         if key in table:
             return [dict(c) for c in table[key]]
+    if causal_fwd and short_causal(n_ctx) and key in _FWD_SHORT_CAUSAL_TABLE:
+        return [dict(c) for c in _FWD_SHORT_CAUSAL_TABLE[key]]
     if causal_fwd and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
     return [dict(c) for c in _FWD_TABLE[key]]
 
 
+def short_causal(n_ctx) -> bool:
+    """Whether ``n_ctx`` (``max(Nq, Nk)``; an int, or None / a symbolic size: unknown) is short
+    enough for :data:`_FWD_SHORT_CAUSAL_TABLE`: only a known ``n_ctx <= SHORT_CAUSAL_N``."""
+    return isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx <= SHORT_CAUSAL_N
 
-def _configs(config: Optional[dict], q, v, causal, kind: str, desc: str = "none") -> list[dict]:
+
+
+def _configs(config: Optional[dict], q, v, causal, kind: str, desc: str = "none", short: bool = False) -> list[dict]:
     """The configs to try in order: the given one alone (missing keys from the default), or
-    every candidate of the table (the default first)."""
+    every candidate of the table (the default first). ``short``: :func:`short_causal` of the call."""
     if config:
-        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
+        cands = _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc, short)
         return [launch.check_config({**cands[0], **config})]
-    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc)
+    return _table_configs(q.shape[-1], v.shape[-1], q.dtype, q.device, causal, kind, desc, short)
 
 
 @functools.lru_cache(maxsize=None)
 def _table_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype, device: torch.device, causal, kind: str,
-                   desc: str = "none") -> list[dict]:
+                   desc: str = "none", short: bool = False) -> list[dict]:
     # cached: the launchers only read these dicts
     cands = candidate_configs(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, device=device, causal=causal,
-                              kind=kind, desc=desc)
+                              kind=kind, desc=desc, n_ctx=SHORT_CAUSAL_N if short else None)
     return [launch.check_config(c) for c in cands]
 
 
@@ -969,8 +992,12 @@ def forward(
         args.append(mask4)
     precision = launch.dot_precision(q.dtype)
 
+    # a short causal call takes its own table (candidate_configs), and its own remembered config
+    short = causal not in ("none", False) and short_causal(max(n_q, n_k) if isinstance(n_q, int) and isinstance(n_k, int)
+                                                          else None)
+
     def launch_path(desc: str) -> None:
-        configs = _configs(config, q, v, causal, "fwd", desc)
+        configs = _configs(config, q, v, causal, "fwd", desc, short)
         if desc == "device" and not interpret:
             _ensure_allocator()
         kernel, module = _fwd_module(causal, mask_kind, bool(row_broadcast) and mask_kind != "none", bool(need_lse),
@@ -987,7 +1014,7 @@ def forward(
                     **fills,
                 )
 
-        key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision)
+        key = (kernel.path, "fwd", q.dtype, d, v.shape[-1], None if mask4 is None else mask4.dtype, precision, short)
         launch.launch_first_fitting(key, configs, run)
 
     if desc == "none" or tma is not None or launch.tracing() or interpret:

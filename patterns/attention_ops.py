@@ -88,8 +88,10 @@ def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"),
 def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optional[dict] = None) -> dict:
     """The fastest forward config for this problem, timed on first use (see launch.autotune)."""
     fills = fills or _fills()
+    n_ctx = max(q.shape[-2], k.shape[-2])
     cands = kernels.candidate_configs(
-        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd"
+        head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd",
+        n_ctx=n_ctx if isinstance(n_ctx, int) else None,
     )
     if launch.interpreted(q.device) or len(cands) == 1:
         return cands[0]

@@ -1190,3 +1190,36 @@ def test_gpu_one_compile_for_many_lengths():
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}: {compiled()}"
 
 
+
+
+def test_short_causal_forward_takes_its_own_table(monkeypatch):
+    """A causal pointer forward with max(Nq, Nk) <= SHORT_CAUSAL_N takes _FWD_SHORT_CAUSAL_TABLE
+    (measured faster there) under a launch key of its own, so a config remembered for a long
+    call is never reused for a short one; unknown or symbolic lengths, non-causal calls and
+    descriptor paths keep the long tables."""
+    monkeypatch.setattr(launch, "device_kind", lambda device: "sm90")
+    kw = dict(head_dim=128, head_dim_v=128, dtype=torch.bfloat16, device="cuda", kind="fwd")
+    short, long_ = attention._FWD_SHORT_CAUSAL_TABLE[("sm90", 128, 2)], attention._FWD_TABLE[("sm90", 128, 2)]
+    n = attention.SHORT_CAUSAL_N
+    assert attention.candidate_configs(causal="top_left", n_ctx=n, **kw) == short
+    assert short[0] != long_[0]
+    for n_ctx in (None, n + 1, True):
+        assert attention.candidate_configs(causal="top_left", n_ctx=n_ctx, **kw) == long_
+    assert attention.candidate_configs(causal="none", n_ctx=64, **kw) == long_
+    assert attention.candidate_configs(causal="top_left", n_ctx=64, desc="host", **kw) == \
+        attention._FWD_DESC_CAUSAL_TABLE[("sm90", 128, 2)]
+    kw64 = dict(kw, head_dim=64, head_dim_v=64)  # no short entry: the causal table
+    assert attention.candidate_configs(causal="top_left", n_ctx=64, **kw64) == attention._FWD_CAUSAL_TABLE[("sm90", 64, 2)]
+    for c in short:
+        launch.check_config(c)
+
+    seen = []
+    monkeypatch.setattr(launch, "interpreted", lambda device: False)
+    monkeypatch.setattr(launch, "launch_first_fitting", lambda key, configs, run, **k: seen.append((key, configs)))
+    for n_q, n_k, causal in ((n, n, "top_left"), (1, n + 1, "bottom_right"), (n, n, "none")):
+        q = torch.empty(1, 2, n_q, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, 2, n_k, 128, dtype=torch.bfloat16, device="meta")
+        attention.forward(q, k, k, scale=0.1, causal=causal, tma="none")
+    (k_short, c_short), (k_long, c_long), (k_full, c_full) = seen
+    assert c_short == short and c_long == long_ and c_full == long_
+    assert k_short != k_long and k_short[:-1] == k_long[:-1]
