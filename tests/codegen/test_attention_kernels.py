@@ -976,6 +976,9 @@ GPU_CASES = [
     ("bf16_d256", torch.bfloat16, 1, 4, 4, 1024, 1024, 256, 256, "top_left", None),
     ("bf16_d96_bias", torch.bfloat16, 1, 4, 2, 1024, 777, 96, 96, "none", "bias"),
     ("fp32_d64", torch.float32, 1, 4, 4, 1024, 1024, 64, 64, "top_left", None),
+    # causal over at most 1024 keys: the short-causal table (64-row blocks), ragged edges
+    ("bf16_d128_causal_short_gqa", torch.bfloat16, 2, 8, 4, 1000, 1000, 128, 128, "top_left", None),
+    ("fp16_d96_causal_short_bottom_right", torch.float16, 1, 4, 4, 700, 900, 96, 96, "bottom_right", None),
 ]
 
 
