@@ -2,7 +2,7 @@
 
 Usage (on a GPU, one process)::
 
-    python benchmarks/tune_attention_kl.py --out-dir "$OUT"   # N=8192, both causal modes, all families
+    python benchmarks/tune_attention_kl.py --out-dir "$OUT"   # N=8192, both causal modes, the attention-KL families
     python benchmarks/tune_attention_kl.py --families fwd bwd_frozen_two --causal 1 --seqs 4096 16384
     python benchmarks/tune_attention_kl.py --list             # the candidates, as on an H100; runs nothing
     python benchmarks/tune_attention_kl.py --smoke --out-dir /tmp/tune_smoke   # tiny sizes, CPU (interpreter)
@@ -154,8 +154,9 @@ def cfg_literal(cfg: dict) -> str:
     return "_bwd({BLOCK_M1}, {BLOCK_N1}, {BLOCK_M2}, {BLOCK_N2}, {num_warps}, {num_stages})".format(**cfg)
 
 
-def table_configs(spec: dict, fam: str, causal: bool) -> list[dict]:
-    """The current table's configs for this family's key, default first."""
+def table_configs(spec: dict, fam: str, causal: bool, n: Optional[int] = None) -> list[dict]:
+    """The current table's configs for this family's key, default first (attention: at N = ``n``,
+    which picks the short-causal table where it applies)."""
     import torch
 
     from fuser.codegen import attention as attn
@@ -164,16 +165,17 @@ def table_configs(spec: dict, fam: str, causal: bool) -> list[dict]:
     f, dtype = FAMILIES[fam], getattr(torch, DTYPES[spec["dtype"]])
     if is_attention(fam):
         return attn.candidate_configs(head_dim=spec["dim"], head_dim_v=spec["dim"], dtype=dtype, device=spec["device"],
-                                      causal="top_left" if causal else "none", kind="fwd")
+                                      causal="top_left" if causal else "none", kind="fwd", n_ctx=n)
     return akl.candidate_configs(head_dim1=spec["dim"], head_dim2=spec["dim"], dtype=dtype, device=spec["device"],
                                  causal="top_left" if causal else "none", kind=f["kind"],
                                  teacher_grad=f.get("needs_grad", BOTH)[0])
 
 
-def candidates(spec: dict, fam: str, causal: bool, limit: int = 0) -> list[tuple[dict, bool]]:
-    """``(config, in current table)``, the table's default first, deduplicated."""
+def candidates(spec: dict, fam: str, causal: bool, limit: int = 0, n: Optional[int] = None) -> list[tuple[dict, bool]]:
+    """``(config, in current table)``, the table's default first, deduplicated (``n``: see
+    :func:`table_configs`)."""
     atomic = FAMILIES[fam].get("bwd_mode") == "atomic_dq"
-    table = table_configs(spec, fam, causal)
+    table = table_configs(spec, fam, causal, n)
     grid = FWD_GRID if FAMILIES[fam]["kind"] == "fwd" else bwd_grid(table[0], atomic)
     out, seen = [], set()
     for i, cfg in enumerate(table + grid):
@@ -338,6 +340,7 @@ def run_group(args, spec: dict, group: dict, futures: dict, state: dict) -> None
         m = common.measure(make_call(p, fam, rec["cfg"]), spec["device"], args.warmup, args.rep, check=check,
                            timing=args.timing)
         rec.update(status="ok" if m.ok else m.status.replace("err:", "error:", 1), ms=m.ms, first_call_s=m.first_call_s,
+                   timing=m.timing,
                    extra_mib=m.extra_mib, rel_diff=m.check, error=m.error, wrong=m.ok and not m.check <= args.tol,
                    tflops=group["flops"] / (m.ms * 1e-3) / 1e12 if m.ms else None)
         state["broken"] = bool(m.error and common.context_broken(m.error))
@@ -351,7 +354,7 @@ def run_group(args, spec: dict, group: dict, futures: dict, state: dict) -> None
     if is_attention(fam) and p is not None and not state.get("broken"):
         m = common.measure(sdpa_call(p), spec["device"], args.warmup, args.rep,
                            check=(lambda out: rel_diff(out, ref["out"])) if "out" in ref else None, timing=args.timing)
-        group["sdpa"] = {"status": "ok" if m.ok else m.status, "ms": m.ms, "rel_diff": m.check,
+        group["sdpa"] = {"status": "ok" if m.ok else m.status, "ms": m.ms, "rel_diff": m.check, "timing": m.timing,
                          "tflops": group["flops"] / (m.ms * 1e-3) / 1e12 if m.ms else None}
         print(f"[{common.elapsed_s():4.0f}s] {fam} {'causal' if causal else 'full'} N={n} SDPA "
               f"{common.fmt_ms(m.ms) + ' ms' if m.ok else m.status[:40]:>10}  diff {common.fmt_err(m.check)}",
@@ -380,7 +383,8 @@ def group_md(g: dict) -> str:
                      common.fmt_ms(r["ms"]) if ok else r["status"].replace("|", "/"), common.fmt_sig(r.get("tflops")),
                      common.fmt_ratio(r.get("vs_default")), (secs[0] or "—") + (" err" if r.get("compile_error") else ""),
                      secs[1] or "—", common.fmt_num(r.get("extra_mib")), common.fmt_err(r.get("rel_diff")),
-                     "WRONG" if r.get("wrong") else ""])
+                     "WRONG" if r.get("wrong") else ("events: capture failed" if str(r.get("timing")).startswith("events (")
+                                                     else "")])
     table = common.md_table(["rank", "config", "ms", "TFLOP/s", "vs default", "compile s", "first call s",
                              "extra MiB", "max rel diff", "flag"], rows, "rlrrrrrrrl")
     top = [cfg_literal(r["cfg"]) for r in ranked(g)[:5] if r["status"] == "ok" and not r.get("wrong")]
@@ -511,16 +515,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     groups = []
     for fam in args.families:
         for causal in args.causals:
-            cands = candidates(spec, fam, causal, args.max_configs)
             atomic = FAMILIES[fam].get("bwd_mode") == "atomic_dq"
-            groups += [{"family": fam, "causal": causal, "N": n, "flops": flops(args, fam, causal, n), "tol": args.tol,
-                        "results": [{"config": cfg_label(c, atomic), "cfg": c, "in_table": t, "default": i == 0,
-                                     "status": "pending", "ms": None} for i, (c, t) in enumerate(cands)]}
-                       for n in args.seqs]
+            for n in args.seqs:
+                cands = candidates(spec, fam, causal, args.max_configs, n if is_attention(fam) else None)
+                groups.append({"family": fam, "causal": causal, "N": n, "flops": flops(args, fam, causal, n),
+                               "tol": args.tol,
+                               "results": [{"config": cfg_label(c, atomic), "cfg": c, "in_table": t, "default": i == 0,
+                                            "status": "pending", "ms": None} for i, (c, t) in enumerate(cands)]})
     total = sum(len(g["results"]) for g in groups)
     if args.list:
-        for g in groups[:: len(args.seqs)]:
-            print(f"{g['family']} {'causal' if g['causal'] else 'none'}: {len(g['results'])} configs: "
+        for g in (g for g in groups if is_attention(g["family"]) or g["N"] == args.seqs[0]):  # attention: per N
+            at = f" N={g['N']}" if is_attention(g["family"]) else ""
+            print(f"{g['family']} {'causal' if g['causal'] else 'none'}{at}: {len(g['results'])} configs: "
                   + ", ".join(r["config"] + ("*" if r["in_table"] else "") for r in g["results"]))
         print(f"{total} configs in all (* = in the current table)")
         return 0

@@ -377,7 +377,7 @@ _FWD_TABLE = {
     # Swept again on an H200 (benchmarks/results/tune_attention_d64.md, tune_attention_d128.md; GPU
     # time under CUDA graphs, N = 1024 ... 4096): D=64 non-causal 128x64/8 warps/3 stages 1.06x the
     # 4-warp one at N=1024, 1.02x at 4096 (the first entry since); D=128 128x128/8/3 within 0.4% of
-    # the best everywhere but causal N <= 2048 (N=1024: 64x64/4/3 1.12x faster; not keyed on N).
+    # the best everywhere but causal N=1024 (64x64/4/3 1.12x faster: _FWD_SHORT_CAUSAL_TABLE) and 2048 (1.7%).
     ("sm90", 64, 2): [_fwd(128, 64, 8, 3), _fwd(128, 64, 4, 3), _fwd(64, 64, 4, 3), _fwd(64, 128, 4, 3),
                       _fwd(128, 64, 8, 4)],
     ("sm90", 128, 2): [_fwd(128, 128, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(128, 32, 4, 3)],

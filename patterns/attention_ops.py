@@ -88,10 +88,11 @@ def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"),
 def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optional[dict] = None) -> dict:
     """The fastest forward config for this problem, timed on first use (see launch.autotune)."""
     fills = fills or _fills()
-    n_ctx = max(q.shape[-2], k.shape[-2])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    n_ctx = max(n_q, n_k) if isinstance(n_q, int) and isinstance(n_k, int) else None  # a SymInt max would guard
     cands = kernels.candidate_configs(
         head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd",
-        n_ctx=n_ctx if isinstance(n_ctx, int) else None,
+        n_ctx=n_ctx,
     )
     if launch.interpreted(q.device) or len(cands) == 1:
         return cands[0]
@@ -100,7 +101,8 @@ def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optiona
         kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg,
                         **fills)
 
-    key = _tune_key("fwd", q, k, v, mask, causal, mask_kind, _fill_tag(causal, mask_kind, fills))
+    short = "|short" if causal not in ("none", False) and kernels.short_causal(n_ctx) else ""  # its own candidates
+    key = _tune_key("fwd", q, k, v, mask, causal, mask_kind, _fill_tag(causal, mask_kind, fills) + short)
     return launch.autotune(key, cands, run, inputs=(q, k, v, mask))
 
 

@@ -1215,6 +1215,10 @@ def test_short_causal_forward_takes_its_own_table(monkeypatch):
     assert attention.candidate_configs(causal="top_left", n_ctx=64, **kw64) == attention._FWD_CAUSAL_TABLE[("sm90", 64, 2)]
     for c in short:
         launch.check_config(c)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    env = ShapeEnv()
+    sym = env.create_unbacked_symint()  # a symbolic length: unknown, and asking must not guard
+    assert not attention.short_causal(sym) and not env.guards
 
     seen = []
     monkeypatch.setattr(launch, "interpreted", lambda device: False)

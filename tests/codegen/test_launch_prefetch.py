@@ -3,8 +3,8 @@
 it, forward and backward, starts every compile its fit checks will wait on, in the background,
 and records, remembers and checks nothing; the traced run that follows compiles nothing more
 and records the same launches. On the CPU: fake tensors on "meta" stand for an H100's, and
-Triton compiles for sm90 (no GPU). The first-step time this saves is measured on the GPU
-(``benchmarks/distributed.py``'s first step column).
+Triton compiles for sm90 (no GPU). On the GPU the backend's prefetch measured slower (first calls,
+``benchmarks/results/first_step_ddp.md``), so it runs only with ``FUSER_PREFETCH=1``.
 """
 
 from __future__ import annotations
