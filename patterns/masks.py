@@ -97,10 +97,6 @@ def classify_values(vis: torch.Tensor, nq: int, nk: int) -> str:
 
 # Static masks are evaluated at compile time; beyond this many elements (1 GiB of bool) a
 # mask of static shape is treated as data instead.
-
-
-# Static masks are evaluated at compile time; beyond this many elements (1 GiB of bool) a
-# mask of static shape is treated as data instead.
 MAX_STATIC_NUMEL = 1 << 30
 
 
