@@ -192,3 +192,15 @@ def test_the_backend_prefetches_only_when_asked(on, monkeypatch):
         torch.testing.assert_close(compiled(q, k, v), attn(q, k, v), rtol=1e-4, atol=1e-4)
     assert rep.fused, rep
     assert walked == ([True] if on else [])  # grad mode on (as in the caller)
+
+
+def test_prefetch_is_off_unless_the_environment_asks():
+    import subprocess
+
+    code = "from fuser.codegen import launch; print(launch.PREFETCH)"
+    env = {k: v for k, v in os.environ.items() if k != "FUSER_PREFETCH"}
+    for value, expected in ((None, "False"), ("1", "True"), ("on", "True"), ("0", "False")):
+        e = dict(env) if value is None else {**env, "FUSER_PREFETCH": value}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == expected, (value, out.stdout)
