@@ -392,15 +392,11 @@ def group_md(g: dict) -> str:
     ref = f"; diffs vs {ref} (the default failed)" if ref and ref != g["results"][0]["config"] else ""
     sdpa = g.get("sdpa")
     if sdpa:
-        flag = " WRONG" if sdpa.get("rel_diff") is not None and not sdpa["rel_diff"] <= args_tol(g) else ""
+        flag = " WRONG" if sdpa.get("rel_diff") is not None and not sdpa["rel_diff"] <= g["tol"] else ""
         ref += (f"; SDPA {common.fmt_ms(sdpa['ms'])} ms, its output vs the default's "
                 f"{common.fmt_err(sdpa.get('rel_diff'))}{flag}" if sdpa["status"] == "ok" else f"; SDPA: {sdpa['status']}")
     return (f"## {title(g)}\n\n{len(g['results'])} configs, {common.fmt_sig(g['flops'] / 1e9)} GFLOP{ref}. "
             f"Fastest first, as table entries: `{', '.join(top) or '—'}`\n\n{table}")
-
-
-def args_tol(g: dict) -> float:
-    return g.get("tol", 1e-2)
 
 
 def summary_md(groups: list[dict]) -> str:

@@ -105,6 +105,8 @@ __all__ = [
     "fwd_kernel",
     "bwd_kernel",
     "candidate_configs",
+    "context_length",
+    "short_causal",
 ]
 
 # the kernel families' shared vocabulary, re-exported for callers of this family
@@ -491,6 +493,12 @@ def candidate_configs(*, head_dim: int, head_dim_v: int, dtype: torch.dtype, dev
     if causal_fwd and key in _FWD_CAUSAL_TABLE:
         return [dict(c) for c in _FWD_CAUSAL_TABLE[key]]
     return [dict(c) for c in _FWD_TABLE[key]]
+
+
+def context_length(n_q, n_k) -> Optional[int]:
+    """``max(Nq, Nk)`` when both are ints (the ``n_ctx`` of :func:`candidate_configs`); None when
+    either is symbolic (``max`` of SymInts would add a guard to the caller's shape environment)."""
+    return max(n_q, n_k) if isinstance(n_q, int) and isinstance(n_k, int) else None
 
 
 def short_causal(n_ctx) -> bool:
@@ -993,8 +1001,7 @@ def forward(
     precision = launch.dot_precision(q.dtype)
 
     # a short causal call takes its own table (candidate_configs), and its own remembered config
-    short = causal not in ("none", False) and short_causal(max(n_q, n_k) if isinstance(n_q, int) and isinstance(n_k, int)
-                                                          else None)
+    short = variants.is_causal(causal) and short_causal(context_length(n_q, n_k))
 
     def launch_path(desc: str) -> None:
         configs = _configs(config, q, v, causal, "fwd", desc, short)

@@ -88,8 +88,7 @@ def _fills(mask_fill: float = float("-inf"), causal_fill: float = float("-inf"),
 def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optional[dict] = None) -> dict:
     """The fastest forward config for this problem, timed on first use (see launch.autotune)."""
     fills = fills or _fills()
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    n_ctx = max(n_q, n_k) if isinstance(n_q, int) and isinstance(n_k, int) else None  # a SymInt max would guard
+    n_ctx = kernels.context_length(q.shape[-2], k.shape[-2])
     cands = kernels.candidate_configs(
         head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, causal=causal, kind="fwd",
         n_ctx=n_ctx,
@@ -101,7 +100,7 @@ def tuned_forward_config(q, k, v, mask, scale, causal, mask_kind, fills: Optiona
         kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask, mask_kind=mask_kind, need_lse=True, config=cfg,
                         **fills)
 
-    short = "|short" if causal not in ("none", False) and kernels.short_causal(n_ctx) else ""  # its own candidates
+    short = "|short" if variants.is_causal(causal) and kernels.short_causal(n_ctx) else ""  # its own candidates
     key = _tune_key("fwd", q, k, v, mask, causal, mask_kind, _fill_tag(causal, mask_kind, fills) + short)
     return launch.autotune(key, cands, run, inputs=(q, k, v, mask))
 

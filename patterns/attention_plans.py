@@ -221,8 +221,7 @@ def _tiles(m: Match, subs: dict, training: bool, tuned: bool) -> str:
 
     b = m.bindings
     kw = dict(head_dim=subs[cm.D], head_dim_v=subs[cm.DV], dtype=b["in_dtype"], device=b["device"], causal=b["causal"])
-    n_ctx = max(subs[cm.NQ], subs[cm.NK]) if all(isinstance(subs[n], int) for n in (cm.NQ, cm.NK)) else None
-    f = kernels.candidate_configs(kind="fwd", n_ctx=n_ctx, **kw)[0]
+    f = kernels.candidate_configs(kind="fwd", n_ctx=kernels.context_length(subs[cm.NQ], subs[cm.NK]), **kw)[0]
     text = f"fwd {f['BLOCK_M']}x{f['BLOCK_N']} w{f['num_warps']} s{f['num_stages']}"
     if training:
         g = kernels.candidate_configs(kind="bwd", **kw)[0]

@@ -1193,8 +1193,6 @@ def test_gpu_one_compile_for_many_lengths():
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each length: {counts}: {compiled()}"
 
 
-
-
 def test_short_causal_forward_takes_its_own_table(monkeypatch):
     """A causal pointer forward with max(Nq, Nk) <= SHORT_CAUSAL_N takes _FWD_SHORT_CAUSAL_TABLE
     (measured faster there) under a launch key of its own, so a config remembered for a long
