@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import weakref
 from typing import Any, Optional
 
 import sympy
@@ -120,14 +121,43 @@ class MaskClass:
     formula: Any = None
 
 
+# Per evaluator (one per graph the pass runs on): (node, kind, the slice's nodes, sizes) -> the
+# MaskClass or the NotStatic reason. One mask is often read by every layer of a model (a causal
+# mask built once and added in each layer's attention): classified once, not once per reader.
+# Weak in the evaluator so that nothing outlives the pass; reasons are kept as text, never as
+# exceptions (a kept exception holds its frames: see fuser/static.py's StaticEvaluator.slice).
+_CLASSES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
 def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: Optional[fx.Node] = None) -> MaskClass:
     """Classify a mask term computed from sizes and constants alone, for every size the graph
     serves: at the example sizes when it depends on no dynamic size, else symbolically
     (``fuser/indexmask.py``), as the node ``at`` reads it. Raises NotStatic when the term
     depends on data, cannot be proven, or is general (then it is loaded as data, computed at
-    run time)."""
+    run time).
+
+    The answer depends on ``at`` only through the static slice (the in-place writes before
+    ``at`` are part of it), so readers that see the same slice share one classification."""
     sl = ctx.evaluator.slice(node, at)
-    sshape = tuple(sizes)
+    key = (node, kind, tuple(sl.nodes), tuple(str(s) for s in sizes))
+    memo = _CLASSES.setdefault(ctx.evaluator, {})
+    hit = memo.get(key)
+    if isinstance(hit, str):
+        raise NotStatic(hit)
+    if hit is not None:
+        return dataclasses.replace(hit, buffers=list(hit.buffers))
+    try:
+        result = _static_class(node, kind, tuple(sizes), ctx, sl, at)
+    except NotStatic as exc:
+        memo[key] = str(exc)
+        raise
+    memo[key] = result
+    return dataclasses.replace(result, buffers=list(result.buffers))
+
+
+def _static_class(node: fx.Node, kind: str, sshape: tuple, ctx: MatchContext, sl: Any,
+                  at: Optional[fx.Node]) -> MaskClass:
+    """:func:`static_class`'s work, on the slice ``sl`` of ``node`` as ``at`` reads it."""
     try:
         mp = indexmask.mask_predicate(node, sl.nodes, kind, ctx.view, ctx.evaluator.constant)
     except indexmask.NotIndexed as exc:
@@ -159,12 +189,18 @@ def static_class(node: fx.Node, kind: str, sizes: tuple, ctx: MatchContext, at: 
     elif kind == "bool_drop":
         vis = ~value.bool()
     else:
-        v = value.double()
-        vis = v == 0
-        others = torch.unique(v[~vis]) if bool((~vis).any()) else v.new_empty(0)
-        if others.numel() > 1:
-            raise NotStatic("an additive mask with more than one nonzero value")
-        hidden = float(others[0]) if others.numel() else None
+        # in the mask's own dtype (every value of it is exact there): one nonzero value at most,
+        # found by its least and greatest (a sort, torch.unique, costs ~25 ms at 1024x1024)
+        if value.is_floating_point() and bool(torch.isnan(value).any()):
+            raise NotStatic("an additive mask with NaN entries")
+        vis = value == 0
+        others = value[~vis]
+        hidden = None
+        if others.numel():
+            lo, hi = float(others.min()), float(others.max())
+            if lo != hi:
+                raise NotStatic("an additive mask with more than one nonzero value")
+            hidden = lo
     cls = classify_values(vis, nq, nk)
     if cls == "general":
         raise NotStatic("a general static mask")

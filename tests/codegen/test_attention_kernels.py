@@ -1228,3 +1228,73 @@ def test_short_causal_forward_takes_its_own_table(monkeypatch):
     (k_short, c_short), (k_long, c_long), (k_full, c_full) = seen
     assert c_short == short and c_long == long_ and c_full == long_
     assert k_short != k_long and k_short[:-1] == k_long[:-1]
+
+
+def _nan_case(name):
+    """(q, k, v, kwargs) with one NaN that a clamp of the kernels meets: in an additive mask
+    (mask_bias's clamp at -2.35e38), or in a query row whose scores take an added finite fill
+    (predicate or causal fill: the sum's clamp at -FLT_MAX)."""
+    b, h, n_q, n_k = 1, 2, 37, 45
+    q, k, v = _qkv(91, b, h, h, n_q, n_k, 16, 24)
+    if name == "additive_mask":
+        bias = torch.zeros(b, 1, n_q, n_k)
+        bias[..., 30:] = -math.inf
+        bias[0, 0, 4, 7] = math.nan
+        return q, k, v, dict(mask=bias, mask_kind="additive")
+    q[0, 1, 6, 3] = math.nan
+    if name == "predicate_add":
+        pred, consts = _window(5)
+        return q, k, v, dict(mask_pred=pred, pred_consts=consts, pred_fill=-1e4, pred_fill_mode="add")
+    return q, k, v, dict(causal="top_left", causal_fill=-1e4, causal_fill_mode="add")
+
+
+def _eager_nan(q, k, v, name, kw):
+    """Eager PyTorch in float64 on the case's scores (torch.softmax: the oracle for NaN, whose
+    pattern the float64 reference, with its own guards for empty rows, does not reproduce in
+    the gradients)."""
+    s = (q @ k.mT) * kw["scale"]
+    n_q, n_k = s.shape[-2:]
+    i = torch.arange(n_q, device=s.device)[:, None]
+    j = torch.arange(n_k, device=s.device)[None, :]
+    if name == "additive_mask":
+        s = s + kw["mask"].double()
+    elif name == "predicate_add":
+        w = kw["pred_consts"][1] + 1
+        s = torch.where((j <= i) & (j > i - w), s, s + kw["pred_fill"])
+    else:
+        s = torch.where(j > i, s + kw["causal_fill"], s)
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", ["additive_mask", "predicate_add", "causal_add"])
+def test_a_nan_input_is_nan_where_eager_is(name, device):
+    """A NaN reaching the scores makes its row NaN in eager's softmax (and, through P, the
+    gradients it touches): the kernels' clamps (finite mask values and finite fills kept above
+    -FLT_MAX) must not turn it into a number (the interpreter's maximum keeps a NaN where the
+    GPU's, without ``propagate_nan``, drops it: run on both). Forward and both backward modes
+    against eager in float64: the same NaN entries, the rest within tolerance."""
+    q, k, v, extra = _nan_case(name)
+    q, k, v = (t.to(device) for t in (q, k, v))
+    if "mask" in extra:
+        extra["mask"] = extra["mask"].to(device)
+    kw = dict(scale=16 ** -0.5, **extra)
+    with launch.poison_outputs():
+        out, lse = attention.forward(q, k, v, need_lse=True, **kw)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = _eager_nan(*leaves, name, kw)
+    ref_ours, _ = reference(*(t.detach() for t in leaves), **kw)
+    assert torch.equal(ref_ours.isnan(), ref_out.isnan()) and ref_out.isnan().any()
+    assert torch.equal(out.isnan(), ref_out.isnan()), f"{name}: NaN entries differ from eager"
+    ok = ~ref_out.isnan()
+    assert _rel(out[ok], ref_out.detach()[ok].float()) < TOL[torch.float32]
+    dout = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+    for mode in BWD_MODES:
+        with launch.poison_outputs():
+            got = attention.backward(dout, q, k, v, out, lse, bwd_mode=mode, needs_grad=(True, True, True), **kw)
+        for name_g, g, rg in zip("qkv", got, ref_grads):
+            assert torch.equal(g.isnan(), rg.isnan()), f"{name}: d{name_g} ({mode}) NaN entries differ from eager"
+            fine = ~rg.isnan()
+            if fine.any():
+                assert _rel(g[fine], rg[fine].float()) < TOL[torch.float32], f"{name}: d{name_g} ({mode})"

@@ -353,3 +353,106 @@ def test_failed_emit_leaves_the_graph_as_captured(qkv, monkeypatch):
     by_name = {"L_q_": q, "L_k_": k, "L_v_": v}
     args = [by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
     assert torch.allclose(gm(*args)[0], torch.softmax(q @ k.mT, -1) @ v, atol=1e-5)
+
+
+def test_a_mask_read_by_every_layer_is_classified_once(qkv, monkeypatch):
+    """A causal mask built once and added in each layer's attention (HF's decoder layers) is
+    evaluated and classified once per graph, not once per reader; every reader is fused with it."""
+    from fuser.patterns import masks
+
+    calls = []
+    real = masks._static_class
+    monkeypatch.setattr(masks, "_static_class", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+
+    def layers(q, k, v):
+        i = torch.arange(N)
+        m = torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+        for _ in range(3):
+            q = torch.softmax(q @ k.mT / math.sqrt(D) + m, -1) @ v
+        return q
+
+    q, k, v = qkv
+    testing.assert_fuses(layers, q, k, v, count=3, causal="top_left", mask="none")
+    assert len(calls) == 1
+    graphs, _ = testing.fuse(layers, q, k, v)
+    torch.testing.assert_close(testing.run_rewritten(graphs, q, k, v), layers(q, k, v))
+
+
+def test_a_mask_written_in_place_between_its_readers_is_not_shared(qkv):
+    """The same mask node read before and after an in-place write is two values: the first
+    reader is causal; the second is not given the first's classification (it is declined, the
+    fused op could not see the write), and both equal eager."""
+
+    def f(q, k, v):
+        i = torch.arange(N)
+        m = torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+        a = torch.softmax(q @ k.mT + m, -1) @ v
+        m.zero_()
+        b = torch.softmax(q @ k.mT + m, -1) @ v
+        return a, b
+
+    q, k, v = qkv
+    graphs, result = testing.fuse(f, q, k, v)
+    fused = [m for m in result.matches if m.fused]
+    assert [m.summary["causal"] for m in fused] == ["top_left"], testing._fmt(result)
+    assert any("written in place by 'zero_'" in r.reason for r in result.rejected), testing._fmt(result)
+    a, b = testing.run_rewritten(graphs, q, k, v)
+    want_a, want_b = f(q, k, v)
+    torch.testing.assert_close(a, want_a)
+    torch.testing.assert_close(b, want_b)
+
+
+@pytest.mark.parametrize("hidden", [float("-inf"), -1e4, float("nan")])
+def test_an_additive_static_mask_takes_its_one_hidden_value(qkv, hidden):
+    """An additive static mask of 0 and one other value is causal with that fill; a NaN fill is
+    declined (eager's softmax gives NaN rows there), and the graph still equals eager."""
+
+    def f(q, k, v):
+        i = torch.arange(N)
+        m = torch.where(i[None, :] <= i[:, None], 0.0, hidden)
+        return torch.softmax(q @ k.mT + m, -1) @ v
+
+    q, k, v = qkv
+    if hidden != hidden:
+        testing.assert_declines(f, q, k, v, reason="NaN rows")
+    else:
+        testing.assert_fuses(f, q, k, v, causal="top_left", mask="none")
+    graphs, _ = testing.fuse(f, q, k, v)
+    torch.testing.assert_close(testing.run_rewritten(graphs, q, k, v), f(q, k, v), equal_nan=True)
+
+
+def test_an_additive_static_mask_of_two_hidden_values_is_data(qkv):
+    def f(q, k, v):
+        i = torch.arange(N)
+        m = torch.where(i[None, :] <= i[:, None], 0.0, torch.where(i[None, :] % 2 == 0, -1e4, -2e4))
+        return torch.softmax(q @ k.mT + m, -1) @ v
+
+    q, k, v = qkv
+    testing.assert_fuses(f, q, k, v, causal="none")
+    graphs, _ = testing.fuse(f, q, k, v)
+    torch.testing.assert_close(testing.run_rewritten(graphs, q, k, v), f(q, k, v))
+
+
+class BufferMask(nn.Module):
+    """An additive mask kept as a registered buffer (evaluated at compile time, not an index
+    formula)."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.mT + self.mask, -1) @ v
+
+
+def test_an_additive_buffer_mask_with_nan_is_data(qkv):
+    """NaN entries in an evaluated additive mask are no fill: the mask is loaded as data and
+    added as eager adds it (NaN rows where eager has them)."""
+    mask = torch.zeros(N, N)
+    mask[3, 5] = float("nan")
+    mask[:, 9] = float("-inf")
+    m = BufferMask(mask)
+    q, k, v = qkv
+    testing.assert_fuses(m, q, k, v, causal="none", mask="additive (16, 16)")
+    graphs, _ = testing.fuse(m, q, k, v)
+    torch.testing.assert_close(testing.run_rewritten(graphs, q, k, v), m(q, k, v), equal_nan=True)
