@@ -1232,8 +1232,8 @@ def test_short_causal_forward_takes_its_own_table(monkeypatch):
 
 def _nan_case(name):
     """(q, k, v, kwargs) with one NaN that a clamp of the kernels meets: in an additive mask
-    (mask_bias's clamp at -2.35e38), or in a query row whose scores take an added finite fill
-    (predicate or causal fill: the sum's clamp at -FLT_MAX)."""
+    (mask_bias's clamp at -2.35e38), or in a key that some rows see and others take with an
+    added finite fill (predicate or causal fill: the sum's clamp at -FLT_MAX)."""
     b, h, n_q, n_k = 1, 2, 37, 45
     q, k, v = _qkv(91, b, h, h, n_q, n_k, 16, 24)
     if name == "additive_mask":
@@ -1241,7 +1241,7 @@ def _nan_case(name):
         bias[..., 30:] = -math.inf
         bias[0, 0, 4, 7] = math.nan
         return q, k, v, dict(mask=bias, mask_kind="additive")
-    q[0, 1, 6, 3] = math.nan
+    k[0, 1, 20, 3] = math.nan  # a NaN score column: kept below the diagonal, fill-added above
     if name == "predicate_add":
         pred, consts = _window(5)
         return q, k, v, dict(mask_pred=pred, pred_consts=consts, pred_fill=-1e4, pred_fill_mode="add")
