@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import copy
 import os
 import threading
 from pathlib import Path
@@ -532,6 +533,16 @@ COMPILE_THREADS = int(os.environ.get("FUSER_COMPILE_THREADS", "") or max(1, min(
 #: needs none of the compiles it starts; benchmarks/results/compile_time_prefetch.md, compile_time_serial.md)
 PREFETCH = os.environ.get("FUSER_PREFETCH", "").strip().lower() in ("1", "true", "on")
 
+#: The ``triton.compile`` options Inductor gives a user-defined Triton kernel (a ``wrap_triton``
+#: launch in its generated code; ``CachingAutotuner._create_compile_options`` in
+#: ``torch/_inductor/runtime/triton_heuristics.py``): ``debug`` on (its
+#: ``assert_indirect_indexing`` default, which a user kernel's metadata never turns off; off on
+#: ROCm) and no overflow sanitiser. The fit check compiles with these, so that its compile is the
+#: one Triton's cache gives Inductor's: with Triton's defaults (``debug`` off, the sanitiser on)
+#: every kernel of a fused op was compiled twice on a cold cache (measured on the H200, 2026-12-03:
+#: two cache entries per kernel and config, differing in ``debug``). Shared memory is the same.
+INDUCTOR_USER_KERNEL_OPTIONS = {"debug": not torch.version.hip, "sanitize_overflow": False}
+
 
 def _compile_pool():
     global _pool
@@ -557,6 +568,26 @@ def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict)
         return (type(exc).__name__, str(exc))
 
 
+def _inductor_options(options: dict) -> dict:
+    """``options`` (a backend's parsed compile options) with :data:`INDUCTOR_USER_KERNEL_OPTIONS`
+    where the backend has those fields."""
+    return {**options, **{k: v for k, v in INDUCTOR_USER_KERNEL_OPTIONS.items() if k in options}}
+
+
+def _as_inductor_binds(params: list) -> list:
+    """A kernel's parameters as Inductor's copy of it binds them: Inductor's generated module
+    re-declares a user kernel with a plain ``@triton.jit``, so a ``do_not_specialize`` of ours
+    (sizes like ``N_Q``) is not there, and Triton specialises those integers (divisibility by 16)
+    in Inductor's compile. Copies with ``do_not_specialize`` off, for the fit check's binder."""
+    out = []
+    for p in params:
+        q = copy.copy(p)
+        q.do_not_specialize = False
+        q.do_not_specialize_on_alignment = False
+        out.append(q)
+    return out
+
+
 class KernelCompileError(RuntimeError):
     """A kernel did not compile for :func:`compiled_shared_memory` (the message names Triton's
     exception and says what it said)."""
@@ -573,7 +604,9 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     compiles it, and the result is the compiled kernel's ``metadata.shared``: the bytes Triton's
     launcher compares with the device's limit. Cached per (kernel source hash, specialisation,
     options, target); a miss costs one full compile of the kernel (1-3 s for an attention kernel
-    on a 2-core CPU), which also fills Triton's on-disk cache. The compile runs on a thread of
+    on a 2-core CPU), which also fills Triton's on-disk cache: it compiles with the options
+    Inductor gives a user-defined kernel (:data:`INDUCTOR_USER_KERNEL_OPTIONS`), so that
+    Inductor's own compile of the launch it traces finds it there. The compile runs on a thread of
     :func:`_compile_pool`: inside :func:`prefetching` this returns None at once (the compile
     goes on in the background, and a later call with the same key waits for it); otherwise it
     waits. Uses Triton's ``create_function_from_signature`` and ``JITFunction._pack_args`` (the
@@ -591,7 +624,9 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         if entry is None or entry[0] is not kernel:
             backend = make_backend(target)
             entry = _binders[(id(kernel), tkey)] = (kernel, backend,
-                                                    create_function_from_signature(kernel.signature, kernel.params, backend))
+                                                    create_function_from_signature(kernel.signature,
+                                                                                   _as_inductor_binds(kernel.params),
+                                                                                   backend))
     _, backend, binder = entry
     margs, mkw = _mock_args(args), dict(zip(kwargs, _mock_args(kwargs.values())))
     bound, specialization, options = binder(*margs, **mkw)
@@ -600,7 +635,7 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         need = _shared_needs.get(key)
     if need is None:
         opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
-        compile_args = (kernel, signature, constexprs, attrs, target, opts.__dict__)
+        compile_args = (kernel, signature, constexprs, attrs, target, _inductor_options(opts.__dict__))
         pool = _compile_pool() if COMPILE_THREADS > 0 else None
         with _shared_lock:
             need = _shared_needs.get(key)

@@ -268,6 +268,21 @@ def test_compiled_shared_memory_grows_with_tiles_and_stages():
     assert need[(128, 3)] >= 128 * 128 * 2 * 2
 
 
+def test_the_fit_check_compiles_with_inductors_options_for_a_user_kernel(monkeypatch):
+    """The fit check's compile is the one Inductor's compile of the traced launch looks up in
+    Triton's cache: the options Inductor gives a user-defined kernel (debug on, no overflow
+    sanitiser), not Triton's defaults (which made every fused kernel compile twice)."""
+    seen = []
+    real = launch._compile_shared
+    monkeypatch.setattr(launch, "_compile_shared", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    x, y = torch.empty(64, 64, dtype=torch.float16, device="meta"), torch.empty(64, 64, device="meta")
+    launch.compiled_shared_memory(_tiles, (x, y, 64), {"BLOCK": 32, "num_warps": 4, "num_stages": 2}, SM90)
+    (options,) = seen
+    assert options["debug"] is True and options["sanitize_overflow"] is False
+    assert options["num_warps"] == 4 and options["num_stages"] == 2
+
+
 def _attention_fwd_launch(d, dtype, mask_kind="additive"):
     """``run(config)`` of the attention forward's GPU kernel on meta tensors (B=2, H=4, N=1024)."""
     _, module = attention._fwd_module("none", mask_kind, False, True, False)
@@ -376,6 +391,44 @@ def test_eager_and_traced_compiles_agree():
     eager = launch.shared_memory_need(_tiles, (1,), (x, y, 256), kw, x.device)
     traced = launch.compiled_shared_memory(_tiles, (x, y, 256), kw, launch.compile_target(x.device))
     assert eager == traced > 0
+
+
+_ONE_COMPILE = r"""
+import json, pathlib, sys, torch
+import fuser  # noqa: F401  (registers the backend)
+q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+f = torch.compile(lambda q, k, v: torch.softmax(q @ k.mT * 0.125, -1) @ v, backend="fuser",
+                  options={"fuser.plan": "attention.impl=fuser"})
+f(q, k, v).sum().backward()
+torch.cuda.synchronize()
+entries = {}
+for js in pathlib.Path(sys.argv[1]).glob("*/*.json"):
+    m = json.loads(js.read_text())
+    if "name" in m and m["name"].startswith("attention_"):
+        entries.setdefault(m["name"], []).append([m.get("num_warps"), m.get("num_stages"), m.get("debug")])
+print(json.dumps(entries))
+"""
+
+
+@pytest.mark.gpu
+def test_inductor_finds_the_fit_checks_compile_in_tritons_cache(tmp_path):
+    """A fresh process, empty caches: a fused attention's forward and backward kernels are each
+    compiled once (the fit check's compile, which Inductor's compile of the same launch finds in
+    Triton's cache), not twice."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               FUSER_CACHE_DIR=str(tmp_path / "fuser"))
+    res = subprocess.run([sys.executable, "-c", _ONE_COMPILE, str(tmp_path / "triton")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    entries = json.loads(res.stdout.strip().splitlines()[-1])
+    assert any(name.startswith("attention_fwd") for name in entries), entries
+    for name, compiled in entries.items():
+        assert len(compiled) == len({tuple(c[:2]) for c in compiled}), f"{name} compiled more than once: {compiled}"
 
 
 @pytest.mark.gpu

@@ -86,7 +86,7 @@ def test_prefetch_starts_the_forward_and_backward_compiles_and_remembers_nothing
     assert len(started) >= 3
     assert launch._fitting == {} and launch._checked == {}
     needs = [f.result() for f in started.values()]
-    assert all(isinstance(n, int) and n > 0 for n in needs)
+    assert all(isinstance(n, int) and n > 0 for n in needs), f"a compile failed: {needs}"
     # the forward's first two configs (the second is checked when the first does not fit)
     fwd = _fwd_kernel(mask_kind).cache_key
     assert sum(k[0] == fwd for k in started) == 2
