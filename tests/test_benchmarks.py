@@ -311,6 +311,18 @@ def test_compile_time_smoke(tmp_path):
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())
 
 
+def test_pass_phases_smoke(tmp_path):
+    """fuser's pass alone on the tiny Llama training graph: every rep fuses the attention and
+    reports its phases; the later reps pay no template compile."""
+    pytest.importorskip("transformers")
+    md, data = run_script("pass_phases", tmp_path, "--profile", "5")
+    reps = data["reps"]
+    assert len(reps) == 2 and all(r["fused"] == 1 and r["wall_ms"] > 0 for r in reps)
+    assert {"canonicalise", "static masks", "match[attention]", "plan", "render"} <= set(reps[0]["phases"])
+    assert sum(reps[1]["phases"].values()) <= reps[1]["wall_ms"] * 1.05
+    assert "| rep | wall | fused |" in md and "cProfile of rep 0" in md and data["meta"]["command"]
+
+
 def test_distributed_smoke(tmp_path):
     """The tiny HF Llama trained 3 steps on 2 gloo ranks under FSDP2 (per-layer compile), DDP and
     the whole model compiled on each rank, fuser and Inductor each in its own process group: fuser
