@@ -9,10 +9,10 @@ modes, mask kinds, fills) in ``codegen/variants.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
-import copy
 import os
 import threading
 from pathlib import Path
