@@ -9,7 +9,6 @@ modes, mask kinds, fills) in ``codegen/variants.py``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import logging
@@ -533,17 +532,6 @@ COMPILE_THREADS = int(os.environ.get("FUSER_COMPILE_THREADS", "") or max(1, min(
 #: needs none of the compiles it starts; benchmarks/results/compile_time_prefetch.md, compile_time_serial.md)
 PREFETCH = os.environ.get("FUSER_PREFETCH", "").strip().lower() in ("1", "true", "on")
 
-#: The ``triton.compile`` options Inductor gives a user-defined Triton kernel (a ``wrap_triton``
-#: launch in its generated code; ``CachingAutotuner._create_compile_options`` in
-#: ``torch/_inductor/runtime/triton_heuristics.py``): ``debug`` on (its
-#: ``assert_indirect_indexing`` default, which a user kernel's metadata never turns off; off on
-#: ROCm) and no overflow sanitiser. The fit check compiles with these, so that its compile is the
-#: one Triton's cache gives Inductor's: with Triton's defaults (``debug`` off, the sanitiser on)
-#: every kernel of a fused op was compiled twice on a cold cache (measured on the H200, 2026-12-03:
-#: two cache entries per kernel and config, differing in ``debug``). Shared memory is the same.
-INDUCTOR_USER_KERNEL_OPTIONS = {"debug": not torch.version.hip, "sanitize_overflow": False}
-
-
 def _compile_pool():
     global _pool
     with _shared_lock:
@@ -554,38 +542,84 @@ def _compile_pool():
         return _pool
 
 
+def _shared_file() -> Path:
+    return cache_dir().parent / "shared_memory.json"
+
+
+def _shared_load() -> dict[str, int]:
+    try:
+        return json.loads(_shared_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _shared_store(key: str, need: int) -> None:
+    """Adds ``key: need`` to ``<cache>/shared_memory.json`` (read, merged, replaced whole: a
+    concurrent writer's entry may be lost, and is then compiled again, never wrong)."""
+    path = _shared_file()
+    try:
+        disk = _shared_load()
+        disk[key] = int(need)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(disk, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:  # an unwritable cache costs a compile in the next process, nothing else
+        log.debug("fuser: shared-memory cache not written (%s)", exc)
+
+
+#: The compile stage after which Triton's NVIDIA and AMD backends have set ``metadata["shared"]``
+#: (shared memory is allocated while lowering to LLVM IR); the fit check stops there.
+SHARED_MEMORY_STAGE = "llir"
+
+
 def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict) -> "int | tuple[str, str]":
-    """One compile of ``kernel`` for ``target`` (a worker of :func:`_compile_pool`): its
-    ``metadata.shared``, or ``(exception type name, message)`` when it does not compile (kept as
-    text: a cached exception would hold, through its traceback, every frame that re-raised it)."""
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as triton_compile
+    """Bytes of shared memory one program of ``kernel`` needs on ``target`` (a worker of
+    :func:`_compile_pool`), or ``(exception type name, message)`` when it does not compile (kept
+    as text: a cached exception would hold, through its traceback, every frame that re-raised it).
+
+    Runs Triton's pipeline as ``triton.compile`` does (front end, then the backend's stages)
+    but only through :data:`SHARED_MEMORY_STAGE`, and writes nothing into Triton's cache: the
+    PTX and cubin stages (about half of a compile: on an H200 with Triton 3.6 an attention
+    kernel's ttir+ttgir+llir take 0.4-0.6 s, ptx+cubin 0.4-0.7 s) are left to the compile that
+    launches the kernel, Inductor's. That compile cannot be this one: Triton keys its cache on a
+    kernel's source *and its first line number*, and Inductor's copy of a user kernel sits at
+    another line of its generated module, so a full compile here was always a second one (two
+    cache entries per kernel and config, measured on the H200, 2026-12-03)."""
+    import inspect
+
+    from triton._C.libtriton import ir
+    from triton.compiler import ASTSource, make_backend
 
     try:
-        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
-        return int(compiled.metadata.shared)
+        backend = make_backend(target)
+        src = ASTSource(kernel, signature, constexprs, attrs)
+        opts = backend.parse_options(dict(options, **src.parse_options()))
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        front = (backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+        # Triton 3.9 passes the target first; 3.6 does not
+        takes_target = "target" in inspect.signature(src.make_ir).parameters
+        module = src.make_ir(target, opts, *front) if takes_target else src.make_ir(opts, *front)
+        metadata = {"hash": "", "target": target, **opts.__dict__}
+        stages: dict = {}
+        backend.add_stages(stages, opts, src.language)
+        for ext, lower in stages.items():
+            module = lower(module, metadata)
+            if ext == SHARED_MEMORY_STAGE:
+                break
+        return int(metadata["shared"])
     except Exception as exc:  # noqa: BLE001 - raised again, afresh, by whoever asks
         return (type(exc).__name__, str(exc))
 
 
-def _inductor_options(options: dict) -> dict:
-    """``options`` (a backend's parsed compile options) with :data:`INDUCTOR_USER_KERNEL_OPTIONS`
-    where the backend has those fields."""
-    return {**options, **{k: v for k, v in INDUCTOR_USER_KERNEL_OPTIONS.items() if k in options}}
-
-
-def _as_inductor_binds(params: list) -> list:
-    """A kernel's parameters as Inductor's copy of it binds them: Inductor's generated module
-    re-declares a user kernel with a plain ``@triton.jit``, so a ``do_not_specialize`` of ours
-    (sizes like ``N_Q``) is not there, and Triton specialises those integers (divisibility by 16)
-    in Inductor's compile. Copies with ``do_not_specialize`` off, for the fit check's binder."""
-    out = []
-    for p in params:
-        q = copy.copy(p)
-        q.do_not_specialize = False
-        q.do_not_specialize_on_alignment = False
-        out.append(q)
-    return out
+def _compile_and_remember(disk_key: str, *compile_args) -> "int | tuple[str, str]":
+    """:func:`_compile_shared`, its bytes also written to ``<cache>/shared_memory.json``."""
+    need = _compile_shared(*compile_args)
+    if isinstance(need, int):
+        _shared_store(disk_key, need)
+    return need
 
 
 class KernelCompileError(RuntimeError):
@@ -600,13 +634,13 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     ``kernel``: a ``@triton.jit`` function (``JITFunction``); ``args``/``kwargs``: the launch's
     arguments (tensors may be fake or functional: only their dtypes are read, pointers are taken
     as 16-byte aligned), including the constexprs, ``num_warps`` and ``num_stages``. Triton's own
-    binder gives the signature and specialisation (as its launcher would), ``triton.compile``
-    compiles it, and the result is the compiled kernel's ``metadata.shared``: the bytes Triton's
-    launcher compares with the device's limit. Cached per (kernel source hash, specialisation,
-    options, target); a miss costs one full compile of the kernel (1-3 s for an attention kernel
-    on a 2-core CPU), which also fills Triton's on-disk cache: it compiles with the options
-    Inductor gives a user-defined kernel (:data:`INDUCTOR_USER_KERNEL_OPTIONS`), so that
-    Inductor's own compile of the launch it traces finds it there. The compile runs on a thread of
+    binder gives the signature and specialisation (as its launcher would), Triton's pipeline
+    lowers it through LLVM IR (:func:`_compile_shared`: no PTX, no cubin, nothing in Triton's
+    cache), and the result is ``metadata.shared``: the bytes Triton's launcher compares with the
+    device's limit. Kept per (Triton version, kernel source hash, specialisation, options,
+    target) in memory and in ``<cache>/shared_memory.json``, so a later process with the same
+    cache compiles nothing for this; a miss costs the front half of a compile (0.4-0.6 s for an
+    attention kernel on an H200 host, 1-2 s on a 2-core CPU). The compile runs on a thread of
     :func:`_compile_pool`: inside :func:`prefetching` this returns None at once (the compile
     goes on in the background, and a later call with the same key waits for it); otherwise it
     waits. Uses Triton's ``create_function_from_signature`` and ``JITFunction._pack_args`` (the
@@ -624,8 +658,7 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         if entry is None or entry[0] is not kernel:
             backend = make_backend(target)
             entry = _binders[(id(kernel), tkey)] = (kernel, backend,
-                                                    create_function_from_signature(kernel.signature,
-                                                                                   _as_inductor_binds(kernel.params),
+                                                    create_function_from_signature(kernel.signature, kernel.params,
                                                                                    backend))
     _, backend, binder = entry
     margs, mkw = _mock_args(args), dict(zip(kwargs, _mock_args(kwargs.values())))
@@ -634,15 +667,23 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     with _shared_lock:
         need = _shared_needs.get(key)
     if need is None:
+        import triton
+
+        disk_key = "|".join((triton.__version__, *key[:3], repr(tkey)))
+        need = _shared_load().get(disk_key)
+        if need is not None:
+            with _shared_lock:
+                _shared_needs.setdefault(key, need)
+    if need is None:
         opts, signature, constexprs, attrs = kernel._pack_args(backend, mkw, bound, specialization, options)
-        compile_args = (kernel, signature, constexprs, attrs, target, _inductor_options(opts.__dict__))
+        compile_args = (disk_key, kernel, signature, constexprs, attrs, target, dict(opts.__dict__))
         pool = _compile_pool() if COMPILE_THREADS > 0 else None
         with _shared_lock:
             need = _shared_needs.get(key)
             if need is None and pool is not None:
-                need = _shared_needs[key] = pool.submit(_compile_shared, *compile_args)
+                need = _shared_needs[key] = pool.submit(_compile_and_remember, *compile_args)
         if need is None:  # FUSER_COMPILE_THREADS=0: on this thread
-            need = _compile_shared(*compile_args)
+            need = _compile_and_remember(*compile_args)
             with _shared_lock:
                 _shared_needs[key] = need
     if prefetching_now():

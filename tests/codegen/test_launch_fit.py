@@ -10,6 +10,7 @@ backward offering fewer pipeline stages. Marked ``gpu``: the same through
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -268,19 +269,54 @@ def test_compiled_shared_memory_grows_with_tiles_and_stages():
     assert need[(128, 3)] >= 128 * 128 * 2 * 2
 
 
-def test_the_fit_check_compiles_with_inductors_options_for_a_user_kernel(monkeypatch):
-    """The fit check's compile is the one Inductor's compile of the traced launch looks up in
-    Triton's cache: the options Inductor gives a user-defined kernel (debug on, no overflow
-    sanitiser), not Triton's defaults (which made every fused kernel compile twice)."""
-    seen = []
-    real = launch._compile_shared
-    monkeypatch.setattr(launch, "_compile_shared", lambda *a: seen.append(a[-1]) or real(*a))
+def test_the_fit_check_lowers_to_llvm_only_and_reads_what_a_full_compile_reads(monkeypatch, tmp_path):
+    """The fit check's compile stops after LLVM IR (where Triton has allocated shared memory):
+    the same ``metadata.shared`` as ``triton.compile``'s full compile, nothing in Triton's cache
+    (Inductor's compile of its own copy of the kernel is the one that launches: Triton keys its
+    cache on a kernel's first line number too, so a full compile here was always a second one)."""
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    from fuser.codegen.launch import _compile_shared, _mock_args
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    x, y = torch.empty(64, 64, dtype=torch.float16, device="meta"), torch.empty(64, 64, device="meta")
+    for block, stages in ((32, 2), (64, 3)):
+        kw = {"BLOCK": block, "num_warps": 4, "num_stages": stages}
+        backend = triton.compiler.make_backend(SM90)
+        binder = create_function_from_signature(_tiles.signature, _tiles.params, backend)
+        margs, mkw = _mock_args((x, y, 64)), dict(zip(kw, _mock_args(kw.values())))
+        bound, spec, options = binder(*margs, **mkw)
+        opts, sig, constexprs, attrs = _tiles._pack_args(backend, mkw, bound, spec, options)
+        before = sorted(cache.rglob("*")) if cache.exists() else []
+        part = _compile_shared(_tiles, sig, constexprs, attrs, SM90, dict(opts.__dict__))
+        assert isinstance(part, int) and part >= block * block * 2
+        assert (sorted(cache.rglob("*")) if cache.exists() else []) == before, "the fit check wrote into Triton's cache"
+        full = triton.compile(ASTSource(_tiles, sig, constexprs, attrs), target=SM90, options=dict(opts.__dict__))
+        assert part == full.metadata.shared
+
+
+def test_a_later_process_reads_the_fit_checks_bytes_from_disk(monkeypatch, tmp_path):
+    """``<cache>/shared_memory.json`` keeps the bytes: with the in-memory record gone (a new
+    process) the same ask compiles nothing; another config, or another Triton, is compiled."""
+    monkeypatch.setattr(launch, "_shared_file", lambda: tmp_path / "shared_memory.json")
     monkeypatch.setattr(launch, "_shared_needs", {})
     x, y = torch.empty(64, 64, dtype=torch.float16, device="meta"), torch.empty(64, 64, device="meta")
-    launch.compiled_shared_memory(_tiles, (x, y, 64), {"BLOCK": 32, "num_warps": 4, "num_stages": 2}, SM90)
-    (options,) = seen
-    assert options["debug"] is True and options["sanitize_overflow"] is False
-    assert options["num_warps"] == 4 and options["num_stages"] == 2
+    kw = {"BLOCK": 32, "num_warps": 4, "num_stages": 2}
+    need = launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90)
+    assert list(json.loads((tmp_path / "shared_memory.json").read_text()).values()) == [need]
+
+    compiled = []
+    real = launch._compile_shared
+    monkeypatch.setattr(launch, "_compile_shared", lambda *a: compiled.append(a) or real(*a))
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    assert launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90) == need and compiled == []
+    assert launch.compiled_shared_memory(_tiles, (x, y, 64), dict(kw, BLOCK=128), SM90) > need
+    assert len(compiled) == 1
+    monkeypatch.setattr(triton, "__version__", triton.__version__ + ".other")
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    assert launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90) == need and len(compiled) == 2
 
 
 def _attention_fwd_launch(d, dtype, mask_kind="additive"):
@@ -411,11 +447,11 @@ print(json.dumps(entries))
 
 
 @pytest.mark.gpu
-def test_inductor_finds_the_fit_checks_compile_in_tritons_cache(tmp_path):
+def test_each_fused_kernel_is_compiled_once_on_a_cold_cache(tmp_path):
     """A fresh process, empty caches: a fused attention's forward and backward kernels are each
-    compiled once (the fit check's compile, which Inductor's compile of the same launch finds in
-    Triton's cache), not twice."""
-    import json
+    compiled once per config, by Inductor (the fit check lowers to LLVM IR only and writes
+    nothing into Triton's cache; its full compile was always a second one, Triton keying its
+    cache on the kernel's first line number, which differs in Inductor's copy)."""
     import os
     import subprocess
     import sys

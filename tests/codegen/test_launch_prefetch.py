@@ -34,9 +34,11 @@ PLAN = "backward=two_kernel;autotune=0"
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """Empty compile, fit and config memories, and an H100's shared-memory limit on "meta"."""
+def fresh(monkeypatch, tmp_path):
+    """Empty compile, fit and config memories (the on-disk shared-memory record too), and an
+    H100's shared-memory limit on "meta"."""
     monkeypatch.setattr(launch, "shared_memory_limit", lambda device: H100_SHARED if device.type == GPU else None)
+    monkeypatch.setattr(launch, "_shared_file", lambda: tmp_path / "shared_memory.json")
     for name in ("_fitting", "_checked", "_shared_needs"):
         monkeypatch.setattr(launch, name, {})
 
