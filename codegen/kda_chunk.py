@@ -426,6 +426,10 @@ DOTS = ("float32", "bfloat16")
 #: (1.2e-7 against 5.8e-8). ``tests/codegen/test_kda_chunk.py``'s GPU test
 #: ``test_half_inputs_as_close_as_eager_on_gpu`` checks it on the device. IEEE float32 dots
 #: would run on the FMA units (about 15x below the bf16 tensor-core rate on the H100).
+#: Triton also lists ``"bf16x3"`` / ``"bf16x6"`` (three / six bfloat16 products); tried here on the
+#: state path (H200, torch 2.11, Triton 3.6, B·H=16, T=4096, K=V=128, bfloat16 inputs; 2026-12-03):
+#: both gave NaN outputs (bf16x3 also an illegal memory access at K=V=64), at 0.652 / 0.802 ms
+#: against tf32x3's 0.726 ms (o 2.2e-3, state 1.1e-7: 1.33x / 1.94x eager's), so not offered.
 GPU_FP32_PRECISION = "tf32x3"
 
 
