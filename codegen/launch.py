@@ -542,6 +542,9 @@ def _compile_pool():
         return _pool
 
 
+_shared_file_lock = threading.Lock()
+
+
 def _shared_file() -> Path:
     return cache_dir().parent / "shared_memory.json"
 
@@ -558,12 +561,13 @@ def _shared_store(key: str, need: int) -> None:
     concurrent writer's entry may be lost, and is then compiled again, never wrong)."""
     path = _shared_file()
     try:
-        disk = _shared_load()
-        disk[key] = int(need)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(disk, indent=0, sort_keys=True))
-        os.replace(tmp, path)
+        with _shared_file_lock:
+            disk = _shared_load()
+            disk[key] = int(need)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(disk, indent=0, sort_keys=True))
+            os.replace(tmp, path)
     except OSError as exc:  # an unwritable cache costs a compile in the next process, nothing else
         log.debug("fuser: shared-memory cache not written (%s)", exc)
 
@@ -585,7 +589,9 @@ def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict)
     launches the kernel, Inductor's. That compile cannot be this one: Triton keys its cache on a
     kernel's source *and its first line number*, and Inductor's copy of a user kernel sits at
     another line of its generated module, so a full compile here was always a second one (two
-    cache entries per kernel and config, measured on the H200, 2026-12-03)."""
+    cache entries per kernel and config, measured on the H200, 2026-12-03). Should the partial
+    pipeline fail (Triton's internals not as expected, or the kernel does not compile), a full
+    ``triton.compile`` gives the bytes or the error."""
     import inspect
 
     from triton._C.libtriton import ir
@@ -608,8 +614,18 @@ def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict)
         for ext, lower in stages.items():
             module = lower(module, metadata)
             if ext == SHARED_MEMORY_STAGE:
-                break
-        return int(metadata["shared"])
+                return int(metadata["shared"])
+        raise LookupError(f"Triton's {target.backend} backend has no {SHARED_MEMORY_STAGE!r} stage: {list(stages)}")
+    except Exception as exc:  # noqa: BLE001 - a full compile says whether the kernel compiles at all
+        log.debug("fuser: the partial compile of %s failed (%s: %s); compiling it fully", _kernel_name(kernel),
+                  type(exc).__name__, exc)
+    # Triton's internals differ from what this expects, or the kernel does not compile: the full
+    # compile (which also fills Triton's cache) gives the bytes or the error
+    from triton.compiler import compile as triton_compile
+
+    try:
+        return int(triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options).metadata.shared)
     except Exception as exc:  # noqa: BLE001 - raised again, afresh, by whoever asks
         return (type(exc).__name__, str(exc))
 

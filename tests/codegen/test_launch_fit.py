@@ -297,6 +297,23 @@ def test_the_fit_check_lowers_to_llvm_only_and_reads_what_a_full_compile_reads(m
         assert part == full.metadata.shared
 
 
+def test_a_failed_partial_compile_falls_back_to_a_full_one(monkeypatch, tmp_path):
+    """Triton's pipeline not as the partial compile expects (here: no stage of the name it
+    stops at, so no ``metadata["shared"]``): the full compile gives the same bytes."""
+    monkeypatch.setattr(launch, "_shared_file", lambda: tmp_path / "shared_memory.json")
+    x, y = torch.empty(64, 64, dtype=torch.float16, device="meta"), torch.empty(64, 64, device="meta")
+    kw = {"BLOCK": 64, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    want = launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90)
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    monkeypatch.setattr(launch, "_shared_file", lambda: tmp_path / "other.json")
+    monkeypatch.setattr(launch, "SHARED_MEMORY_STAGE", "no-such-stage")
+    full = []
+    real = triton.compiler.compile
+    monkeypatch.setattr(triton.compiler, "compile", lambda *a, **k: full.append(a) or real(*a, **k))
+    assert launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90) == want and len(full) == 1
+
+
 def test_a_later_process_reads_the_fit_checks_bytes_from_disk(monkeypatch, tmp_path):
     """``<cache>/shared_memory.json`` keeps the bytes: with the in-memory record gone (a new
     process) the same ask compiles nothing; another config, or another Triton, is compiled."""
