@@ -543,6 +543,13 @@ def _compile_pool():
 
 
 _shared_file_lock = threading.Lock()
+#: Held while Triton's front end parses a kernel's source (``ast.parse`` inside ``make_ir`` and
+#: ``JITFunction.cache_key``): CPython 3.11's ``ast`` object construction is not safe in two
+#: threads at once (``SystemError: AST constructor recursion depth mismatch``, seen in CI when
+#: the prefetch started several compiles together). Triton's passes after it run in parallel.
+#: Inductor's own parsing of a kernel on the main thread does not take it; a compile that fails
+#: that way is retried once by the full compile (:func:`_compile_shared`).
+_frontend_lock = threading.Lock()
 
 
 def _shared_file() -> Path:
@@ -607,7 +614,8 @@ def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict)
         front = (backend.get_codegen_implementation(opts), backend.get_module_map(), context)
         # Triton 3.9 passes the target first; 3.6 does not
         takes_target = "target" in inspect.signature(src.make_ir).parameters
-        module = src.make_ir(target, opts, *front) if takes_target else src.make_ir(opts, *front)
+        with _frontend_lock:
+            module = src.make_ir(target, opts, *front) if takes_target else src.make_ir(opts, *front)
         metadata = {"hash": "", "target": target, **opts.__dict__}
         stages: dict = {}
         backend.add_stages(stages, opts, src.language)
@@ -624,8 +632,9 @@ def _compile_shared(kernel, signature, constexprs, attrs, target, options: dict)
     from triton.compiler import compile as triton_compile
 
     try:
-        return int(triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                  options=options).metadata.shared)
+        with _frontend_lock:
+            return int(triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                      options=options).metadata.shared)
     except Exception as exc:  # noqa: BLE001 - raised again, afresh, by whoever asks
         return (type(exc).__name__, str(exc))
 
@@ -679,7 +688,9 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     _, backend, binder = entry
     margs, mkw = _mock_args(args), dict(zip(kwargs, _mock_args(kwargs.values())))
     bound, specialization, options = binder(*margs, **mkw)
-    key = (kernel.cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
+    with _frontend_lock:
+        cache_key = kernel.cache_key
+    key = (cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
     with _shared_lock:
         need = _shared_needs.get(key)
     if need is None:
