@@ -274,12 +274,25 @@ def _tune_file() -> Path:
     return cache_dir().parent / "autotune.json"
 
 
-def _tune_load() -> dict[str, dict]:
-    path = _tune_file()
+def _json_record(path: Path) -> dict:
+    """The JSON object kept in ``path`` (fuser's on-disk records: autotuning winners, shared
+    memory of compiled kernels); ``{}`` when it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _json_record_put(path: Path, key: str, value: Any) -> None:
+    """``path``'s record with ``key: value`` added: read, merged and replaced whole through a
+    temporary file of this process (callers hold their lock; a concurrent process's entry may be
+    lost, and is then computed again). Raises OSError when the cache cannot be written."""
+    disk = _json_record(path)
+    disk[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _stand_in(x: Any) -> Any:
@@ -323,7 +336,7 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[..., Any],
     with _tune_lock:
         if key in _tune_mem:
             return _tune_mem[key]
-        disk = _tune_load()
+        disk = _json_record(_tune_file())
         if key in disk:
             _tune_mem[key] = disk[key]
             return disk[key]
@@ -349,11 +362,7 @@ def autotune(key: str, candidates: Sequence[dict], run: Callable[..., Any],
     best, best_ms = _time_configs(key, candidates, run, timer)
     with _tune_lock:
         _tune_mem[key] = best
-        disk = _tune_load()
-        disk[key] = best
-        tmp = _tune_file().with_suffix(".tmp")
-        tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
-        os.replace(tmp, _tune_file())
+        _json_record_put(_tune_file(), key, best)
     return best
 
 
@@ -556,26 +565,13 @@ def _shared_file() -> Path:
     return cache_dir().parent / "shared_memory.json"
 
 
-def _shared_load() -> dict[str, int]:
-    try:
-        return json.loads(_shared_file().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _shared_store(key: str, need: int) -> None:
-    """Adds ``key: need`` to ``<cache>/shared_memory.json`` (read, merged, replaced whole: a
-    concurrent writer's entry may be lost, and is then compiled again, never wrong)."""
-    path = _shared_file()
+    """Adds ``key: need`` to ``<cache>/shared_memory.json`` (an unwritable cache costs a compile
+    in the next process, nothing else)."""
     try:
         with _shared_file_lock:
-            disk = _shared_load()
-            disk[key] = int(need)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(disk, indent=0, sort_keys=True))
-            os.replace(tmp, path)
-    except OSError as exc:  # an unwritable cache costs a compile in the next process, nothing else
+            _json_record_put(_shared_file(), key, int(need))
+    except OSError as exc:
         log.debug("fuser: shared-memory cache not written (%s)", exc)
 
 
@@ -697,7 +693,7 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         import triton
 
         disk_key = "|".join((triton.__version__, *key[:3], repr(tkey)))
-        need = _shared_load().get(disk_key)
+        need = _json_record(_shared_file()).get(disk_key)
         if need is not None:
             with _shared_lock:
                 _shared_needs.setdefault(key, need)
