@@ -48,7 +48,14 @@ compile stack when called, ``import fuser`` when fuser is imported) and their ra
 details table has one row per (configuration, backend), with the first call's hits, misses and
 bypasses of Inductor's FX-graph cache and AOTAutograd's cache (``caches hit/miss/bypass``, from
 ``torch._dynamo.utils.counters``: a warm process should show hits only; a miss there means a
-cache key that changes between processes). ``ms`` in the JSON (and the plot) is the
+cache key that changes between processes). A last table says where each first call went: torch's
+``dynamo_timed`` phases (``torch._dynamo.utils.compile_times``: Dynamo's trace, AOTAutograd,
+Inductor's lowering and codegen, waiting for its compile workers, ...; in seconds, nested, so a
+column does not add up) side by side for the backends, and fuser's fit checks
+(``launch.fit_check_stats``: compiles started, answers read from ``shared_memory.json``, seconds
+the first call waited for a compile) and Inductor's analysis of which arguments fuser's kernels
+write (``launch.access_analysis_stats``: times asked, answers from fuser's memo, seconds of the
+analyses that ran). ``ms`` in the JSON (and the plot) is the
 first call in ms.
 
 Flags: ``--workloads {train,prefill}``, ``--backends``, ``--caches {cold,warm}`` (warm needs
@@ -198,6 +205,12 @@ def run_child(spec: dict) -> dict:
         got = step(compiled)
     common.synchronize(device)
     out["first_call_s"] = time.perf_counter() - t0
+    out["dynamo_phases_s"] = dynamo_phases()
+    if fuser is not None:
+        from fuser.codegen import launch
+
+        out["fit_checks"] = launch.fit_check_stats()
+        out["access_analysis"] = launch.access_analysis_stats()
     if profiler is not None:
         profiler.disable()
         write_profile(profiler, spec["profile_path"], spec.get("profile_top", 60))
@@ -230,6 +243,19 @@ CACHE_COUNTERS = {
     "fx_bypass": ("inductor", "fxgraph_cache_bypass"), "aot_hit": ("aot_autograd", "autograd_cache_hit"),
     "aot_miss": ("aot_autograd", "autograd_cache_miss"), "aot_bypass": ("aot_autograd", "autograd_cache_bypass"),
 }
+
+
+def dynamo_phases() -> dict:
+    """Seconds per phase that torch times with ``dynamo_timed`` (``torch._dynamo.utils.compile_times``,
+    summed over the process's compiles so far: Dynamo's trace, AOTAutograd, Inductor's lowering,
+    codegen, waiting for its compile workers...); empty where this torch does not give them."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        return {n: float(v) for n, v in zip(names, values)}
+    except Exception:  # noqa: BLE001 - an account, not the measurement
+        return {}
 
 
 def cache_counters() -> dict:
@@ -492,12 +518,37 @@ class CompileTimeBenchmark(common.Benchmark):
                 "compiling fuser's kernels is in none: Inductor's compile_fx compiles them on the GPU):\n\n"
                 + common.md_table(["workload", "caches"] + names + ["total"], body, "ll" + "r" * (len(names) + 1)))
 
+    def where_table(self, min_s: float = 0.1) -> str:
+        """Where each first call went: torch's ``dynamo_timed`` phases (s) per run, one column a
+        (workload, caches, backend), the phases above ``min_s`` in some run, longest first; and
+        fuser's fit checks (compiles started, answers from disk, seconds the first call waited)."""
+        runs = [(f"{cfg.workload} {cfg.cache} {n}", r) for cfg, recs, _ in self.rows for n, r in recs.items()
+                if r.get("dynamo_phases_s")]
+        if not runs:
+            return ""
+        names = [p for p in dict.fromkeys(p for _, r in runs for p in r["dynamo_phases_s"])
+                 if max(r["dynamo_phases_s"].get(p, 0.0) for _, r in runs) >= min_s]
+        names.sort(key=lambda p: -max(r["dynamo_phases_s"].get(p, 0.0) for _, r in runs))
+        body = [[f"`{p}`"] + [sec(r["dynamo_phases_s"].get(p)) for _, r in runs] for p in names]
+        fits = [r.get("fit_checks") for _, r in runs]
+        if any(fits):
+            body.append(["fuser's fit checks: compiles / from disk / waited s"]
+                        + [f"{f['compiles']} / {f['disk']} / {f['wait_s']:.2f}" if f else "—" for f in fits])
+        access = [r.get("access_analysis") for _, r in runs]
+        if any(access):
+            body.append(["Inductor's access analysis of fuser's kernels: asked / from fuser's memo / s run"]
+                        + [f"{a['calls']} / {a['memo']} / {a['run_s']:.2f}" if a else "—" for a in access])
+        return ("Where the first call goes (s; torch's `dynamo_timed` phases, `torch._dynamo.utils.compile_times`, "
+                "summed over the process's compiles; phases nest, so columns do not add up; "
+                f"phases of {min_s:g} s or more in some run):\n\n"
+                + common.md_table(["phase"] + [name for name, _ in runs], body, "l" + "r" * len(runs)))
+
     def render(self, done: bool) -> tuple[str, str, str]:
         md, stdout, main = super().render(done)
-        phases = self.phases_table()
-        if phases:
-            md += "\n\n" + phases
-            stdout += "\n\n" + phases
+        for extra in (self.phases_table(), self.where_table()):
+            if extra:
+                md += "\n\n" + extra
+                stdout += "\n\n" + extra
         return md, stdout, main
 
     def legend(self) -> str:

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -561,6 +563,20 @@ _shared_file_lock = threading.Lock()
 _frontend_lock = threading.Lock()
 
 
+def _invalidating_env() -> str:
+    """Triton's environment variables that change what it compiles (``TRITON_*`` debug and
+    pass switches; Triton keys its own cache on them), as text for ``shared_memory.json``'s key;
+    empty where this Triton does not list them."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+    except ImportError:
+        try:
+            from triton.runtime.cache import get_cache_invalidating_env_vars  # older Triton
+        except ImportError:
+            return ""
+    return repr(sorted(get_cache_invalidating_env_vars().items()))
+
+
 def _shared_file() -> Path:
     return cache_dir().parent / "shared_memory.json"
 
@@ -643,6 +659,26 @@ def _compile_and_remember(disk_key: str, *compile_args) -> "int | tuple[str, str
     return need
 
 
+#: What the fit checks of this process did (:func:`fit_check_stats`): ``asked`` calls of
+#: :func:`compiled_shared_memory`, answered from ``memory`` or from ``disk``
+#: (``shared_memory.json``), ``compiles`` started, and ``wait_s``: seconds the callers spent
+#: waiting for a compile's answer (on the calling thread: the time a first call is held up).
+_fit_stats = {"asked": 0, "memory": 0, "disk": 0, "compiles": 0, "wait_s": 0.0}
+
+
+def fit_check_stats() -> dict:
+    """A copy of this process's fit-check counters (``asked``, ``memory``, ``disk``, ``compiles``,
+    ``wait_s``: see :data:`_fit_stats`), e.g. for ``benchmarks/compile_time.py``'s account of a
+    first call. Cumulative since import."""
+    with _shared_lock:
+        return dict(_fit_stats)
+
+
+def _count(field: str, amount=1) -> None:
+    with _shared_lock:
+        _fit_stats[field] += amount
+
+
 class KernelCompileError(RuntimeError):
     """A kernel did not compile for :func:`compiled_shared_memory` (the message names Triton's
     exception and says what it said)."""
@@ -659,7 +695,7 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
     lowers it through LLVM IR (:func:`_compile_shared`: no PTX, no cubin, nothing in Triton's
     cache), and the result is ``metadata.shared``: the bytes Triton's launcher compares with the
     device's limit. Kept per (Triton version, kernel source hash, specialisation, options,
-    target) in memory and in ``<cache>/shared_memory.json``, so a later process with the same
+    target, Triton's cache-invalidating environment variables) in memory and in ``<cache>/shared_memory.json``, so a later process with the same
     cache compiles nothing for this; a miss costs the front half of a compile (0.4-0.6 s for an
     attention kernel on an H200 host, 1-2 s on a 2-core CPU). The compile runs on a thread of
     :func:`_compile_pool`: inside :func:`prefetching` this returns None at once (the compile
@@ -688,13 +724,17 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         cache_key = kernel.cache_key
     key = (cache_key, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options), tkey)
     with _shared_lock:
+        _fit_stats["asked"] += 1
         need = _shared_needs.get(key)
+        if need is not None:
+            _fit_stats["memory"] += 1
     if need is None:
         import triton
 
-        disk_key = "|".join((triton.__version__, *key[:3], repr(tkey)))
+        disk_key = "|".join((triton.__version__, *key[:3], repr(tkey), _invalidating_env()))
         need = _json_record(_shared_file()).get(disk_key)
         if need is not None:
+            _count("disk")
             with _shared_lock:
                 _shared_needs.setdefault(key, need)
     if need is None:
@@ -704,15 +744,21 @@ def compiled_shared_memory(kernel, args: Sequence[Any], kwargs: dict, target) ->
         with _shared_lock:
             need = _shared_needs.get(key)
             if need is None and pool is not None:
+                _fit_stats["compiles"] += 1
                 need = _shared_needs[key] = pool.submit(_compile_and_remember, *compile_args)
         if need is None:  # FUSER_COMPILE_THREADS=0: on this thread
+            _count("compiles")
+            t0 = time.perf_counter()
             need = _compile_and_remember(*compile_args)
+            _count("wait_s", time.perf_counter() - t0)
             with _shared_lock:
                 _shared_needs[key] = need
     if prefetching_now():
         return None
     if not isinstance(need, (int, tuple)):  # a Future
+        t0 = time.perf_counter()
         need = need.result()
+        _count("wait_s", time.perf_counter() - t0)
         with _shared_lock:
             _shared_needs[key] = need
     if isinstance(need, tuple):
@@ -1171,6 +1217,122 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
     op.register_torch_dispatch(FunctionalTensorMode, decompose)
 
 
+#: Inductor's analysis of which arguments a user-defined Triton kernel reads and writes, by the
+#: names torch has had for it (``identify_accessed_tensors``; before, ``identify_mutated_tensors``)
+ACCESS_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+#: :func:`access_analysis_stats`: calls of Inductor's analysis for fuser's kernels, answers from
+#: the memo, seconds spent in the analyses that ran, and which functions were wrapped
+_access_stats: dict = {"calls": 0, "memo": 0, "run_s": 0.0, "wrapped": []}
+_access_memo: dict = {}
+_our_kernels: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def access_analysis_stats() -> dict:
+    """A copy of the counters of :func:`_memoize_access_analysis`: ``calls`` (Inductor asked
+    about one of fuser's kernels), ``memo`` (answered from the memo), ``run_s`` (seconds in the
+    analyses that ran), ``wrapped`` (the torch functions wrapped; empty: none, so every call ran
+    torch's analysis as it is)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in _access_stats.items()}
+
+
+def _base_kernel(kernel):
+    """The ``JITFunction`` of ``kernel``: itself, or that of the ``Autotuner`` around it."""
+    from triton.runtime.autotuner import Autotuner
+
+    return kernel.fn if isinstance(kernel, Autotuner) else kernel
+
+
+def _access_key(kernel, kwargs, tma_descriptor_metadata):
+    """What Inductor's access analysis of ``kernel`` depends on, or None when this cannot say:
+    it lowers the kernel to TTIR with a 2-element tensor of each tensor argument's dtype, 2 for
+    each symbolic size and the other values as they are, and reads the tensor arguments' loads
+    and stores from it; so the key is the kernel and, per argument name, the dtype of a tensor
+    (fake or Inductor's ``TensorBox``), "symbolic", or the value of a plain Python scalar; for
+    the ``Autotuner`` that ``wrap_triton`` wraps a launch's ``num_warps``/``num_stages`` in (a new
+    one per launch), its kernel and its configs."""
+    from triton.runtime.autotuner import Autotuner
+
+    configs = ()
+    if isinstance(kernel, Autotuner):
+        try:
+            configs = tuple((tuple(sorted(c.kwargs.items())), getattr(c, "num_warps", None),
+                             getattr(c, "num_stages", None), getattr(c, "num_ctas", None),
+                             getattr(c, "pre_hook", None) is None) for c in kernel.configs)
+            hash(configs)
+        except TypeError:
+            return None
+    kernel = _base_kernel(kernel)
+    if tma_descriptor_metadata or kernel not in _our_kernels:
+        return None
+    import sympy
+
+    items = []
+    for name in sorted(kwargs):
+        v = kwargs[name]
+        if isinstance(v, torch.Tensor):
+            items.append((name, "tensor", v.dtype))
+        elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            items.append((name, "symbolic"))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            items.append((name, type(v).__name__, v))
+        elif callable(getattr(v, "get_dtype", None)) and type(v).__name__ == "TensorBox":
+            items.append((name, "tensor", v.get_dtype()))
+        else:
+            return None
+    return (id(kernel), configs, tuple(items))
+
+
+def _memoize_access_analysis() -> None:
+    """Wraps Inductor's access analysis of user-defined Triton kernels (:data:`ACCESS_ANALYSES`)
+    with a memo for fuser's kernels (those launched through :class:`_TracedLaunch`); other
+    kernels go to torch's function as before. Why: torch runs the analysis for every traced
+    launch, several times (functionalisation in AOTAutograd's metadata pass and again in its
+    joint trace, Inductor's lowering, its graph passes), each a lowering of the kernel's source to
+    TTIR on the main thread; a 4-layer Llama training step launches the same few kernels per
+    layer. The answer is a function of :func:`_access_key` (the inputs torch's analysis reads);
+    each caller gets its own deep copy. Does nothing where torch has none of these functions or
+    they take other parameters."""
+    import copy
+    import inspect
+
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap as tkw
+    except ImportError:
+        return
+    for name in ACCESS_ANALYSES:
+        real = getattr(tkw, name, None)
+        if real is None or getattr(real, "_fuser_memo", False):
+            continue
+        try:
+            params = list(inspect.signature(real).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params != ["kernel", "kwargs", "tma_descriptor_metadata"]:
+            continue
+
+        def memoized(kernel, kwargs, tma_descriptor_metadata, _real=real):
+            key = _access_key(kernel, kwargs, tma_descriptor_metadata)
+            if key is None:
+                return _real(kernel, kwargs, tma_descriptor_metadata)
+            _access_stats["calls"] += 1
+            base = _base_kernel(kernel)
+            hit = _access_memo.get(key)
+            if hit is not None and hit[0] is base:
+                _access_stats["memo"] += 1
+                return copy.deepcopy(hit[1])
+            t0 = time.perf_counter()
+            got = _real(kernel, kwargs, tma_descriptor_metadata)
+            _access_stats["run_s"] += time.perf_counter() - t0
+            _access_memo[key] = (base, got)
+            return copy.deepcopy(got)
+
+        memoized._fuser_memo = True
+        memoized.__wrapped__ = real
+        memoized.__doc__ = real.__doc__
+        setattr(tkw, name, memoized)
+        _access_stats["wrapped"].append(name)
+
+
 class _TracedLaunch:
     """``wrap_triton(kernel)[grid]`` that first checks the launch's float arguments (see
     :func:`jit_call`)."""
@@ -1180,6 +1342,9 @@ class _TracedLaunch:
 
         self.kernel = kernel
         self.wrapped = wrap_triton(kernel)
+        if kernel not in _our_kernels:
+            _our_kernels.add(kernel)
+            _memoize_access_analysis()
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):

@@ -306,6 +306,11 @@ def test_compile_time_smoke(tmp_path):
     assert hits["aot_hit"] >= 1 and hits["fx_miss"] == hits["aot_miss"] == 0, hits
     assert hits["fx_bypass"] == hits["aot_bypass"] == 0, hits
     assert "caches hit/miss/bypass" in md
+    # where the first call went: torch's timed phases, and fuser's fit checks (none on the CPU:
+    # interpreted kernels have no shared-memory limit to check)
+    assert "Where the first call goes" in md and cold["dynamo_phases_s"], cold
+    assert cold["fit_checks"]["compiles"] == 0 and set(cold["fit_checks"]) >= {"asked", "disk", "wait_s"}
+    assert cold["access_analysis"]["calls"] == 0  # the CPU keeps the opaque ops: nothing for Inductor to analyse
     kernels = Path(cold["cache_dirs"]["FUSER_CACHE_DIR"]) / "kernels"
     assert any(kernels.glob("attention_fwd*.py"))  # the child wrote fuser's kernels there, not elsewhere
     assert any(Path(cold["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"]).iterdir())

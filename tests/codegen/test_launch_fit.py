@@ -334,6 +334,35 @@ def test_a_later_process_reads_the_fit_checks_bytes_from_disk(monkeypatch, tmp_p
     monkeypatch.setattr(triton, "__version__", triton.__version__ + ".other")
     monkeypatch.setattr(launch, "_shared_needs", {})
     assert launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90) == need and len(compiled) == 2
+    # an environment variable Triton keys its own cache on (it can change what is compiled)
+    monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "1")
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    assert launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90) == need and len(compiled) == 3
+
+
+def test_fit_check_stats_count_where_each_answer_came_from(monkeypatch, tmp_path):
+    """``launch.fit_check_stats()``: asks, answers from memory and from disk, compiles, and the
+    seconds the caller waited (a compile's time on the calling thread, not a disk read's)."""
+    monkeypatch.setattr(launch, "_shared_file", lambda: tmp_path / "shared_memory.json")
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    x, y = torch.empty(64, 64, dtype=torch.float16, device="meta"), torch.empty(64, 64, device="meta")
+    kw = {"BLOCK": 32, "num_warps": 4, "num_stages": 2}
+
+    def delta(before):
+        after = launch.fit_check_stats()
+        return {k: after[k] - before[k] for k in after}
+
+    s0 = launch.fit_check_stats()
+    launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90)
+    d = delta(s0)
+    assert (d["asked"], d["memory"], d["disk"], d["compiles"]) == (1, 0, 0, 1) and d["wait_s"] > 0
+    s1 = launch.fit_check_stats()
+    launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90)
+    assert {k: v for k, v in delta(s1).items()} == {"asked": 1, "memory": 1, "disk": 0, "compiles": 0, "wait_s": 0}
+    monkeypatch.setattr(launch, "_shared_needs", {})
+    s2 = launch.fit_check_stats()
+    launch.compiled_shared_memory(_tiles, (x, y, 64), kw, SM90)
+    assert delta(s2) == {"asked": 1, "memory": 0, "disk": 1, "compiles": 0, "wait_s": 0}
 
 
 def _attention_fwd_launch(d, dtype, mask_kind="additive"):
