@@ -480,8 +480,12 @@ def first_call_cell(rec: dict) -> str:
 
 
 def note_cell(rec: dict) -> str:
-    """A record's note, led by its status when it did not run ("OOM", "err: ..."); table-safe."""
+    """A record's note, led by its status when it did not run ("OOM", "err: ..."), and saying so
+    when CUDA-graph timing was asked for but the calls could not be captured; table-safe."""
     note = rec["note"] or ""
+    timing = rec.get("timing") or ""
+    if "capture failed" in timing:  # asked for CUDA-graph timing, timed with events instead
+        note = f"{note}; timed with {timing}" if note else f"timed with {timing}"
     if rec["status"] != "ok":
         note = rec["status"] + (f" ({note})" if note else "")
     return note.replace("|", "/").replace("\n", " ")

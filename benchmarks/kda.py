@@ -177,6 +177,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", choices=tuple(IMPLS), default=list(IMPLS))
     p.add_argument("--cudagraphs", action="store_true",
                    help="add fuser[cg] and inductor[cg] (mode=reduce-overhead) at the blog shapes")
+    p.add_argument("--timing", choices=common.TIMINGS, default="events",
+                   help="events: do_bench (a host-bound call reads its host time); cudagraph: "
+                        "do_bench_cudagraph, the calls captured in one CUDA graph and replayed (device time "
+                        "only; [cg] rows stay on events)")
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default=None,
                    help="q, k, v, beta (and o) dtype: default bf16 (fp32 with --smoke)")
     p.add_argument("--gate-dtype", choices=tuple(common.DTYPES), default="fp32", help="g's dtype (default fp32)")
@@ -387,7 +391,7 @@ class KDABenchmark(common.Benchmark):
         a, m = self.args, self.meta
         return (f"KDA benchmark on {m['device']}: torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; "
                 f"sets={a.sets} modes(train)={a.modes} dtype={a.dtype} gate={a.gate_dtype} impls={a.impl_list} "
-                f"cudagraphs={a.cudagraphs} check={a.check}")
+                f"cudagraphs={a.cudagraphs} timing={a.timing} check={a.check}")
 
     def groups(self):
         a = self.args
@@ -408,7 +412,7 @@ class KDABenchmark(common.Benchmark):
         impls = {}
         for name in a.impl_list:
             impls[name] = common.Impl(lambda run, name=name: self.build(name, run),
-                                      report=name == "fuser")
+                                      report=name == "fuser", timing=a.timing)
         if a.cudagraphs and group[0] in ("blog", "smoke"):
             for name in CUDAGRAPH_IMPLS:
                 base = name.split("[")[0]
@@ -727,7 +731,11 @@ class KDABenchmark(common.Benchmark):
         return (
             f"dtype={a.dtype} (q, k, v, beta, o), g in {a.gate_dtype}, state float32; q, k l2-normalised, "
             "g = -softplus(randn), beta = sigmoid(randn), scale = K^-0.5, no initial state, final state returned. "
-            f"do_bench warmup={a.warmup} ms rep={a.rep} ms (median). Times in ms. "
+            + (f"do_bench warmup={a.warmup} ms rep={a.rep} ms (median). " if a.timing == "events" else
+               f"do_bench_cudagraph rep={a.rep} ms (median): each call captured in a CUDA graph and replayed, so the "
+               "times are GPU time without host overhead ([cg] rows: do_bench; a row whose capture failed says so "
+               "in its note). ")
+            + "Times in ms. "
             "fuser = torch.compile(loop, backend='fuser'); fuser_op = torch.ops.fuser.kda called directly (the "
             "cost model's plan); fuser[recurrent] / fuser[chunk] / fuser[parallel] = the kernel modules on [B·H, T, *] inputs "
             "(fuser[chunk o=tf32|tf32x3]: its output-path dots forced; fuser[chunk dots=bf16]: bfloat16 dots) "

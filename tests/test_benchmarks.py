@@ -174,6 +174,29 @@ def test_kda_smoke(tmp_path):
                for r in records(data, impl))  # FLA needs a GPU; fused_recurrent_kda has no backward
 
 
+def test_kda_timing_flag_names_device_time_and_a_failed_capture():
+    """``benchmarks/kda.py --timing cudagraph``: every impl but the [cg] rows is timed by CUDA-graph
+    replay (the legend says so), and a row whose calls could not be captured says what it was timed
+    with instead."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+        import kda
+    finally:
+        sys.path.remove(str(BENCH))
+    a = kda.parse_args(["--smoke", "--timing", "cudagraph", "--cudagraphs"])
+    bench = kda.KDABenchmark(a)
+    impls = bench.implementations(("smoke", "fwd"))
+    assert {n: i.timing for n, i in impls.items() if "[cg]" not in n} and all(
+        i.timing == "cudagraph" for n, i in impls.items() if "[cg]" not in n)
+    assert all(i.timing == "events" for n, i in impls.items() if "[cg]" in n)
+    assert "do_bench_cudagraph" in bench.legend() and "do_bench warmup" not in bench.legend()
+    assert "do_bench warmup" in kda.KDABenchmark(kda.parse_args(["--smoke"])).legend()
+    rec = {"note": "fused", "status": "ok", "timing": "events (CUDA graph capture failed: sync)"}
+    assert common.note_cell(rec) == "fused; timed with events (CUDA graph capture failed: sync)"
+    assert common.note_cell({**rec, "timing": "cudagraph"}) == "fused"
+
+
 def test_kda_plan_sweep_rereads_a_measured_run(tmp_path):
     # the committed H100 sweep re-evaluated with this checkout's cost model (no GPU needed): every
     # shape gets the three estimates and a pick, and the pick's regret is stated
