@@ -27,7 +27,7 @@ from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
 from .codegen import render
 from .graph import GraphView, annotate, flat_args, location, val, written_args
 from .options import Options
-from .pattern import Match, MatchContext, Pattern, Rejection
+from .pattern import Match, MatchContext, Pattern, Rejection, match_device
 from .report import CompileTimes, PhaseTimer
 from .static import StaticEvaluator
 
@@ -307,6 +307,21 @@ def apply(
     return result
 
 
+def _device_decline(m: Match, options: Options) -> Optional[str]:
+    """Why a match cannot be fused on its tensors' device, or None: fuser's kernels run on CUDA
+    tensors, and on CPU tensors only in Triton's interpreter, which ``fuser.interpret`` asks for
+    (``"auto"``: when ``TRITON_INTERPRET=1`` is set). Checked here, once for every pattern, so a
+    pattern cannot forget it: a CPU region fused without being asked for would run its kernels
+    in the interpreter, seconds a call where Inductor takes milliseconds. A match whose device is
+    unknown (no value metadata) is not declined here."""
+    dev = match_device(m)
+    if dev is None or dev.type == "cuda":
+        return None
+    if dev.type == "cpu":
+        return None if options.interpret_cpu else options.cpu_decline
+    return f"tensors are on {dev.type}: fuser's kernels run on CUDA tensors (and on the CPU in Triton's interpreter)"
+
+
 def _weak_method(obj: Any, name: str) -> Callable:
     """``obj.name`` as a function that holds ``obj`` weakly: stored back on ``obj`` (timed), a
     bound method would make ``obj`` a reference cycle, freed only by a later collection (see
@@ -339,6 +354,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     choose = timer.wrap("plan", planner.choose)
     ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index)
     taken: set[fx.Node] = set()
+    matched: dict[str, str] = {}  # node name -> the pattern whose match (fused or not) holds it
     found: list[tuple[Pattern, Match]] = []
     metadata_readers: dict = {}  # id(match) -> its region's metadata readers (_check_region)
 
@@ -365,7 +381,10 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                 result.rejected.append(r)
                 log.info("fuser: not fused: %s at %s: %s", r.pattern, r.location, r.reason)
                 continue
-            why = check_region(r, view, metadata_readers) or distributed.sharding_decline(r, view)
+            for n in r.region:
+                matched.setdefault(n.name, r.pattern)
+            why = (_device_decline(r, options) or check_region(r, view, metadata_readers)
+                   or distributed.sharding_decline(r, view))
             if why is None and r.region & taken:
                 why = "overlaps another match"
             why = why or place(r, view)
@@ -376,11 +395,15 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
             found.append((pattern, r))
     # a pattern that declined an anchor another pattern then matched (attention declines a
     # softmax whose probabilities also feed a column sum; a later pattern takes the region):
-    # the report shows the match, not the stale near-miss
+    # the report shows the match, or the pass's reason for declining it, not the stale near-miss
     taken_names = {n.name for n in taken}
-    for r in [r for r in result.rejected if r.node in taken_names]:
+
+    def superseded(r: Rejection) -> bool:
+        return r.node in taken_names or matched.get(r.node, r.pattern) != r.pattern
+
+    for r in filter(superseded, result.rejected):
         log.debug("fuser: near-miss of %s at %s superseded by a match of the same region", r.pattern, r.location)
-    result.rejected = [r for r in result.rejected if r.node not in taken_names]
+    result.rejected = [r for r in result.rejected if not superseded(r)]
     if match_only is not None:
         # a body the pass does not enter: only what it would have fused there is worth saying
         result.rejected = [Rejection(p.name, match_only, m.location, m.root.name, graph_index) for p, m in found]

@@ -408,11 +408,9 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bo
     compute_dtype = dtype(qk)
     if compute_dtype not in FLOATS:
         raise Decline(f"scores computed in {compute_dtype}")
+    # the device (CUDA, or the CPU through Triton's interpreter) is checked by the pass for every
+    # pattern (fuser/passes._device_decline)
     dev = val(q).device
-    if dev.type == "cpu" and not ctx.options.interpret_cpu:
-        raise Decline(ctx.options.cpu_decline)
-    if dev.type not in ("cpu", "cuda"):
-        raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
     sq, sk = permuted(shape(q), q_p), permuted(shape(k), k_p)
     d = sq[-1]
     if not within(d, 1, 256):
@@ -472,10 +470,6 @@ def analyze_sdpa(node: fx.Node, ctx: MatchContext, predicates: bool = False) -> 
     if in_dtype not in FLOATS:
         raise Decline(f"dtype {in_dtype} is not supported (float16, bfloat16, float32)")
     dev = val(q).device
-    if dev.type == "cpu" and ctx.options.interpret == "off":
-        raise Decline("tensors are on the CPU and the Triton interpreter is off (fuser.interpret=False)")
-    if dev.type not in ("cpu", "cuda"):
-        raise Decline(f"device {dev.type} is not supported (cuda, or cpu through the interpreter)")
     if not within(sq[-1], 1, 256):
         raise Decline(f"head dim {sq[-1]} is outside 1..256")
     if group == 1 and k0 is k and not _same_dims(tuple(sq[:-2]), tuple(sk[:-2])):

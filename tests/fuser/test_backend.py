@@ -207,6 +207,66 @@ def test_cpu_regions_go_to_inductor_unless_asked_and_it_is_said_once(monkeypatch
     assert len(rep.fused) == 1
 
 
+def _sdpa_causal(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _kl(q1, k1, q2, k2):
+    ls = torch.nn.functional.log_softmax
+    return torch.nn.functional.kl_div(ls(q2 @ k2.mT * 0.25, -1), ls(q1 @ k1.mT * 0.25, -1), reduction="batchmean",
+                                      log_target=True)
+
+
+def _h2o(q, k, v):
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+    return p @ v, p.sum(-2)
+
+
+def _kda(q, k, v, g, beta):
+    b, h, t_len, kd = q.shape
+    s = q.new_zeros(b, h, kd, v.shape[-1])
+    o = torch.empty_like(v)
+    for t in range(t_len):
+        s = s * g[:, :, t][..., None].exp()
+        v_hat = (k[:, :, t][..., None] * s).sum(-2)
+        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, :, t][..., None] * k[:, :, t], v[:, :, t] - v_hat)
+        o[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t] * kd ** -0.5, s)
+    return o, s
+
+
+def _kda_inputs():
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 5, 8), dim=-1) for _ in range(2))
+    return [q, k, torch.randn(1, 2, 5, 6), -torch.nn.functional.softplus(torch.randn(1, 2, 5, 8)),
+            torch.rand(1, 2, 5)]
+
+
+@pytest.mark.parametrize("fn,make,pattern", [
+    (_sdpa_causal, _qkv, "attention"),
+    (_kl, lambda: [torch.randn(1, 2, 12, 16) for _ in range(4)], "attention_kl"),
+    (_h2o, _qkv, "h2o"),
+    (_kda, _kda_inputs, "kda"),
+], ids=["sdpa", "attention_kl", "h2o", "kda"])
+def test_every_pattern_leaves_cpu_regions_to_inductor_unless_the_interpreter_is_asked_for(
+        monkeypatch, fresh_warnings, fn, make, pattern):
+    """The device check is the pass's, not each pattern's: an SDPA call and a KDA loop on CPU
+    tensors were once fused under the default ``fuser.interpret="auto"`` (their kernels ran in
+    Triton's interpreter, seconds a call) without a word."""
+    monkeypatch.delenv("FUSER_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = make()
+    rep = fuser.explain(fn, *args)
+    assert not rep.fused, rep
+    assert [r.pattern for r in rep.rejected] == [pattern]
+    assert rep.rejected[0].reason == fuser.options.CPU_DECLINE
+    want = fn(*args)
+    for got, ref in zip(*(x if isinstance(x, tuple) else (x,) for x in (rep.output, want))):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    said = [str(w.message) for w in fresh_warnings if issubclass(w.category, fuser.FuserWarning)]
+    assert len(said) == 1 and "left to Inductor" in said[0]
+    rep = fuser.explain(fn, *args, options={"fuser.interpret": True})  # asked for: fused
+    assert [m.pattern for m in rep.fused] == [pattern]
+
+
 def test_cpu_decline_is_not_said_when_the_user_turned_the_interpreter_off(fresh_warnings):
     rep = fuser.explain(attn, *_qkv(), options={"fuser.interpret": False})
     assert not rep.fused and rep.rejected
