@@ -78,7 +78,9 @@ Implementations (``--impls``; default all), in run order per configuration:
 Measurement per (configuration, impl), by the driver in ``common.py``: synchronize; a first call
 (host clock, compilation included: ``first call s``), checked; one call probing memory (``extra
 MiB``: peak allocated during it minus what was allocated before: outputs and temporaries, not
-inputs); then ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")``. Every
+inputs); then ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")`` (``--timing
+cudagraph``: ``do_bench_cudagraph``, the calls replayed from one CUDA graph: GPU time alone, without the
+host time that a host-bound call reads under events; the ``[cg]`` rows stay on events). Every
 configuration compiles afresh (new code objects, ``torch._dynamo.reset()`` after it). Any
 exception is recorded (``OOM``, ``err: ...``) and the run goes on; the tables are rewritten after
 every measurement, and ``--budget-s`` (default 450) stops starting new measurements (a
@@ -107,7 +109,7 @@ table has one row per (configuration, impl): ms, x floor, vs inductor, vs best F
 impl), extra MiB, first call s, err, note. The plot (``kda.png``): time against T (the x axis
 reads N), one panel per (H, K, V, mode).
 
-Flags: ``--shapes``, ``--mode``, ``--train-t``, ``--train-dims``, ``--impls``, ``--cudagraphs``,
+Flags: ``--shapes``, ``--mode``, ``--train-t``, ``--train-dims``, ``--impls``, ``--cudagraphs``, ``--timing``,
 ``--dtype``, ``--gate-dtype``, ``--fuser-loop-max-t``, ``--inductor-max-t``,
 ``--ref-recurrent-max-t``, ``--check {auto,none}``, ``--peak-tbps``, ``--warmup``/``--rep``
 (do_bench ms, 10/50), ``--budget-s``, ``--out``, ``--out-dir`` (or env ``FUSER_BENCH_OUT_DIR``),
