@@ -28,16 +28,24 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fuser.codegen import kda_recurrent  # noqa: E402
 
+
 @triton.jit(do_not_specialize=["T"])
-def kda_vk(Q, K, V, G, Beta, O, HT, T, scale,
-           K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def kda_layout(Q, K, V, G, Beta, O, HT, T, scale,
+               K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+               VK: tl.constexpr):
+    """One program: BLOCK_V value columns of row n, the state tile [BLOCK_V, BLOCK_K] (VK) or
+    [BLOCK_K, BLOCK_V]; q, k, g [N, T, K_DIM], v, o [N, T, V_DIM], beta [N, T] contiguous; HT
+    [N, K_DIM, V_DIM] float32. The two layouts differ only where VK is tested."""
     pid_v = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
     v_ok = offs_v < V_DIM
     k_ok = offs_k < K_DIM
-    s = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
+    if VK:
+        s = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
+    else:
+        s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     Qn = Q + n * T * K_DIM
     Kn = K + n * T * K_DIM
     Gn = G + n * T * K_DIM
@@ -45,6 +53,7 @@ def kda_vk(Q, K, V, G, Beta, O, HT, T, scale,
     On = O + n * T * V_DIM
     Bn = Beta + n * T
     zero_v = offs_v * 0
+    # token t + 1's vectors are loaded while token t is computed, as in the template
     k = tl.load(Kn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
     g = tl.load(Gn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
     q = tl.load(Qn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
@@ -59,55 +68,23 @@ def kda_vk(Q, K, V, G, Beta, O, HT, T, scale,
         v_n = tl.load(Vn + (t + 1) * V_DIM + offs_v, mask=vgo, other=0.0)
         b_n = tl.load(Bn + (t + 1) + zero_v, mask=vgo, other=0.0)
         kf = k.to(tl.float32)
-        s = s * tl.exp(g.to(tl.float32))[None, :]
-        v_hat = tl.sum(s * kf[None, :], axis=1)
-        s = s + (b.to(tl.float32) * (v.to(tl.float32) - v_hat))[:, None] * kf[None, :]
-        o = tl.sum(s * (q.to(tl.float32) * scale)[None, :], axis=1)
+        if VK:
+            s = s * tl.exp(g.to(tl.float32))[None, :]
+            v_hat = tl.sum(s * kf[None, :], axis=1)
+            s = s + (b.to(tl.float32) * (v.to(tl.float32) - v_hat))[:, None] * kf[None, :]
+            o = tl.sum(s * (q.to(tl.float32) * scale)[None, :], axis=1)
+        else:
+            s = s * tl.exp(g.to(tl.float32))[:, None]
+            v_hat = tl.sum(s * kf[:, None], axis=0)
+            s = s + kf[:, None] * (b.to(tl.float32) * (v.to(tl.float32) - v_hat))[None, :]
+            o = tl.sum(s * (q.to(tl.float32) * scale)[:, None], axis=0)
         tl.store(On + t * V_DIM + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
         k, g, q, v, b = k_n, g_n, q_n, v_n, b_n
-    Hn = HT + n * (K_DIM * V_DIM)
-    tl.store(Hn + offs_k[:, None] * V_DIM + offs_v[None, :], tl.trans(s), mask=k_ok[:, None] & v_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])
-def kda_kv(Q, K, V, G, Beta, O, HT, T, scale,
-           K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    pid_v = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_k = tl.arange(0, BLOCK_K)
-    v_ok = offs_v < V_DIM
-    k_ok = offs_k < K_DIM
-    s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    Qn = Q + n * T * K_DIM
-    Kn = K + n * T * K_DIM
-    Gn = G + n * T * K_DIM
-    Vn = V + n * T * V_DIM
-    On = O + n * T * V_DIM
-    Bn = Beta + n * T
-    zero_v = offs_v * 0
-    k = tl.load(Kn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
-    g = tl.load(Gn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
-    q = tl.load(Qn + offs_k, mask=k_ok & (offs_k * 0 < T), other=0.0)
-    v = tl.load(Vn + offs_v, mask=v_ok & (zero_v < T), other=0.0)
-    b = tl.load(Bn + zero_v, mask=v_ok & (zero_v < T), other=0.0)
-    for t in range(0, T):
-        kgo = k_ok & (offs_k * 0 + (t + 1) < T)
-        vgo = v_ok & (zero_v + (t + 1) < T)
-        k_n = tl.load(Kn + (t + 1) * K_DIM + offs_k, mask=kgo, other=0.0)
-        g_n = tl.load(Gn + (t + 1) * K_DIM + offs_k, mask=kgo, other=0.0)
-        q_n = tl.load(Qn + (t + 1) * K_DIM + offs_k, mask=kgo, other=0.0)
-        v_n = tl.load(Vn + (t + 1) * V_DIM + offs_v, mask=vgo, other=0.0)
-        b_n = tl.load(Bn + (t + 1) + zero_v, mask=vgo, other=0.0)
-        kf = k.to(tl.float32)
-        s = s * tl.exp(g.to(tl.float32))[:, None]
-        v_hat = tl.sum(s * kf[:, None], axis=0)
-        s = s + kf[:, None] * (b.to(tl.float32) * (v.to(tl.float32) - v_hat))[None, :]
-        o = tl.sum(s * (q.to(tl.float32) * scale)[:, None], axis=0)
-        tl.store(On + t * V_DIM + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
-        k, g, q, v, b = k_n, g_n, q_n, v_n, b_n
-    Hn = HT + n * (K_DIM * V_DIM)
-    tl.store(Hn + offs_k[:, None] * V_DIM + offs_v[None, :], s, mask=k_ok[:, None] & v_ok[None, :])
+    Hn = HT + n * (K_DIM * V_DIM) + offs_k[:, None] * V_DIM + offs_v[None, :]
+    if VK:
+        tl.store(Hn, tl.trans(s), mask=k_ok[:, None] & v_ok[None, :])
+    else:
+        tl.store(Hn, s, mask=k_ok[:, None] & v_ok[None, :])
 
 
 def run(q, k, v, g, beta, scale, bv, warps, layout):
@@ -117,9 +94,11 @@ def run(q, k, v, g, beta, scale, bv, warps, layout):
     vd = v.shape[-1]
     o = torch.empty_like(v)
     ht = torch.empty(n, kd, vd, device=q.device, dtype=torch.float32)
-    kern = kda_vk if layout == "vk" else kda_kv
-    kern[(triton.cdiv(vd, bv), n)](q, k, v, g, beta, o, ht, t, scale, K_DIM=kd, V_DIM=vd,
-                                   BLOCK_K=triton.next_power_of_2(kd), BLOCK_V=bv, num_warps=warps)
+    if layout not in ("kv", "vk"):
+        raise ValueError(f"layout must be 'kv' or 'vk', got {layout!r}")
+    kda_layout[(triton.cdiv(vd, bv), n)](q, k, v, g, beta, o, ht, t, scale, K_DIM=kd, V_DIM=vd,
+                                         BLOCK_K=triton.next_power_of_2(kd), BLOCK_V=bv, VK=layout == "vk",
+                                         num_warps=warps)
     return o, ht
 
 
