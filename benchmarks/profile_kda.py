@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 import torch
 
@@ -40,7 +41,7 @@ IMPLS = ("fuser", "fuser_cg", "inductor", "inductor_cg", "fla", "kernel")
 
 
 def build(name: str, bench, cfg, inp):
-    """A no-argument callable running ``name`` once on ``inp``, and the step hook before a call."""
+    """A no-argument callable running ``name`` once on ``inp`` (the ``_cg`` ones mark a CUDA-graph step first)."""
     scale = cfg.kd ** -0.5
     if name in ("fuser", "fuser_cg", "inductor", "inductor_cg"):
         fn = kda.common.fresh_function(kda.kda_loop, f"kda_profile_{name}")
@@ -66,10 +67,10 @@ def build(name: str, bench, cfg, inp):
         plan, _, note = kda.planner_choice(inp, cfg, inp.v.dtype)
         from fuser.patterns import kda_ops
 
-        mod = __import__(f"fuser.codegen.kda_{kda_ops.parse_plan(plan)['plan']}", fromlist=["forward"])
+        mod, why = kda.optional_module(f"fuser.codegen.kda_{kda_ops.parse_plan(plan)['plan']}", "forward")
+        if mod is None:
+            raise RuntimeError(why)
         print(f"kernel: {mod.__name__} ({note})")
-        import types
-
         q, k, v, g, beta, _ = bench.flat_inputs(types.SimpleNamespace(inputs=inp))  # [B·H, T, *]
         return lambda: mod.forward(q, k, v, g, beta, scale=scale, output_final_state=True, out_dtype=inp.v.dtype)
     raise ValueError(f"unknown implementation {name}; one of {IMPLS}")
