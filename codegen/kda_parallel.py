@@ -132,8 +132,8 @@ def _pads(t_len: int) -> tuple[int, int]:
 
 def _cfg(*, gram_tile=2048, gram_steps=4, reduce_over=8192, block_kp=16, block_vp=64, block_vs=64, block_k=32,
          block_v=128, v_tiles=1, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2,
-         precision="tf32x3", one_launch=False) -> dict:
-    return {"ONE_LAUNCH": one_launch, "GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
+         precision="tf32x3") -> dict:
+    return {"GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
             "BLOCK_KP": block_kp, "BLOCK_VP": block_vp, "BLOCK_VS": block_vs, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "V_TILES": v_tiles, "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve,
             "num_warps": warps, "num_stages": stages, "DOT_PRECISION": precision}
@@ -228,9 +228,6 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
         # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
         _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True, precision="ieee"),
     ]
-    one = _one_launch_config(k_pad, v_pad, n_rows, t_len)
-    if one is not None:
-        cands.insert(0, one)
     if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
         for c in cands:
             c["num_stages"] = min(c["num_stages"], 2)
@@ -240,27 +237,6 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
         if c not in out:
             out.append(c)
     return tuple(out)
-
-
-#: The fused kernel (``ONE_LAUNCH``) is the default where every program's own Gram sums, ``K_pad · TG²``
-#: pairwise terms, stay within this many, and its grid fills the GPU.
-ONE_LAUNCH_GRAM_MAX = 32768
-
-
-def _one_launch_config(k_pad: int, v_pad: int, n_rows: Optional[int], t_len: Optional[int]) -> Optional[dict]:
-    """The fused kernel's config where it is the default (GPU tables), else None: N known, the
-    Gram sums each program redoes small (:data:`ONE_LAUNCH_GRAM_MAX`), and at least one program per
-    SM at 32 value columns a program; the value block the largest in 32..128 that keeps about two
-    programs per SM."""
-    if n_rows is None:
-        return None
-    tg, _ = _pads(16 if t_len is None else min(max(1, t_len), MAX_T))
-    if k_pad * tg * tg > ONE_LAUNCH_GRAM_MAX or n_rows * launch.cdiv(v_pad, 32) < _WANT_PROGRAMS // 2:
-        return None
-    bvs = 32
-    while bvs < 128 and n_rows * launch.cdiv(v_pad, 2 * bvs) >= _WANT_PROGRAMS:
-        bvs *= 2
-    return _cfg(one_launch=True, block_vs=bvs, block_k=32, warps=4, state_dot=True)
 
 
 def _pow2(cfg: dict, key: str, lo: int) -> int:
@@ -283,13 +259,11 @@ def _normalise(cfg: dict) -> dict:
             raise ValueError(f"config {key} must be a power of two in 1..32, got {cfg.get(key)!r}")
     if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages must be an int >= 1, got {cfg.get('num_stages')!r}")
-    for key in ("STATE_DOT", "ONE_LAUNCH"):
-        if not isinstance(cfg.get(key), bool):
-            raise ValueError(f"config {key} must be a bool, got {cfg.get(key)!r}")
+    if not isinstance(cfg.get("STATE_DOT"), bool):
+        raise ValueError(f"config STATE_DOT must be a bool, got {cfg.get('STATE_DOT')!r}")
     if cfg.get("DOT_PRECISION") not in _PRECISIONS:
         raise ValueError(f"config DOT_PRECISION must be one of {_PRECISIONS}, got {cfg.get('DOT_PRECISION')!r}")
-    tiles = (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP")) + ((("BLOCK_K", "BLOCK_VS"),) if cfg["ONE_LAUNCH"] else ())
-    for a, b in tiles:
+    for a, b in (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP")):
         if cfg[a] * cfg[b] > TILE_MAX:
             raise ValueError(f"config tile {a} x {b} = {cfg[a]} x {cfg[b]} exceeds {TILE_MAX} float32 elements: "
                              f"use smaller blocks")
@@ -346,9 +320,6 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
                     SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 2048 // (t_pad * cfg["BLOCK_VS"]))))
         plan["PPART"] = n * split_p * 2 * t_pad * vd
     plan["DELTA"] = n * t * vd if final else 0
-    if cfg["ONE_LAUNCH"]:
-        # the fused kernel: a Gram scratch slot per program, nothing else
-        plan.update(APART=n * launch.cdiv(vd, cfg["BLOCK_VS"]) * 2 * tg * tg, PPART=0, DELTA=0, REDUCE=False)
     plan["WORK"] = plan["APART"] + plan["PPART"] + plan["DELTA"]
     return plan
 

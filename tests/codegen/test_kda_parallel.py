@@ -29,7 +29,6 @@ NO_REDUCE = {"REDUCE_OVER": 1 << 30}                   # every solve program sum
 FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per row
 TILES = {"V_TILES": 3, "BLOCK_V": 16}                  # three value tiles per state program (ragged: V=40)
 DOT_TILES = {"STATE_DOT": True, "V_TILES": 2, "BLOCK_V": 16}
-ONE = {"ONE_LAUNCH": True, "BLOCK_VS": 16, "BLOCK_K": 16}  # the fused kernel: 3 value programs at V=40, ragged
 
 
 def _check(*args, **kwargs):
@@ -52,17 +51,6 @@ def test_matches_reference(t, kd, vd, h0):
     _check(q, k, v, g, beta, s0)
 
 
-@pytest.mark.parametrize("t,kd,vd", [(1, 24, 70), (5, 24, 40), (8, 300, 70), (16, 24, 33), (37, 24, 40)])
-@pytest.mark.parametrize("h0", [False, True], ids=["zeros", "h0"])
-@pytest.mark.parametrize("final", [True, False], ids=["final", "no_final"])
-def test_one_launch_matches_reference(t, kd, vd, h0, final):
-    # the fused kernel (ONE_LAUNCH): the Gram sums redone in every program over all K (K=300: 19
-    # state/projection tiles of 16, the last ragged), through the scratch slot where TG < T_PAD
-    # (T <= 8) and straight from registers at T = 16 and 37; ragged value programs (V = 70, 40, 33)
-    q, k, v, g, beta, s0 = _inputs(16, 1, 2, t, kd, vd, h0=h0)
-    _check(q, k, v, g, beta, s0, final=final, config=ONE)
-
-
 @pytest.mark.parametrize("t", [8, 37])
 def test_float16(t):
     q, k, v, g, beta, h0 = _inputs(2, 1, 2, t, 24, 40, dtype=torch.float16, h0=True)
@@ -83,8 +71,8 @@ def test_raw_keys_and_strong_decay(t):
     _check(q, k, v, g, beta, h0)
 
 
-@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS, TILES, DOT_TILES, ONE],
-                         ids=["state_dot", "no_reduce", "one_gram_program", "v_tiles", "state_dot_v_tiles", "one_launch"])
+@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS, TILES, DOT_TILES],
+                         ids=["state_dot", "no_reduce", "one_gram_program", "v_tiles", "state_dot_v_tiles"])
 def test_config_variants(config):
     # the final state by tl.dot instead of the token loop; the Gram partials summed in every solve
     # program instead of a reduce launch; one Gram program over all channels; several value tiles
@@ -97,7 +85,7 @@ def test_config_variants(config):
 
 
 @pytest.mark.parametrize("layout", ["bthf", "bhtf", "three"])
-@pytest.mark.parametrize("config", [None, DOT, ONE], ids=["default", "state_dot", "one_launch"])
+@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
 def test_lead_dim_inputs(layout, config):
     # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2: two stride groups, no copy), [B, H, T, *], a
     # three-group lead (copied); GQA (Hv = 2 Hq); T = 11 from t0 = 3 of a longer tensor; K = 12, V = 10
@@ -107,7 +95,6 @@ def test_lead_dim_inputs(layout, config):
 def test_lead_dim_inputs_scalar_gate_broadcast():
     # scalar gate [B, H, T] (a stride-0 view over the channels on top) and beta broadcast over the heads
     check_kda_lead_forward(kp.forward, "bthf", scalar_gate=True, broadcast=True, config=DOT)
-    check_kda_lead_forward(kp.forward, "bthf", scalar_gate=True, broadcast=True, config=ONE)
 
 
 def test_final_state_off_and_out_dtype():
@@ -126,7 +113,7 @@ def test_strided_and_mixed_dtypes():
     channel stride of 2, beta [T, N] transposed, h0 [N, V, K] transposed; q/k/v fp16 with g, beta
     fp32; GVA group 2."""
     qs, ks, vs, gs, bs, hs = kda_strided_views(7, 13, 2, 4, 24, 40)
-    for config in (None, DOT, ONE):
+    for config in (None, DOT):
         o, _ = _check(qs, ks, vs, gs, bs, hs, tol=5e-3, config=config)
         assert o.dtype == torch.float16
 
@@ -183,7 +170,7 @@ def test_bad_out():
     check_kda_bad_out(kp.forward, q, k, v, g, beta)
 
 
-@pytest.mark.parametrize("config", [None, DOT, ONE], ids=["default", "state_dot", "one_launch"])
+@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
 def test_gates_are_floored_in_the_kernels(config, scalar):
     # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
@@ -238,8 +225,6 @@ def _bad(**change):
     (dict(config={"BLOCK_VS": 8}), r"BLOCK_VS must be a power of two >= 16"),
     (dict(config={"BLOCK_K": 256, "BLOCK_V": 256}), r"exceeds 16384"),
     (dict(config={"STATE_DOT": 1}), r"STATE_DOT must be a bool"),
-    (dict(config={"ONE_LAUNCH": 1}), r"ONE_LAUNCH must be a bool"),
-    (dict(config={"ONE_LAUNCH": True, "BLOCK_K": 256, "BLOCK_VS": 128}), r"BLOCK_K x BLOCK_VS = 256 x 128 exceeds"),
     (dict(config={"DOT_PRECISION": "tf32"}), r"DOT_PRECISION"),
     (dict(config={"VARIANT": "registers"}), r"unknown config keys \['VARIANT'\]"),
     (dict(config={"num_warps": 3}), r"num_warps"),
@@ -268,16 +253,9 @@ def test_config_tables(monkeypatch):
                     assert plan["TG"] ** 2 * plan["BLOCK_KG"] <= max(c["GRAM_TILE"], plan["TG"] ** 2)
                     assert plan["SPLIT_G"] * plan["K_PER_G"] >= kd and plan["SPLIT_P"] * plan["K_PER_P"] >= kd
                     assert plan["WARPS_PREP"] <= 8 and plan["WARPS_SOLVE"] <= 8
-            # the solve's grid: about two programs per SM, or the smallest value block (16); the fused
-            # kernel's (one launch, each program's Gram sums within ONE_LAUNCH_GRAM_MAX): at least one per SM
-            first = cands[0]
-            if n is not None and first["ONE_LAUNCH"]:
-                assert n * launch.cdiv(vd, first["BLOCK_VS"]) >= 132
-                assert launch.next_power_of_2(kd) * 8 ** 2 <= kp.ONE_LAUNCH_GRAM_MAX
-            elif n is not None:
-                assert n * launch.cdiv(vd, first["BLOCK_VS"]) >= min(264, n * launch.cdiv(vd, 16))
-            else:
-                assert not any(c["ONE_LAUNCH"] for c in cands)  # N unknown: the grid cannot be sized
+            # the solve's grid: about two programs per SM, or the smallest value block (16)
+            if n is not None:
+                assert n * launch.cdiv(vd, cands[0]["BLOCK_VS"]) >= min(264, n * launch.cdiv(vd, 16))
 
 
 def test_hbm_bytes():
@@ -313,11 +291,8 @@ def test_gpu_blog_shapes(kd, vd, h0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, DOT, NO_REDUCE, {"DOT_PRECISION": "ieee"}, {"STATE_DOT": False},
-                                    {"STATE_DOT": True, "V_TILES": 3, "BLOCK_V": 64},
-                                    {"ONE_LAUNCH": True, "BLOCK_VS": 64, "BLOCK_K": 32},
-                                    {"ONE_LAUNCH": True, "BLOCK_VS": 128, "BLOCK_K": 64, "num_warps": 8}],
-                         ids=["default", "state_dot", "no_reduce", "ieee", "token_loop", "state_dot_v_tiles",
-                              "one_launch", "one_launch_wide"])
+                                    {"STATE_DOT": True, "V_TILES": 3, "BLOCK_V": 64}],
+                         ids=["default", "state_dot", "no_reduce", "ieee", "token_loop", "state_dot_v_tiles"])
 @pytest.mark.parametrize("t", [1, 8, 16, 37, 64])
 def test_gpu_lengths_and_configs(config, t):
     q, k, v, g, beta, h0 = _inputs(11, 4, 2, t, 300, 200, device=GPU, h0=True, strong_decay=True)
@@ -338,7 +313,7 @@ def test_gpu_ragged_strided_fp16():
     q, k, v, g, beta, h0 = _inputs(13, h, hv // h, t, kd, vd, dtype=torch.float16, device=GPU, h0=True)
     qs = q.transpose(0, 1).contiguous().transpose(0, 1)  # [H, T, K] with strides of [T, H, K]
     vs = v.transpose(0, 1).contiguous().transpose(0, 1)
-    for config in (None, DOT, {"ONE_LAUNCH": True, "BLOCK_VS": 32}):
+    for config in (None, DOT):
         _check(qs, k, vs, g, beta, h0, config=config, out_dtype=torch.bfloat16, tol=3e-2)
 
 
@@ -356,12 +331,10 @@ def test_gpu_new_length_does_not_recompile():
     strides T·24 and T·40 are all ≡ 8 mod 16: Triton itself specialises a stride divisible by 16,
     at most one more variant per kernel, as for any kernel it launches — found on the H100.)"""
     mod = kp._module(False, True, False)[1]
-    kernels = (mod.kda_parallel_prep_kernel, mod.kda_parallel_solve_kernel, mod.kda_parallel_state_kernel,
-               mod.kda_parallel_fused_kernel)
+    kernels = (mod.kda_parallel_prep_kernel, mod.kda_parallel_solve_kernel, mod.kda_parallel_state_kernel)
     for t in (9, 11, 13):
         q, k, v, g, beta, _ = _inputs(15, 1, 2, t, 24, 40, device=GPU)
         _check(q, k, v, g, beta)
-        _check(q, k, v, g, beta, config={"ONE_LAUNCH": True})
         if t == 9:
             before = [compiled_keys(fn) for fn in kernels]
     assert [compiled_keys(fn) for fn in kernels] == before
