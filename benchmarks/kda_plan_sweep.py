@@ -106,8 +106,9 @@ def inputs(n: int, t: int, k: int, v: int, device: str = "cuda") -> tuple:
     return q, kk, vv, g, beta
 
 
-def measure(plans, budget_s: float) -> list[dict]:
-    """Device µs of each plan's launcher at each shape of :func:`grid` (until ``budget_s``)."""
+def measure(plans, budget_s: float, max_t: int = 64) -> list[dict]:
+    """Device µs of each plan's launcher at each shape of :func:`grid` with ``T ≤ max_t`` (until
+    ``budget_s``)."""
     import torch
 
     from fuser.codegen import kda_chunk, kda_parallel, kda_recurrent
@@ -117,6 +118,8 @@ def measure(plans, budget_s: float) -> list[dict]:
     rows, start = [], time.perf_counter()
     torch.manual_seed(0)
     for n, t, k, v in grid(plans):
+        if t > max_t:
+            continue
         if time.perf_counter() - start > budget_s:
             print(f"time budget of {budget_s:g} s reached", flush=True)
             break
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--measure", action="store_true", help="measure on the GPU (else --from-json)")
     p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     p.add_argument("--budget-s", type=float, default=300.0, help="stop measuring after this many seconds")
+    p.add_argument("--max-t", type=int, default=64, help="measure only the grid's shapes with T <= this")
     p.add_argument("--from-json", type=Path, nargs="+",
                    help="JSON of earlier --measure runs: their rows merged by shape (e.g. one run per plan)")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "kda_plan_sweep.md")
@@ -206,7 +210,7 @@ def main(argv=None) -> int:
     if a.measure:
         if not torch.cuda.is_available():
             p.error("--measure needs a CUDA GPU (or give --from-json)")
-        rows = measure(a.plans, a.budget_s)
+        rows = measure(a.plans, a.budget_s, a.max_t)
         meta = common.env_header("cuda")
     elif a.from_json:
         runs = [json.loads(path.read_text()) for path in a.from_json]

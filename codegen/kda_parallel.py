@@ -40,6 +40,13 @@ kernels evaluate the same WY form chunk by chunk):
    suffix sum ``G_T − G_t`` (default; few registers), or by one ``tl.dot`` (``STATE_DOT``), plus
    ``e^{G_T} S0``; stores float32 rows coalesced along V. The bandwidth-bound part.
 
+Tried and not kept (H100, 2026-12-06, ``benchmarks/results/kda_parallel_one_launch.md``): all four
+kernels fused into one launch, each program summing the Gram matrices over all K itself (commit
+346eccc): 27.8 against 22.9 µs at 256×8192, T=8, and 2-9× slower at K ≥ 1024 or T ≥ 16 — every
+program's dependent chain of Gram steps precedes its first store. Cheaper Gram steps (many short
+prep programs, or the channel-major tiles of ``GRAM_DK``) took 1.1-1.3× off instead
+(:func:`_short_config`).
+
 Sizes: ``T`` is a runtime argument (``do_not_specialize``); the kernels are compiled per padded
 length (``TG = max(4, next_pow2(T))`` for the Gram tiles, ``T_PAD = max(16, next_pow2(T))`` for
 the dots: at most five specialisations for T = 1..64), and per K, V and config. Any T in
@@ -132,8 +139,8 @@ def _pads(t_len: int) -> tuple[int, int]:
 
 def _cfg(*, gram_tile=2048, gram_steps=4, reduce_over=8192, block_kp=16, block_vp=64, block_vs=64, block_k=32,
          block_v=128, v_tiles=1, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2,
-         precision="tf32x3") -> dict:
-    return {"GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
+         precision="tf32x3", gram_dk=False) -> dict:
+    return {"GRAM_DK": gram_dk, "GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
             "BLOCK_KP": block_kp, "BLOCK_VP": block_vp, "BLOCK_VS": block_vs, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "V_TILES": v_tiles, "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve,
             "num_warps": warps, "num_stages": stages, "DOT_PRECISION": precision}
@@ -162,6 +169,8 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
         ``GRAM_TILE``: elements of the prep kernel's pairwise ``[TG, TG, BLOCK_KG]`` Gram tile
         (``BLOCK_KG = GRAM_TILE / TG²`` key channels a step, at least 2); ``GRAM_STEPS``: steps a
         Gram program takes (``SPLIT_G = cdiv(K, BLOCK_KG · GRAM_STEPS)`` programs per row);
+        ``GRAM_DK``: the Gram tile held channel-major (``[BLOCK_KG, TG, TG]``, the token scan
+        along the middle axis, the channels summed once per program instead of every step);
         ``REDUCE_OVER``: a separate reduce launch sums the Gram partials when ``SPLIT_G · TG²``
         exceeds it (else every solve program sums them); ``BLOCK_KP``, ``BLOCK_VP``: the h0
         projection's ``[BLOCK_KP, BLOCK_VP]`` state tile (key splits chosen to fill the GPU);
@@ -228,6 +237,9 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
         # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
         _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True, precision="ieee"),
     ]
+    first = _short_config(cands[0], k_pad, v_pad, n_rows, _pads(16 if t_len is None else min(max(1, t_len), MAX_T))[0])
+    if first is not None:
+        cands.insert(0, first)
     if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
         for c in cands:
             c["num_stages"] = min(c["num_stages"], 2)
@@ -237,6 +249,37 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
         if c not in out:
             out.append(c)
     return tuple(out)
+
+
+def _short_config(base: dict, k_pad: int, v_pad: int, n_rows: Optional[int], tg: int) -> Optional[dict]:
+    """The default at T ≤ 16 (``tg``: the Gram tiles' padded length, :func:`_pads`) where it
+    differs from ``base`` (the table's general first row), else None. Measured on the H100 (``benchmarks/kda_parallel_configs.py``,
+    ``benchmarks/results/kda_parallel_configs.md``, 2026-12-06; device µs at N=2, T=8 unless said):
+
+    - K ≤ 512: one Gram step a program (``GRAM_STEPS`` 1: many short prep programs, their partials
+      summed by the reduce launch), 64 value columns a solve program when that still gives one
+      program per SM, four value tiles a state program with three stages when the state grid keeps
+      one per SM: 256×8192 22.9 → 18.2, 512×16384 48.8 → 41.0, N=16 256×1024 23.4 → 19.5, T=16
+      256×8192 28.0 → 21.5. At K = 1024 (N=16, T=16) the same was slower (52.8 → 55.3): not used.
+    - K ≥ 8192: the Gram tiles channel-major (``GRAM_DK``), 4096 pairwise terms a step, two steps a
+      program at T ≤ 8: 8192×1024 48.6 → 44.9, 16384×1024 77.6 → 71.2; at T=16 (8192×1024) two
+      steps were slower (57.5 → 61.6) and the default four 55.9: kept there.
+
+    Longer sequences (``TG`` > 16: the Gram tile grows as ``TG²`` a channel) and 1024 < K < 8192
+    keep ``base`` (NOT MEASURED with these rows)."""
+    if tg > 16 or n_rows is None:
+        return None
+    if k_pad <= 512:
+        out = dict(base, GRAM_STEPS=1)
+        if n_rows * launch.cdiv(v_pad, 64) >= _WANT_PROGRAMS // 2:
+            out["BLOCK_VS"] = max(out["BLOCK_VS"], 64)
+        state_programs = launch.cdiv(k_pad, out["BLOCK_K"]) * launch.cdiv(launch.cdiv(v_pad, out["BLOCK_V"]), 4)
+        if n_rows * state_programs >= _WANT_PROGRAMS // 2:
+            out.update(V_TILES=4, num_stages=3)
+        return out
+    if k_pad >= 8192:
+        return dict(base, GRAM_DK=True, GRAM_TILE=4096, GRAM_STEPS=2 if tg <= 8 else base["GRAM_STEPS"])
+    return None
 
 
 def _pow2(cfg: dict, key: str, lo: int) -> int:
@@ -259,8 +302,9 @@ def _normalise(cfg: dict) -> dict:
             raise ValueError(f"config {key} must be a power of two in 1..32, got {cfg.get(key)!r}")
     if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages must be an int >= 1, got {cfg.get('num_stages')!r}")
-    if not isinstance(cfg.get("STATE_DOT"), bool):
-        raise ValueError(f"config STATE_DOT must be a bool, got {cfg.get('STATE_DOT')!r}")
+    for key in ("STATE_DOT", "GRAM_DK"):
+        if not isinstance(cfg.get(key), bool):
+            raise ValueError(f"config {key} must be a bool, got {cfg.get(key)!r}")
     if cfg.get("DOT_PRECISION") not in _PRECISIONS:
         raise ValueError(f"config DOT_PRECISION must be one of {_PRECISIONS}, got {cfg.get('DOT_PRECISION')!r}")
     for a, b in (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP")):

@@ -103,6 +103,13 @@ PARALLEL_FIXED_US = 14.0
 PARALLEL_GRAM_US = 3.3e-6
 PARALLEL_SOLVE_WAVE_US = {16: 0.4, 32: 14.0, 64: 75.0}
 PARALLEL_TRAFFIC_EFFICIENCY = 1 / 1.3
+#: Measured over modelled time of the parallel form at the short-sequence configs of
+#: ``codegen/kda_parallel._short_config`` (the model above was fitted to the general config):
+#: ``"gram_steps_1"`` (K ≤ 512, T ≤ 16: one Gram step a program, four value tiles a state program)
+#: 0.77-0.84 of the general config's time, geometric mean 0.81 over four shapes; ``"gram_dk"``
+#: (K ≥ 8192, T ≤ 16, channel-major Gram tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16 (0.93). MEASURED
+#: on the H100 (torch 2.11 / Triton 3.6, 2026-12-06, ``benchmarks/results/kda_parallel_configs.md``).
+PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": 0.81, "gram_dk": 0.93}
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
@@ -223,8 +230,10 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
         cfg = kda_parallel.choose_config(k_dim=x[KD], v_dim=x[VD], dtype=_dtype(b["q"]), device=_device(b),
                                          n_rows=x[N], t_len=x[T])
         t_pad = max(16, launch.next_power_of_2(max(1, x[T])))
+        short = "gram_dk" if cfg["GRAM_DK"] else "gram_steps_1" if cfg["GRAM_STEPS"] == 1 else None
         return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": 0,
                 "traffic_efficiency": PARALLEL_TRAFFIC_EFFICIENCY,
+                "calibration": PARALLEL_SHORT_CALIBRATION.get(short, 1.0),
                 "waves": {"programs": N * sympy.ceiling(VD / cfg["BLOCK_VS"]), "per_sm": 1,
                           "fixed_us": PARALLEL_FIXED_US + PARALLEL_GRAM_US * N * KD * T ** 2,
                           "wave_us": PARALLEL_SOLVE_WAVE_US[min(t_pad, 64)], "whole_waves": True,

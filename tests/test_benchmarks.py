@@ -241,6 +241,16 @@ def test_kda_recurrent_layout_kernels_equal_the_template_s():
     _gpu_only_script("kda_recurrent_layout")
 
 
+def test_kda_parallel_configs_checks_every_config_against_float64():
+    """``benchmarks/kda_parallel_configs.py --smoke``: every config it times, in the interpreter,
+    against the float64 recurrence; without a GPU the timing run refuses."""
+    r = subprocess.run([sys.executable, str(BENCH / "kda_parallel_configs.py"), "--smoke"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    mod = _gpu_only_script("kda_parallel_configs")
+    assert r.stdout.count(", state ") == len(mod.CONFIGS)
+
+
 def test_kda_chunk_configs_needs_a_gpu_and_tries_blocks_within_k():
     """benchmarks/kda_chunk_configs.py measures on the GPU only (a clear error without one); its
     grids stay within the problem's K."""

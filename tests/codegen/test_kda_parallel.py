@@ -29,6 +29,7 @@ NO_REDUCE = {"REDUCE_OVER": 1 << 30}                   # every solve program sum
 FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per row
 TILES = {"V_TILES": 3, "BLOCK_V": 16}                  # three value tiles per state program (ragged: V=40)
 DOT_TILES = {"STATE_DOT": True, "V_TILES": 2, "BLOCK_V": 16}
+DK = {"GRAM_DK": True}                                 # the Gram tiles channel-major
 
 
 def _check(*args, **kwargs):
@@ -58,21 +59,24 @@ def test_float16(t):
 
 
 @pytest.mark.parametrize("t,kd", [(8, 24), (5, 300)])
-def test_scalar_gate(t, kd):
+@pytest.mark.parametrize("config", [None, DK], ids=["default", "gram_dk"])
+def test_scalar_gate(t, kd, config):
     q, k, v, g, beta, h0 = _inputs(3, 2, 1, t, kd, 40, scalar_gate=True, h0=True)
-    _check(q, k, v, g, beta, h0, scalar_gate=True)
+    _check(q, k, v, g, beta, h0, scalar_gate=True, config=config)
 
 
 @pytest.mark.parametrize("t", [9, 37])
-def test_raw_keys_and_strong_decay(t):
+@pytest.mark.parametrize("config", [None, DK], ids=["default", "gram_dk"])
+def test_raw_keys_and_strong_decay(t, config):
     # unnormalised keys (|o| grows fast: rel_err scales by the output's norm) and gates near -30: the
     # pairwise decays are summed directly, so a large cumulative gate costs no precision
     q, k, v, g, beta, h0 = _inputs(4, 1, 2, t, 24, 40, l2=False, strong_decay=True, h0=True)
-    _check(q, k, v, g, beta, h0)
+    _check(q, k, v, g, beta, h0, config=config)
 
 
-@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS, TILES, DOT_TILES],
-                         ids=["state_dot", "no_reduce", "one_gram_program", "v_tiles", "state_dot_v_tiles"])
+@pytest.mark.parametrize("config", [DOT, NO_REDUCE, FEW_SPLITS, TILES, DOT_TILES, DK, dict(DK, **FEW_SPLITS)],
+                         ids=["state_dot", "no_reduce", "one_gram_program", "v_tiles", "state_dot_v_tiles", "gram_dk",
+                              "gram_dk_one_program"])
 def test_config_variants(config):
     # the final state by tl.dot instead of the token loop; the Gram partials summed in every solve
     # program instead of a reduce launch; one Gram program over all channels; several value tiles
@@ -170,7 +174,7 @@ def test_bad_out():
     check_kda_bad_out(kp.forward, q, k, v, g, beta)
 
 
-@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+@pytest.mark.parametrize("config", [None, DOT, DK], ids=["default", "state_dot", "gram_dk"])
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
 def test_gates_are_floored_in_the_kernels(config, scalar):
     # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
@@ -225,6 +229,7 @@ def _bad(**change):
     (dict(config={"BLOCK_VS": 8}), r"BLOCK_VS must be a power of two >= 16"),
     (dict(config={"BLOCK_K": 256, "BLOCK_V": 256}), r"exceeds 16384"),
     (dict(config={"STATE_DOT": 1}), r"STATE_DOT must be a bool"),
+    (dict(config={"GRAM_DK": "yes"}), r"GRAM_DK must be a bool"),
     (dict(config={"DOT_PRECISION": "tf32"}), r"DOT_PRECISION"),
     (dict(config={"VARIANT": "registers"}), r"unknown config keys \['VARIANT'\]"),
     (dict(config={"num_warps": 3}), r"num_warps"),
@@ -253,9 +258,13 @@ def test_config_tables(monkeypatch):
                     assert plan["TG"] ** 2 * plan["BLOCK_KG"] <= max(c["GRAM_TILE"], plan["TG"] ** 2)
                     assert plan["SPLIT_G"] * plan["K_PER_G"] >= kd and plan["SPLIT_P"] * plan["K_PER_P"] >= kd
                     assert plan["WARPS_PREP"] <= 8 and plan["WARPS_SOLVE"] <= 8
-            # the solve's grid: about two programs per SM, or the smallest value block (16)
+            # the solve's grid: about two programs per SM, or the smallest value block (16); the short-T
+            # rows at K <= 512 (T = 8 here) take 64 columns a program while that keeps one per SM
             if n is not None:
-                assert n * launch.cdiv(vd, cands[0]["BLOCK_VS"]) >= min(264, n * launch.cdiv(vd, 16))
+                want = 132 if (cands[0]["GRAM_STEPS"] == 1 and cands[0]["BLOCK_VS"] == 64) else 264
+                assert n * launch.cdiv(vd, cands[0]["BLOCK_VS"]) >= min(want, n * launch.cdiv(vd, 16))
+                short = kp._short_config(cands[-1], launch.next_power_of_2(kd), launch.next_power_of_2(vd), n, 8)
+                assert (short is not None) == (kd <= 512 or kd >= 8192)
 
 
 def test_hbm_bytes():
@@ -291,8 +300,9 @@ def test_gpu_blog_shapes(kd, vd, h0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, DOT, NO_REDUCE, {"DOT_PRECISION": "ieee"}, {"STATE_DOT": False},
-                                    {"STATE_DOT": True, "V_TILES": 3, "BLOCK_V": 64}],
-                         ids=["default", "state_dot", "no_reduce", "ieee", "token_loop", "state_dot_v_tiles"])
+                                    {"STATE_DOT": True, "V_TILES": 3, "BLOCK_V": 64}, DK],
+                         ids=["default", "state_dot", "no_reduce", "ieee", "token_loop", "state_dot_v_tiles",
+                              "gram_dk"])
 @pytest.mark.parametrize("t", [1, 8, 16, 37, 64])
 def test_gpu_lengths_and_configs(config, t):
     q, k, v, g, beta, h0 = _inputs(11, 4, 2, t, 300, 200, device=GPU, h0=True, strong_decay=True)
