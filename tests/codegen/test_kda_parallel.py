@@ -18,6 +18,8 @@ from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fuser.codegen import kda_parallel as kp
 from fuser.codegen import kda_recurrent as kr
@@ -348,3 +350,33 @@ def test_gpu_new_length_does_not_recompile():
         if t == 9:
             before = [compiled_keys(fn) for fn in kernels]
     assert [compiled_keys(fn) for fn in kernels] == before
+
+
+# --------------------------------------------------------------------------------------------
+# Property test: any valid config, any small problem (interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _problems(draw):
+    """A random small problem and a random launch config of the parallel form (every key the
+    table varies: the Gram split, its layout, the reduce launch, the solve and state blocks)."""
+    return dict(
+        nq=draw(st.sampled_from([1, 2])), group=draw(st.sampled_from([1, 2])), t=draw(st.integers(1, 40)),
+        kd=draw(st.sampled_from([5, 24, 70, 130])), vd=draw(st.sampled_from([3, 16, 40])),
+        scalar_gate=draw(st.booleans()), h0=draw(st.booleans()), final=draw(st.booleans()),
+        strong=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+        config={"GRAM_DK": draw(st.booleans()), "GRAM_TILE": draw(st.sampled_from([256, 2048, 4096])),
+                "GRAM_STEPS": draw(st.sampled_from([1, 2, 8])), "REDUCE_OVER": draw(st.sampled_from([1, 128, 1 << 20])),
+                "BLOCK_VS": draw(st.sampled_from([16, 32])), "BLOCK_K": draw(st.sampled_from([16, 32])),
+                "BLOCK_V": draw(st.sampled_from([16, 32])), "V_TILES": draw(st.sampled_from([1, 3])),
+                "STATE_DOT": draw(st.booleans())},
+    )
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_problems())
+def test_any_config_matches_reference(p):
+    q, k, v, g, beta, h0 = _inputs(p["seed"], p["nq"], p["group"], p["t"], p["kd"], p["vd"],
+                                   scalar_gate=p["scalar_gate"], h0=p["h0"], strong_decay=p["strong"])
+    _check(q, k, v, g, beta, h0, scalar_gate=p["scalar_gate"], final=p["final"], config=p["config"])
