@@ -17,14 +17,11 @@ from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuser.codegen import kda_parallel as kp
-from fuser.codegen import kda_recurrent as kr
 from fuser.codegen import launch
-from fuser.patterns.kda_reference import recurrent
 
 DOT = {"STATE_DOT": True}                              # the final state by one tl.dot
 NO_REDUCE = {"REDUCE_OVER": 1 << 30}                   # every solve program sums the Gram partials
