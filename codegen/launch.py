@@ -59,10 +59,14 @@ def _triton_language_modules() -> list:
 
 
 def _language_objects() -> list:
-    """The objects Triton's interpreter patches: the language modules and their tensor classes."""
+    """The objects Triton's interpreter patches: the language modules, their tensor classes, and
+    the classes whose methods it replaces (``dtype.to_ir``, which asks the builder for unsigned
+    types the compiler's builder lacks: left patched, a kernel with a bool or uint8 argument no
+    longer compiles, ``'builder' object has no attribute 'get_uint8_ty'``; ``condition``)."""
     import triton.language as tl
 
-    objs = [tl, tl.core, tl.core.tensor, getattr(tl, "math", None), getattr(tl.core, "tensor_descriptor_base", None)]
+    objs = [tl, tl.core, tl.core.tensor, getattr(tl, "math", None), getattr(tl.core, "tensor_descriptor_base", None),
+            getattr(tl.core, "dtype", None), getattr(tl.core, "condition", None)]
     return [o for o in dict.fromkeys(objs) if o is not None]
 
 

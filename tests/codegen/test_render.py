@@ -128,3 +128,19 @@ def test_interpreter_runs_loop_bounds_given_as_arguments_with_numpy_2_4(monkeypa
         monkeypatch.setattr(launch, "_patch_index_for_numpy", lambda interpreter: None)
         with pytest.raises(Exception, match="0-dimensional"):
             attention.forward(q, k, v, scale=0.25)
+
+
+def test_interpreter_mode_undoes_the_interpreters_language_patch():
+    # Triton 3.9's InterpretedFunction.__call__ (a jitted helper called from a kernel) patches the
+    # language and never restores it; among the patches, dtype.to_ir asks the builder for unsigned
+    # types that the compiler's builder lacks, so a kernel with a bool argument compiled later in
+    # the process fails ("'builder' object has no attribute 'get_uint8_ty'")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    before = {obj: dict(vars(obj)) for obj in (tl, tl.core, tl.core.tensor, tl.core.dtype)}
+    with launch.interpreter_mode():
+        interpreter._patch_lang(tl.standard.sum.fn if hasattr(tl.standard.sum, "fn") else tl.standard.sum)
+        assert tl.core.dtype.to_ir is not before[tl.core.dtype]["to_ir"]
+    for obj, attrs in before.items():
+        assert {k: v for k, v in vars(obj).items()} == attrs, obj
