@@ -209,7 +209,7 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_r
 @functools.lru_cache(maxsize=256)
 def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: Optional[int]) -> tuple:
     """:func:`candidate_configs` by device kind (cached; callers copy the rows)."""
-    _, t_pad = _pads(16 if t_len is None else min(max(1, t_len), MAX_T))
+    tg, t_pad = _pads(16 if t_len is None else min(max(1, t_len), MAX_T))
     v_pad = max(16, launch.next_power_of_2(v_dim))
     k_pad = max(16, launch.next_power_of_2(k_dim))
     if dev == "interpreter":
@@ -237,7 +237,7 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
         # float32 FMA dots (exact products; more registers, more FMA work in the h0 projection)
         _cfg(**base, block_k=bk, block_v=bv, warps=4, state_dot=True, precision="ieee"),
     ]
-    first = _short_config(cands[0], k_pad, v_pad, n_rows, _pads(16 if t_len is None else min(max(1, t_len), MAX_T))[0])
+    first = _short_config(cands[0], k_pad, v_pad, n_rows, tg)
     if first is not None:
         cands.insert(0, first)
     if dev == "cuda":  # pre-Hopper: less shared memory for prefetched tiles
@@ -253,8 +253,9 @@ def _candidates(dev: str, k_dim: int, v_dim: int, n_rows: Optional[int], t_len: 
 
 def _short_config(base: dict, k_pad: int, v_pad: int, n_rows: Optional[int], tg: int) -> Optional[dict]:
     """The default at T ≤ 16 (``tg``: the Gram tiles' padded length, :func:`_pads`) where it
-    differs from ``base`` (the table's general first row), else None. Measured on the H100 (``benchmarks/kda_parallel_configs.py``,
-    ``benchmarks/results/kda_parallel_configs.md``, 2026-12-06; device µs at N=2, T=8 unless said):
+    differs from ``base`` (the table's general first row), else None. Measured on the H100
+    (``benchmarks/kda_parallel_configs.py``, ``benchmarks/results/kda_parallel_configs.md``,
+    2026-12-06; device µs at N=2, T=8 unless said):
 
     - K ≤ 512: one Gram step a program (``GRAM_STEPS`` 1: many short prep programs, their partials
       summed by the reduce launch), 64 value columns a solve program when that still gives one

@@ -193,12 +193,13 @@ def test_gates_are_floored_in_the_kernels(config, scalar):
         assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
 
 
-def test_a_nan_gate_stays_nan():
+@pytest.mark.parametrize("config", [None, DK], ids=["default", "gram_dk"])
+def test_a_nan_gate_stays_nan(config):
     # the floor keeps NaN (torch's clamp_min does; a maximum might return the floor): the row of the
     # NaN gate is NaN from that token on (one chunk: maybe before it too), the other row untouched
     q, k, v, g, beta, h0 = _inputs(44, 2, 1, 29, 24, 20, h0=True)
     g[1, 11, 3] = float("nan")
-    o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True)
+    o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True, config=config)
     ro, rs = _reference(q, k, v, g, beta, 0.5, h0, False)
     assert ro[1, 11:].isnan().all() and o[1, 11:].isnan().all() and s[1].isnan().any()
     assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
