@@ -1,20 +1,22 @@
 """Launch configs of the recurrent KDA kernel in registers (``codegen/kda_recurrent.py``), per shape.
 
-What it answers: for each ``(BLOCK_V, num_warps)`` of the registers variant at each padded K,
+What it answers: for each ``(BLOCK_V, num_warps, STATE_LAYOUT)`` of the registers variant at each padded K,
 how long does a call take as the number of programs (``N · cdiv(V, BLOCK_V)``) and the tokens
 (T) grow, and which config is fastest where? Its fit is the table
 ``codegen/kda_recurrent.REGISTERS_MODEL`` that :func:`kda_recurrent.choose_config` picks from.
 
 Measurement (``--measure``, GPU only): ``kda_recurrent.forward`` with ``config={"VARIANT":
-"registers", "BLOCK_V": bv, "num_warps": w}`` on ``[N, T, K]`` inputs (``kda_plan_sweep.inputs``:
+"registers", "BLOCK_V": bv, "num_warps": w, "STATE_LAYOUT": layout}`` (``--layouts``: ``kv`` the
+tile ``[K_pad, BLOCK_V]``, ``vk`` transposed, at one warp only: more warps split the keys over warps
+again, 1.4-4× slower in ``results/kda_recurrent_layout.md``) on ``[N, T, K]`` inputs (``kda_plan_sweep.inputs``:
 bf16 q, k l2-normalised, v, beta = sigmoid; g = −softplus(randn) in fp32; the final state
 returned, no initial state), calls captured in one CUDA graph, the replay timed by CUDA events
 (median of five; ``kda_plan_sweep.device_us``): device µs per call, no host time. Every config's o
-and final state are compared with BLOCK_V 8 / 1 warp's (``err_o``, ``err_state``: relative
+and final state are compared with BLOCK_V 8 / 1 warp's (layout kv) (``err_o``, ``err_state``: relative
 differences; the sums over K may round differently with the warps; above 1e-5 for the float32
 state or 4e-3 for the bf16 o — a rounding flip of a few elements — the run says WRONG).
 
-Fit (always; from ``--measure`` or ``--from-json``): per ``(K_pad, BLOCK_V, num_warps)`` the waves
+Fit (always; from ``--measure`` or ``--from-json``): per ``(K_pad, BLOCK_V, num_warps, layout)`` the waves
 model of ``kda_recurrent.estimate_us``::
 
     µs = fixed + T · per_token · max(1, programs / (resident · SMs))
@@ -32,6 +34,9 @@ Usage::
     # one GPU run per group of K (each within a time budget), fitted together:
     python benchmarks/kda_recurrent_configs.py --measure --ks 512 1024 --out /tmp/large.md
     python benchmarks/kda_recurrent_configs.py --from-json /tmp/small.json /tmp/large.json --out results.md
+    # the transposed tile's rows, fitted with the committed kv rows (same shapes, same inputs):
+    python benchmarks/kda_recurrent_configs.py --measure --layouts vk --out /tmp/vk.md
+    python benchmarks/kda_recurrent_configs.py --from-json benchmarks/results/kda_recurrent_configs.json /tmp/vk.json
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import common  # noqa: E402
 KS = (64, 128, 256, 512, 1024)
 BLOCK_VS = (8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
+LAYOUTS = ("kv", "vk")
 #: ``REGISTER_TILE_MAX`` of ``codegen/kda_recurrent`` (kept here so the grid reads without torch).
 TILE_MAX = 16384
 
@@ -62,12 +68,12 @@ MAX_PER_THREAD = 128
 MAX_FIT_ERROR = 0.3
 
 
-def configs(k: int) -> list[tuple[int, int]]:
-    """``(BLOCK_V, num_warps)`` tried at K: tiles ``K_pad · BLOCK_V`` ≤ 16384 float32 and at most
-    :data:`MAX_PER_THREAD` of them a thread."""
+def configs(k: int, layouts=("kv",)) -> list[tuple[int, int, str]]:
+    """``(BLOCK_V, num_warps, layout)`` tried at K: tiles ``K_pad · BLOCK_V`` ≤ 16384 float32 and at
+    most :data:`MAX_PER_THREAD` of them a thread; the ``vk`` layout at one warp only."""
     k_pad = 1 << max(2, (k - 1).bit_length())
-    return [(bv, w) for bv in BLOCK_VS for w in WARPS
-            if k_pad * bv <= TILE_MAX and k_pad * bv <= MAX_PER_THREAD * 32 * w]
+    return [(bv, w, lay) for lay in layouts for bv in BLOCK_VS for w in WARPS
+            if k_pad * bv <= TILE_MAX and k_pad * bv <= MAX_PER_THREAD * 32 * w and (lay == "kv" or w == 1)]
 
 
 def shapes(k: int) -> list[tuple[int, int, int, int]]:
@@ -83,7 +89,7 @@ def shapes(k: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def measure(ks, budget_s: float) -> list[dict]:
+def measure(ks, budget_s: float, layouts=("kv",)) -> list[dict]:
     """Device µs of every config at every shape of :func:`shapes` (until ``budget_s``)."""
     import torch
 
@@ -100,15 +106,14 @@ def measure(ks, budget_s: float) -> list[dict]:
             q, kk, vv, g, beta = inputs(n, t, k, v)
             call = functools.partial(kda_recurrent.forward, q, kk, vv, g, beta, scale=k ** -0.5,
                                      output_final_state=True)
-            ref = None
-            for bv, w in configs(k):
-                cfg = {"VARIANT": "registers", "BLOCK_V": bv, "num_warps": w}
-                row = {"N": n, "T": t, "K": k, "V": v, "BLOCK_V": bv, "num_warps": w}
+            o, st = call(config={"VARIANT": "registers", "BLOCK_V": 8, "num_warps": 1, "STATE_LAYOUT": "kv"})
+            ref = (o.float(), st.clone())
+            for bv, w, lay in configs(k, layouts):
+                cfg = {"VARIANT": "registers", "BLOCK_V": bv, "num_warps": w, "STATE_LAYOUT": lay}
+                row = {"N": n, "T": t, "K": k, "V": v, "BLOCK_V": bv, "num_warps": w, "layout": lay}
                 try:
                     o, s = call(config=cfg)
                     torch.cuda.synchronize()
-                    if ref is None:
-                        ref = (o.float(), s.clone())
                     row["err_o"] = ((o.float() - ref[0]).norm() / ref[0].norm()).item()
                     row["err_state"] = ((s - ref[1]).norm() / ref[1].norm()).item()
                     # a slow config (thousands of waves) gets fewer calls in its graph
@@ -137,13 +142,14 @@ def _model_us(params, n: int, t: int, v: int, bv: int, sms: int) -> float:
 
 
 def fit(rows: list[dict], sms: int) -> dict:
-    """``{(K_pad, BLOCK_V, num_warps): (resident, fixed_us, per_token_us, median |err|, worst |err|)}``."""
+    """``{(K_pad, BLOCK_V, num_warps, layout): (resident, fixed_us, per_token_us, median |err|, worst |err|)}``
+    (rows without a layout, from before it existed, are ``"kv"``)."""
     groups: dict = {}
     for r in rows:
         if r.get("us") is None:
             continue
         k_pad = 1 << max(2, (r["K"] - 1).bit_length())
-        groups.setdefault((k_pad, r["BLOCK_V"], r["num_warps"]), []).append(r)
+        groups.setdefault((k_pad, r["BLOCK_V"], r["num_warps"], r.get("layout", "kv")), []).append(r)
     out = {}
     grid = [round(0.25 * 1.1 ** i, 3) for i in range(60)]  # 0.25 … ~70 resident programs per SM
     for key, rs in sorted(groups.items()):
@@ -182,7 +188,8 @@ def picks(rows: list[dict], model: dict, sms: int) -> list[dict]:
     by_shape: dict = {}
     for r in rows:
         if r.get("us") is not None:
-            by_shape.setdefault((r["N"], r["T"], r["K"], r["V"]), {})[(r["BLOCK_V"], r["num_warps"])] = r["us"]
+            by_shape.setdefault((r["N"], r["T"], r["K"], r["V"]), {})[
+                (r["BLOCK_V"], r["num_warps"], r.get("layout", "kv"))] = r["us"]
     out = []
     for (n, t, k, v), times in sorted(by_shape.items()):
         k_pad = 1 << max(2, (k - 1).bit_length())
@@ -192,7 +199,7 @@ def picks(rows: list[dict], model: dict, sms: int) -> list[dict]:
                                                       sm_count=sms), model[(k_pad, *c)][1]) for c in est}
         fastest = min(times, key=times.get)
         pick = min(order, key=order.get) if order else None
-        old = times.get((8, old_warps.get(k_pad, 1)))
+        old = times.get((8, old_warps.get(k_pad, 1), "kv"))
         out.append({"N": n, "T": t, "K": k, "V": v, "fastest": fastest, "fastest_us": times[fastest],
                     "pick": pick, "pick_us": times.get(pick), "pick_est_us": est.get(pick),
                     "regret": times[pick] / times[fastest] if pick else None, "old_us": old,
@@ -200,10 +207,18 @@ def picks(rows: list[dict], model: dict, sms: int) -> list[dict]:
     return out
 
 
+def _name(cfg: tuple) -> str:
+    """``BLOCK_V/num_warps``, `` vk`` added for the transposed tile."""
+    bv, w, lay = cfg
+    return f"{bv}/{w}" + (" vk" if lay == "vk" else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="measure on the GPU (else --from-json)")
     p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="K values (default %(default)s)")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["kv"],
+                   help="state-tile layouts to measure (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop measuring after this many seconds")
     p.add_argument("--from-json", type=Path, nargs="+",
                    help="JSON of earlier --measure runs (their rows together, e.g. one run per K)")
@@ -217,7 +232,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             p.error("--measure needs a CUDA GPU: the configs are the GPU's")
         meta = common.env_header("cuda")
-        rows = measure(a.ks, a.budget_s)
+        rows = measure(a.ks, a.budget_s, tuple(a.layouts))
     elif a.from_json:
         runs = [json.loads(f.read_text()) for f in a.from_json]
         meta, rows = runs[0]["meta"], [r for run in runs for r in run["rows"]]
@@ -227,13 +242,13 @@ def main(argv=None) -> int:
     model = fit(rows, sms)
     chosen = picks(rows, model, sms)
     wrong = [r for r in rows if r.get("err_state", 0) > 1e-5 or r.get("err_o", 0) > 4e-3]
-    print("REGISTERS_MODEL (K_pad, BLOCK_V, num_warps): (resident, fixed_us, per_token_us)  # median/worst |err|")
+    print("REGISTERS_MODEL {K_pad: {(BLOCK_V, num_warps, layout): (resident, fixed_us, per_token_us)}}  # median/worst |err|")
     for key, (res, fixed, tok, med, worst) in model.items():
-        print(f"    {key}: ({res}, {fixed}, {tok}),  # {med:.0%} / {worst:.0%}")
+        print(f"    {key[0]}: {key[1:]}: ({res:.3g}, {fixed:.3g}, {tok:.3g}),  # {med:.0%} / {worst:.0%}")
     fit_table = [[*key, res, fixed, tok, f"{med:.0%}", f"{worst:.0%}"] for key, (res, fixed, tok, med, worst)
                  in model.items()]
-    pick_table = [[r["N"], r["T"], r["K"], r["V"], "%d/%d" % r["fastest"], common.fmt_num(r["fastest_us"], 1),
-                   "%d/%d" % r["pick"] if r["pick"] else "—", common.fmt_num(r["pick_us"], 1),
+    pick_table = [[r["N"], r["T"], r["K"], r["V"], _name(r["fastest"]), common.fmt_num(r["fastest_us"], 1),
+                   _name(r["pick"]) if r["pick"] else "—", common.fmt_num(r["pick_us"], 1),
                    common.fmt_num(r["pick_est_us"], 1), f"{r['regret']:.2f}" if r["regret"] else "—",
                    common.fmt_num(r["old_us"], 1), common.fmt_ratio(r["speedup_vs_old"])] for r in chosen]
     regrets = [r["regret"] for r in chosen if r["regret"]]
@@ -247,7 +262,7 @@ def main(argv=None) -> int:
                     f"or o by more than 4e-3, bf16 rounding)")
     print(summary)
     legend = ("Device µs per call (CUDA-graph replay), bf16 inputs, g fp32, the final state returned. Config = "
-              "BLOCK_V/num_warps of the registers variant. Fit: µs = fixed + T · per_token · max(1, N · cdiv(V, "
+              "BLOCK_V/num_warps of the registers variant (vk: the state tile transposed). Fit: µs = fixed + T · per_token · max(1, N · cdiv(V, "
               f"BLOCK_V) / (resident · {sms} SMs)), least squares on the relative error; |err| = the fit's relative "
               "error over the config's shapes. regret = measured µs of the pick / the fastest's; old = BLOCK_V 8 at "
               "the old table's warps (1/2/1/4/8 at K_pad 64 … 1024); gain = old / pick. Method: docstring of "
@@ -257,7 +272,7 @@ def main(argv=None) -> int:
           + common.md_table(["N", "T", "K", "V", "fastest", "µs", "pick", "µs", "est µs", "regret", "old µs", "gain"],
                             pick_table)
           + "\n\n## Fit per config\n\n"
-          + common.md_table(["K_pad", "BLOCK_V", "warps", "resident/SM", "fixed µs", "µs/token", "median |err|",
+          + common.md_table(["K_pad", "BLOCK_V", "warps", "layout", "resident/SM", "fixed µs", "µs/token", "median |err|",
                              "worst |err|"], fit_table) + "\n")
     if a.measure or a.out != common.RESULTS_DIR / "kda_recurrent_configs.md":
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ from .render import RenderedKernel, render
 
 __all__ = [
     "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "registers_model_row", "registers_token_us",
-    "REGISTERS_MODEL", "hbm_bytes", "check_out", "check_inputs",
+    "REGISTERS_MODEL", "STATE_LAYOUTS", "hbm_bytes", "check_out", "check_inputs",
     "check_shapes",
     "input_rows", "inputs_rows", "row_groups",
     "TEMPLATE", "VARIANTS", "REGISTER_TILE_MAX",
@@ -71,6 +71,15 @@ TEMPLATE = "kda_recurrent.py.jinja"
 
 #: The kernel variants (module docstring).
 VARIANTS = ("registers", "streamed")
+#: The registers variant's state-tile layouts (config key ``STATE_LAYOUT``): ``"kv"`` holds the
+#: tile ``[K_pad, BLOCK_V]`` (Triton spreads the keys over warps: the two reductions over the keys a
+#: token needs, ``v̂ = Sᵀ k`` and ``o = Sᵀ q``, cross warps through shared memory); ``"vk"`` holds it
+#: transposed, ``[BLOCK_V, K_pad]``: the keys run along a warp's lanes and at one warp each reduction
+#: is a few shuffles. Measured on the H100 (``benchmarks/results/kda_recurrent_layout.md``): vk at one
+#: warp 1.14-1.31× faster than the best kv config at few rows with large V (the kernel-blog shapes),
+#: 0.67× at many small heads; more warps split the keys over warps again. Chosen per shape by
+#: :data:`REGISTERS_MODEL`.
+STATE_LAYOUTS = ("kv", "vk")
 
 #: The largest register state tile ``K_pad · BLOCK_V`` (float32 elements per program) a config may
 #: ask for; the tables' first choices stay at or under 8192.
@@ -88,11 +97,14 @@ REGISTERS_MAX_K = 1024
 # --------------------------------------------------------------------------------------------
 
 
-def kernel(*, variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool) -> RenderedKernel:
+def kernel(*, variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool,
+           state_layout: str = "kv") -> RenderedKernel:
     """Render the kernel module of one static variant (``templates/kda_recurrent.py.jinja``).
 
     Args:
         variant: ``"registers"`` or ``"streamed"``.
+        state_layout: the registers tile's layout (:data:`STATE_LAYOUTS`): ``"kv"`` ``[K_pad,
+            BLOCK_V]`` or ``"vk"`` transposed; the streamed variant takes ``"kv"`` only.
         scalar_gate: g is ``[N, T]`` (one decay per row and token) instead of ``[N, T, K]``.
         has_h0: an initial state is read (else the state starts at zero).
         store_final: the final state is written (the streamed variant always writes its
@@ -100,22 +112,28 @@ def kernel(*, variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, 
         interpret: rendered for Triton's interpreter (CPU tensors).
 
     Raises:
-        ValueError: unknown variant.
+        ValueError: unknown variant or layout, or ``"vk"`` with the streamed variant.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     streamed = variant == "streamed"
+    if streamed and state_layout != "kv":
+        raise ValueError("the streamed variant walks its state in [BLOCK_K, BLOCK_V] tiles: STATE_LAYOUT must be 'kv'")
     store_final = bool(store_final) or streamed
-    name = ("kda_recurrent_" + variant + ("_scalar" if scalar_gate else "") + ("_h0" if has_h0 else "")
-            + ("_ht" if store_final and not streamed else "") + ("_interp" if interpret else ""))
+    name = ("kda_recurrent_" + variant + ("_vk" if state_layout == "vk" else "") + ("_scalar" if scalar_gate else "")
+            + ("_h0" if has_h0 else "") + ("_ht" if store_final and not streamed else "") + ("_interp" if interpret else ""))
     return render(TEMPLATE, name, variant=variant, scalar_gate=bool(scalar_gate), has_h0=bool(has_h0),
-                  store_final=store_final, interpret=bool(interpret))
+                  store_final=store_final, interpret=bool(interpret), state_layout=state_layout)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool):
+def _module(variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, interpret: bool,
+            state_layout: str = "kv"):
     """The imported module of one static variant (rendered once per process)."""
-    k = kernel(variant=variant, scalar_gate=scalar_gate, has_h0=has_h0, store_final=store_final, interpret=interpret)
+    k = kernel(variant=variant, scalar_gate=scalar_gate, has_h0=has_h0, store_final=store_final, interpret=interpret,
+               state_layout=state_layout)
     return k, launch.kernel_module(k, interpret)
 
 
@@ -124,8 +142,9 @@ def _module(variant: str, scalar_gate: bool, has_h0: bool, store_final: bool, in
 # --------------------------------------------------------------------------------------------
 
 
-def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int) -> dict:
-    return {"VARIANT": variant, "BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": warps, "num_stages": stages}
+def _cfg(variant: str, block_k: int, block_v: int, warps: int, stages: int, layout: str = "kv") -> dict:
+    return {"VARIANT": variant, "BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": warps, "num_stages": stages,
+            "STATE_LAYOUT": layout}
 
 
 # GPU tables. Measured on the H100 (sm90) on 2026-11-23, bf16 inputs, g float32, compiled with
@@ -154,7 +173,7 @@ _REGS_TABLE = {  # K_pad -> registers configs (BLOCK_V, num_warps), best first
 _STREAMED = [(1024, 8, 8), (512, 8, 8), (512, 16, 8)]  # (BLOCK_K, BLOCK_V, num_warps), best first
 
 #: The registers variant's device time per launch config, for the shape at hand: ``K_pad ->
-#: {(BLOCK_V, num_warps): (resident programs per SM, fixed µs, µs per token)}``, the time being
+#: {(BLOCK_V, num_warps, STATE_LAYOUT): (resident programs per SM, fixed µs, µs per token)}``, the time being
 #: ``fixed + T · per_token · max(1, N · cdiv(V, BLOCK_V) / (resident · SMs))`` (``patterns/kda_plans``' estimate):
 #: the programs run in waves of a few per SM, each walking the T tokens. MEASURED on the H100
 #: (torch 2.11 / Triton 3.6, 2026-11-24; bf16 inputs, g float32, the final state returned;
@@ -169,84 +188,85 @@ _STREAMED = [(1024, 8, 8), (512, 8, 8), (512, 16, 8)]  # (BLOCK_K, BLOCK_V, num_
 #: it with its own SM count, NOT MEASURED; K_pad below 64 keeps :data:`_REGS_TABLE`'s order, NOT MEASURED.
 REGISTERS_MODEL = {
     64: {
-        (8, 1): (7.03, 2.42, 0.282),
-        (8, 2): (5.81, 2.4, 0.361),
-        (8, 4): (3.28, 2.55, 0.367),
-        (8, 8): (2.46, 2.35, 0.426),
-        (16, 1): (5.81, 2.57, 0.379),
-        (16, 2): (4.8, 2.39, 0.407),
-        (16, 4): (2.71, 2.64, 0.488),
-        (16, 8): (1.85, 2.46, 0.473),
-        (32, 1): (4.8, 3.01, 0.568),
-        (32, 2): (3.28, 2.83, 0.481),
-        (32, 4): (1.85, 2.53, 0.534),
-        (32, 8): (1.39, 2.6, 0.603),
-        (64, 1): (3.97, 3.29, 0.721),
-        (64, 2): (2.46, 3, 0.579),
-        (64, 4): (1.39, 2.9, 0.87),
-        (64, 8): (1.26, 2.94, 0.846),
+        (8, 1, "kv"): (7.03, 2.42, 0.282),
+        (8, 2, "kv"): (5.81, 2.4, 0.361),
+        (8, 4, "kv"): (3.28, 2.55, 0.367),
+        (8, 8, "kv"): (2.46, 2.35, 0.426),
+        (16, 1, "kv"): (5.81, 2.57, 0.379),
+        (16, 2, "kv"): (4.8, 2.39, 0.407),
+        (16, 4, "kv"): (2.71, 2.64, 0.488),
+        (16, 8, "kv"): (1.85, 2.46, 0.473),
+        (32, 1, "kv"): (4.8, 3.01, 0.568),
+        (32, 2, "kv"): (3.28, 2.83, 0.481),
+        (32, 4, "kv"): (1.85, 2.53, 0.534),
+        (32, 8, "kv"): (1.39, 2.6, 0.603),
+        (64, 1, "kv"): (3.97, 3.29, 0.721),
+        (64, 2, "kv"): (2.46, 3, 0.579),
+        (64, 4, "kv"): (1.39, 2.9, 0.87),
+        (64, 8, "kv"): (1.26, 2.94, 0.846),
     },
     128: {
-        (8, 1): (4.8, 2.84, 0.373),
-        (8, 2): (4.8, 2.71, 0.431),
-        (8, 4): (3.6, 2.71, 0.448),
-        (8, 8): (2.24, 2.54, 0.531),
-        (16, 1): (4.8, 2.92, 0.622),
-        (16, 2): (3.28, 2.64, 0.459),
-        (16, 4): (2.71, 2.59, 0.468),
-        (16, 8): (1.68, 2.61, 0.67),
-        (32, 1): (5.28, 3.06, 1.53),
-        (32, 2): (2.46, 3.17, 0.659),
-        (32, 4): (2.04, 2.64, 0.568),
-        (32, 8): (1.39, 2.93, 0.96),
-        (64, 2): (2.46, 4.06, 1.5),
-        (64, 4): (1.39, 3.28, 0.757),
-        (64, 8): (0.949, 3.52, 1.48),
+        (8, 1, "kv"): (4.8, 2.84, 0.373),
+        (8, 2, "kv"): (4.8, 2.71, 0.431),
+        (8, 4, "kv"): (3.6, 2.71, 0.448),
+        (8, 8, "kv"): (2.24, 2.54, 0.531),
+        (16, 1, "kv"): (4.8, 2.92, 0.622),
+        (16, 2, "kv"): (3.28, 2.64, 0.459),
+        (16, 4, "kv"): (2.71, 2.59, 0.468),
+        (16, 8, "kv"): (1.68, 2.61, 0.67),
+        (32, 1, "kv"): (5.28, 3.06, 1.53),
+        (32, 2, "kv"): (2.46, 3.17, 0.659),
+        (32, 4, "kv"): (2.04, 2.64, 0.568),
+        (32, 8, "kv"): (1.39, 2.93, 0.96),
+        (64, 2, "kv"): (2.46, 4.06, 1.5),
+        (64, 4, "kv"): (1.39, 3.28, 0.757),
+        (64, 8, "kv"): (0.949, 3.52, 1.48),
     },
     256: {
-        (8, 1): (4.36, 4.62, 0.625),
-        (8, 2): (3.6, 4.52, 0.571),
-        (8, 4): (2.98, 4.4, 0.539),
-        (8, 8): (2.24, 4.43, 0.667),
-        (16, 1): (2.98, 5.49, 1.81),
-        (16, 2): (2.24, 5.37, 0.664),
-        (16, 4): (2.04, 4.67, 0.57),
-        (16, 8): (1.53, 4.68, 0.611),
-        (32, 2): (2.71, 5.67, 2.1),
-        (32, 4): (1.26, 4.73, 0.736),
-        (32, 8): (1.26, 5, 0.864),
-        (64, 4): (1.15, 6.34, 1.54),
-        (64, 8): (0.863, 6.31, 1.1),
+        (8, 1, "kv"): (4.36, 4.62, 0.625),
+        (8, 2, "kv"): (3.6, 4.52, 0.571),
+        (8, 4, "kv"): (2.98, 4.4, 0.539),
+        (8, 8, "kv"): (2.24, 4.43, 0.667),
+        (16, 1, "kv"): (2.98, 5.49, 1.81),
+        (16, 2, "kv"): (2.24, 5.37, 0.664),
+        (16, 4, "kv"): (2.04, 4.67, 0.57),
+        (16, 8, "kv"): (1.53, 4.68, 0.611),
+        (32, 2, "kv"): (2.71, 5.67, 2.1),
+        (32, 4, "kv"): (1.26, 4.73, 0.736),
+        (32, 8, "kv"): (1.26, 5, 0.864),
+        (64, 4, "kv"): (1.15, 6.34, 1.54),
+        (64, 8, "kv"): (0.863, 6.31, 1.1),
     },
     512: {
-        (8, 1): (3.6, 5, 1.93),
-        (8, 2): (2.46, 5.74, 0.809),
-        (8, 4): (1.53, 5.71, 0.537),
-        (8, 8): (1.53, 5.45, 0.641),
-        (16, 4): (1.26, 5.06, 0.783),
-        (16, 8): (1.15, 5.08, 0.768),
-        (32, 4): (1.26, 6.53, 1.77),
-        (32, 8): (0.863, 6.27, 1.24),
+        (8, 1, "kv"): (3.6, 5, 1.93),
+        (8, 2, "kv"): (2.46, 5.74, 0.809),
+        (8, 4, "kv"): (1.53, 5.71, 0.537),
+        (8, 8, "kv"): (1.53, 5.45, 0.641),
+        (16, 4, "kv"): (1.26, 5.06, 0.783),
+        (16, 8, "kv"): (1.15, 5.08, 0.768),
+        (32, 4, "kv"): (1.26, 6.53, 1.77),
+        (32, 8, "kv"): (0.863, 6.27, 1.24),
     },
     1024: {
-        (8, 2): (2.24, 7.25, 2.1),
-        (8, 4): (1.15, 6.02, 0.875),
-        (8, 8): (0.863, 6.21, 0.854),
-        (16, 4): (1.26, 6.83, 2.09),
-        (16, 8): (0.863, 6.45, 1.2),
+        (8, 2, "kv"): (2.24, 7.25, 2.1),
+        (8, 4, "kv"): (1.15, 6.02, 0.875),
+        (8, 8, "kv"): (0.863, 6.21, 0.854),
+        (16, 4, "kv"): (1.26, 6.83, 2.09),
+        (16, 8, "kv"): (0.863, 6.45, 1.2),
     },
 }
 
 
-def registers_model_row(k_pad: int, block_v: int, num_warps: int) -> tuple[float, float, float]:
+def registers_model_row(k_pad: int, block_v: int, num_warps: int, layout: str = "kv") -> tuple[float, float, float]:
     """``(resident programs per SM, fixed µs, µs per token)`` of a registers config
     (:data:`REGISTERS_MODEL`): K_pad clamped into the measured 64 … 1024; a config not measured
-    takes the measured row at that K_pad with the nearest BLOCK_V, then the nearest warps (an
-    estimate, NOT MEASURED for that config)."""
+    takes the measured row at that K_pad of its layout (else of ``"kv"``) with the nearest BLOCK_V,
+    then the nearest warps (an estimate, NOT MEASURED for that config)."""
     table = REGISTERS_MODEL[min(max(k_pad, 64), 1024)]
-    if (block_v, num_warps) in table:
-        return table[(block_v, num_warps)]
-    near = min(table, key=lambda c: (abs(math.log2(c[0] / block_v)), abs(math.log2(c[1] / num_warps))))
+    if (block_v, num_warps, layout) in table:
+        return table[(block_v, num_warps, layout)]
+    same = [c for c in table if c[2] == layout] or [c for c in table if c[2] == "kv"]
+    near = min(same, key=lambda c: (abs(math.log2(c[0] / block_v)), abs(math.log2(c[1] / num_warps))))
     return table[near]
 
 
@@ -281,7 +301,8 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
 
     Keys: ``VARIANT`` (``"registers"`` / ``"streamed"``), ``BLOCK_K`` (registers: the whole key
     dimension, ``max(4, next_power_of_2(k_dim))``; streamed: the key tile), ``BLOCK_V`` (value
-    columns per program), ``num_warps``, ``num_stages``. Blocks are powers of two >= 4: BLOCK_V is
+    columns per program), ``num_warps``, ``num_stages``, ``STATE_LAYOUT`` (:data:`STATE_LAYOUTS`;
+    ``"kv"`` for the streamed variant). Blocks are powers of two >= 4: BLOCK_V is
     8 in most rows, below ``launch.check_config``'s 16 (these kernels have no ``tl.dot``).
 
     Args:
@@ -320,9 +341,9 @@ def candidate_configs(*, k_dim: int, v_dim: int, dtype: torch.dtype, device,
         order = _registers_order(k_pad, int(v_dim), n_rows, launch.sm_count(device))
     else:
         order = _REGS_TABLE.get(k_pad, [])
-    for bv, warps in order:
+    for bv, warps, *layout in order:
         bv = min(bv, v_pad)
-        cfg = _cfg("registers", k_pad, bv, warps, 1)
+        cfg = _cfg("registers", k_pad, bv, warps, 1, *layout)
         if k_pad * bv <= REGISTER_TILE_MAX and cfg not in regs:
             regs.append(cfg)
     streamed: list[dict] = []
@@ -342,6 +363,11 @@ def _normalise(cfg: dict, k_dim: int) -> dict:
         val = cfg.get(key)
         if not isinstance(val, int) or isinstance(val, bool) or val < 4 or val & (val - 1):
             raise ValueError(f"config {key} must be a power of two >= 4, got {val!r}")
+    if cfg.get("STATE_LAYOUT") not in STATE_LAYOUTS:
+        raise ValueError(f"config STATE_LAYOUT must be one of {STATE_LAYOUTS}, got {cfg.get('STATE_LAYOUT')!r}")
+    if variant == "streamed" and cfg["STATE_LAYOUT"] != "kv":
+        raise ValueError("the streamed variant walks its state in [BLOCK_K, BLOCK_V] tiles: STATE_LAYOUT must be "
+                         "'kv' (or VARIANT='registers' for the transposed tile)")
     if cfg.get("num_warps") not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"config num_warps must be a power of two in 1..32, got {cfg.get('num_warps')!r}")
     if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
@@ -391,7 +417,8 @@ def kernels_for(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, scalar_ga
     """The kernel modules :func:`forward` runs for these sizes and flags (one), for reports."""
     cfg = choose_config(k_dim=k_dim, v_dim=v_dim, dtype=dtype, device=device, n_rows=n_rows, config=config)
     return [kernel(variant=cfg["VARIANT"], scalar_gate=scalar_gate, has_h0=initial_state,
-                   store_final=output_final_state, interpret=launch.interpreted(device))]
+                   store_final=output_final_state, interpret=launch.interpreted(device),
+                   state_layout=cfg["STATE_LAYOUT"])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -720,7 +747,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         return o, final
     interpret = launch.interpreted(device)
     has_h0 = initial_state is not None
-    _, module = _module(cfg["VARIANT"], bool(scalar_gate), has_h0, bool(output_final_state), interpret)
+    _, module = _module(cfg["VARIANT"], bool(scalar_gate), has_h0, bool(output_final_state), interpret,
+                        cfg["STATE_LAYOUT"])
     ins, rows = inputs_rows(q, k, v, g, beta, bool(scalar_gate))
     args = list(ins) + [o_arg] + ([initial_state] if has_h0 else []) + ([ht] if ht is not None else [])
     with launch.launching(interpret):

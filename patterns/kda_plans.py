@@ -207,7 +207,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
         # the streamed variant (large K) reads the state block twice and writes it once a token
         streamed = 3 * 4 * N * KD * VD * T if variant == "streamed" else 0
         resident, fixed_us, token_us = kda_recurrent.registers_model_row(cfg["BLOCK_K"], cfg["BLOCK_V"],
-                                                                         cfg["num_warps"])
+                                                                         cfg["num_warps"], cfg["STATE_LAYOUT"])
         terms = {"bytes": io + state + streamed, "flops": 8 * N * T * KD * VD, "kind": "fp32", "launches": 1,
                  "variant": variant, "chain_us": 0}
         if variant == "streamed":

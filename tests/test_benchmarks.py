@@ -262,21 +262,23 @@ def test_kda_chunk_configs_needs_a_gpu_and_tries_blocks_within_k():
 def test_kda_recurrent_configs_fit_is_the_committed_model(tmp_path):
     """benchmarks/kda_recurrent_configs.py: --measure needs a GPU (a clear error without one); its
     grid stays under 128 state elements a thread; fitting the committed measurements
-    (results/kda_recurrent_configs.json) gives codegen/kda_recurrent.REGISTERS_MODEL (3 significant
+    (results/kda_recurrent_configs*.json: the kv layout's, the vk layout's) gives codegen/kda_recurrent.REGISTERS_MODEL (3 significant
     digits), whose picks are within 8% of the measured fastest at every shape."""
     krc = _gpu_only_script("kda_recurrent_configs", "--measure")
     from fuser.codegen import kda_recurrent
 
     for k in krc.KS:
         k_pad = 1 << (k - 1).bit_length()
-        assert krc.configs(k) and all(k_pad * bv <= 128 * 32 * w for bv, w in krc.configs(k))
-    data = json.loads((BENCH / "results" / "kda_recurrent_configs.json").read_text())
-    model = krc.fit(data["rows"], 132)
+        assert krc.configs(k) and all(k_pad * bv <= 128 * 32 * w for bv, w, _ in krc.configs(k))
+        assert all(w == 1 for _, w, lay in krc.configs(k, ("kv", "vk")) if lay == "vk")
+    rows = [r for f in sorted((BENCH / "results").glob("kda_recurrent_configs*.json"))
+            for r in json.loads(f.read_text())["rows"]]
+    model = krc.fit(rows, 132)
     got = {k_pad: {} for k_pad in kda_recurrent.REGISTERS_MODEL}
-    for (k_pad, bv, w), row in model.items():
-        got[k_pad][(bv, w)] = tuple(float(f"{x:.3g}") for x in row[:3])
+    for (k_pad, bv, w, lay), row in model.items():
+        got[k_pad][(bv, w, lay)] = tuple(float(f"{x:.3g}") for x in row[:3])
     assert got == kda_recurrent.REGISTERS_MODEL
-    picks = krc.picks(data["rows"], model, 132)
+    picks = krc.picks(rows, model, 132)
     assert len(picks) >= 100 and max(p["regret"] for p in picks) < 1.1
 
 

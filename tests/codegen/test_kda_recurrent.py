@@ -4,7 +4,8 @@ against the float64 reference (patterns/kda_reference.py).
 On CPU the kernels run in Triton's interpreter at small, ragged sizes (T, K, V not multiples of the
 blocks nor powers of two); tests marked ``gpu`` run the compiled kernels at realistic sizes. Every
 output is allocated poisoned (NaN), so an element a kernel fails to write shows up. Both variants
-run everywhere: "streamed" is forced through ``config`` with small key tiles.
+run everywhere: "streamed" is forced through ``config`` with small key tiles, and the registers
+tile in both layouts (``STATE_LAYOUT``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from fuser.codegen import kda_recurrent as kr
 from fuser.codegen import launch
 
-REGS = {"VARIANT": "registers"}
+REGS = {"VARIANT": "registers", "STATE_LAYOUT": "kv"}
+VK = {"VARIANT": "registers", "STATE_LAYOUT": "vk"}     # the state tile held transposed
 STREAM16 = {"VARIANT": "streamed", "BLOCK_K": 16}   # K=24: two key tiles, the second ragged
 STREAM8 = {"VARIANT": "streamed", "BLOCK_K": 8, "BLOCK_V": 16}
 
@@ -35,7 +37,7 @@ def _check(*args, **kwargs):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM16], ids=["registers", "vk", "streamed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_reference(config, dtype):
     # T=37, K=24, V=40 (three value blocks of 16, the last ragged), grouped value heads (2), h0
@@ -43,26 +45,26 @@ def test_matches_reference(config, dtype):
     _check(q, k, v, g, beta, h0, config=config)
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM8], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM8], ids=["registers", "vk", "streamed"])
 def test_scalar_gate(config):
     q, k, v, g, beta, h0 = _inputs(2, 2, 1, 13, 24, 20, scalar_gate=True, h0=True)
     _check(q, k, v, g, beta, h0, scalar_gate=True, config=config)
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM16], ids=["registers", "vk", "streamed"])
 def test_raw_keys_and_strong_decay(config):
     # unnormalised keys (|o| grows fast: rel_err scales by the output's norm) and gates near -30
     q, k, v, g, beta, _ = _inputs(3, 1, 2, 9, 24, 40, l2=False, strong_decay=True)
     _check(q, k, v, g, beta, config=config)
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM8], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM8], ids=["registers", "vk", "streamed"])
 def test_one_token(config):
     q, k, v, g, beta, h0 = _inputs(4, 2, 2, 1, 24, 40, h0=True)
     _check(q, k, v, g, beta, h0, config=config)
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM16], ids=["registers", "vk", "streamed"])
 def test_final_state_off_and_out_dtype(config):
     q, k, v, g, beta, h0 = _inputs(5, 1, 2, 11, 24, 40, h0=True)
     o_on, _ = _check(q, k, v, g, beta, h0, config=config, final=True)
@@ -74,7 +76,7 @@ def test_final_state_off_and_out_dtype(config):
     assert o16.dtype == torch.float16
 
 
-@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM16], ids=["registers", "vk", "streamed"])
 def test_strided_and_mixed_dtypes(config):
     """Inputs in FLA's [B, T, H, *] layout viewed as [H, T, *] (B = 1: a view, no copy), keys with a
     channel stride of 2, beta [T, N] transposed, h0 [N, V, K] transposed; q/k/v fp16 with g, beta
@@ -111,7 +113,7 @@ def test_empty_sequence_and_rows():
 # out=: o preallocated in the caller's layout
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [REGS, STREAM16], ids=["registers", "streamed"])
+@pytest.mark.parametrize("config", [REGS, VK, STREAM16], ids=["registers", "vk", "streamed"])
 def test_out_layouts(config):
     # N = 8 rows as (b, h) = (2, 4): the op's [B, T, H, V] and [B, H, T, V] outputs, o in float16
     q, k, v, g, beta, h0 = _inputs(20, 4, 2, 7, 24, 20, h0=True)
@@ -135,8 +137,9 @@ def test_bad_out():
         kr.forward(q, k, v, g, beta, scale=0.5, out_dtype=torch.float16, out=torch.empty(4, 5, 20))
 
 
-@pytest.mark.parametrize("layout,config", [("bthf", REGS), ("bhtf", REGS), ("three", REGS), ("bthf", STREAM8)],
-                         ids=["bthf", "bhtf", "three", "bthf-streamed"])
+@pytest.mark.parametrize("layout,config", [("bthf", REGS), ("bhtf", REGS), ("three", REGS), ("bthf", STREAM8),
+                                           ("bhtf", VK)],
+                         ids=["bthf", "bhtf", "three", "bthf-streamed", "bhtf-vk"])
 def test_lead_dim_inputs(layout, config):
     # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2, two stride groups), [B, H, T, *], and lead
     # dims in three groups (copied); GQA (Hv = 2 Hq), a window t0 = 3 of longer tensors, K = 12, V = 10
@@ -146,7 +149,7 @@ def test_lead_dim_inputs(layout, config):
 @pytest.mark.parametrize("broadcast", [False, True], ids=["own", "broadcast"])
 def test_lead_dim_inputs_scalar_gate(broadcast):
     # the scalar gate [B, H, T] in two groups; with broadcast, g and beta shared by the heads (stride 0)
-    check_kda_lead_forward(kr.forward, "bthf", scalar_gate=True, broadcast=broadcast, config=REGS)
+    check_kda_lead_forward(kr.forward, "bthf", scalar_gate=True, broadcast=broadcast, config=VK if broadcast else REGS)
 
 
 def test_lead_dim_inputs_bad_shapes():
@@ -197,6 +200,8 @@ def _bad(**change):
     (dict(config={"VARIANT": "registers", "BLOCK_K": 16}), r"BLOCK_K must be next_power_of_2\(K\) = 32"),
     (dict(config={"VARIANT": "registers", "BLOCK_V": 1024}), r"VARIANT='streamed'"),
     (dict(config={"num_warps": 3}), r"num_warps"),
+    (dict(config={"STATE_LAYOUT": "kvT"}), r"STATE_LAYOUT must be one of \('kv', 'vk'\)"),
+    (dict(config={"VARIANT": "streamed", "STATE_LAYOUT": "vk"}), r"STATE_LAYOUT must be 'kv'.*VARIANT='registers'"),
 ])
 def test_bad_inputs(change, match):
     kw = _bad(**change)
@@ -242,10 +247,10 @@ def _as_gpu(monkeypatch, kind="sm90", sms=132):
 
 @pytest.mark.parametrize("kd,vd,n,want", [
     # the measured fastest (benchmarks/results/kda_recurrent_configs.md, device µs on the H100)
-    (64, 8192, 16, (64, 1)),    # 167 µs at T=64, BLOCK_V 8 (the old default): 296
-    (128, 16384, 2, (16, 1)),   # 126 µs at T=64, BLOCK_V 8 / 2 warps: 174
-    (128, 128, 2, (8, 1)),      # few programs: the smallest block, one warp
-    (256, 128, 2, (8, 4)),      # 34 µs at T=64, BLOCK_V 8 / 1 warp: 43
+    (64, 8192, 16, (64, 1, "kv")),    # 167 µs at T=64, BLOCK_V 8 (the old default): 296
+    (128, 16384, 2, (16, 1, "kv")),   # 126 µs at T=64, BLOCK_V 8 / 2 warps: 174
+    (128, 128, 2, (8, 1, "kv")),      # few programs: the smallest block, one warp
+    (256, 128, 2, (8, 4, "kv")),      # 34 µs at T=64, BLOCK_V 8 / 1 warp: 43
     (200, 1000, 16, None),      # K, V not powers of two: whatever the model says, within its table
 ])
 def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, want):
@@ -256,12 +261,12 @@ def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, wan
     _as_gpu(monkeypatch)
     cands = kr.candidate_configs(k_dim=kd, v_dim=vd, dtype=torch.bfloat16, device="cuda", n_rows=n)
     k_pad = launch.next_power_of_2(kd)
-    regs = [(c["BLOCK_V"], c["num_warps"]) for c in cands if c["VARIANT"] == "registers"]
+    regs = [(c["BLOCK_V"], c["num_warps"], c["STATE_LAYOUT"]) for c in cands if c["VARIANT"] == "registers"]
     assert cands[0]["VARIANT"] == "registers" and cands[0]["BLOCK_K"] == k_pad
     if want is not None:
         assert regs[0] == want, regs
     assert set(regs) <= set(kr.REGISTERS_MODEL[k_pad])
-    assert all(bv <= max(8, launch.next_power_of_2(vd)) for bv, _ in regs)
+    assert all(bv <= max(8, launch.next_power_of_2(vd)) for bv, _, _ in regs)
 
     def token_us(c):
         resident, fixed, token = kr.REGISTERS_MODEL[k_pad][c]
@@ -300,13 +305,22 @@ def test_registers_order_uses_the_devices_sm_count(monkeypatch):
 
 
 def test_registers_model_row():
-    """K_pad clamped into the measured 64 … 1024; an unmeasured config takes the nearest measured one."""
-    assert kr.registers_model_row(16, 8, 1) == kr.REGISTERS_MODEL[64][(8, 1)]
-    assert kr.registers_model_row(2048, 8, 8) == kr.REGISTERS_MODEL[1024][(8, 8)]
-    assert kr.registers_model_row(512, 16, 2) == kr.REGISTERS_MODEL[512][(16, 4)]  # spills: not in the table
-    assert (16, 2) not in kr.REGISTERS_MODEL[512]
-    for table in kr.REGISTERS_MODEL.values():
+    """K_pad clamped into the measured 64 … 1024; an unmeasured config takes the nearest measured one
+    of its layout (else of "kv")."""
+    assert kr.registers_model_row(16, 8, 1) == kr.REGISTERS_MODEL[64][(8, 1, "kv")]
+    assert kr.registers_model_row(2048, 8, 8) == kr.REGISTERS_MODEL[1024][(8, 8, "kv")]
+    assert kr.registers_model_row(512, 16, 2) == kr.REGISTERS_MODEL[512][(16, 4, "kv")]  # spills: not in the table
+    assert (16, 2, "kv") not in kr.REGISTERS_MODEL[512]
+    for k_pad, table in kr.REGISTERS_MODEL.items():
         assert all(res > 0 and fixed > 0 and token > 0 for res, fixed, token in table.values())
+        assert {lay for _, _, lay in table} <= set(kr.STATE_LAYOUTS)
+        vk = [c for c in table if c[2] == "vk"]
+        for bv, w, _ in vk:
+            assert kr.registers_model_row(k_pad, bv, w, "vk") == table[(bv, w, "vk")]
+        if vk:  # an unmeasured vk config: the nearest vk row, never a kv one
+            assert kr.registers_model_row(k_pad, 8, 8, "vk") in [table[c] for c in vk]
+        else:
+            assert kr.registers_model_row(k_pad, 8, 1, "vk") == kr.registers_model_row(k_pad, 8, 1, "kv")
 
 
 def test_hbm_bytes():
@@ -331,8 +345,9 @@ GPU = torch.device("cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, {"VARIANT": "registers", "BLOCK_V": 32, "num_warps": 4},
-                                    {"VARIANT": "streamed", "BLOCK_K": 32}], ids=["default", "registers32", "streamed"])
+@pytest.mark.parametrize("config", [None, {"VARIANT": "registers", "BLOCK_V": 32, "num_warps": 4, "STATE_LAYOUT": "kv"},
+                                    {"VARIANT": "registers", "BLOCK_V": 16, "num_warps": 1, "STATE_LAYOUT": "vk"},
+                                    {"VARIANT": "streamed", "BLOCK_K": 32}], ids=["default", "registers32", "vk16", "streamed"])
 @pytest.mark.parametrize("scalar_gate", [False, True])
 def test_gpu_bf16(config, scalar_gate):
     q, k, v, g, beta, h0 = _inputs(10, 8, 2, 300, 128, 128, dtype=torch.bfloat16, device=GPU, h0=True,
@@ -342,12 +357,15 @@ def test_gpu_bf16(config, scalar_gate):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kd,bv,warps", [(64, 64, 1), (100, 32, 4), (128, 16, 1), (256, 16, 4), (512, 32, 8)])
-def test_gpu_wide_value_blocks(kd, bv, warps):
-    """REGISTERS_MODEL's wide blocks at ragged V (not a multiple of BLOCK_V), raw keys, an h0."""
+@pytest.mark.parametrize("kd,bv,warps,layout", [(64, 64, 1, "kv"), (100, 32, 4, "kv"), (128, 16, 1, "kv"),
+                                                (256, 16, 4, "kv"), (512, 32, 8, "kv"), (64, 64, 1, "vk"),
+                                                (100, 32, 1, "vk"), (256, 16, 1, "vk"), (512, 8, 1, "vk")])
+def test_gpu_wide_value_blocks(kd, bv, warps, layout):
+    """REGISTERS_MODEL's wide blocks at ragged V (not a multiple of BLOCK_V), raw keys, an h0; both
+    state-tile layouts."""
     q, k, v, g, beta, h0 = _inputs(14, 2, 3, 40, kd, 3 * bv - 5, dtype=torch.bfloat16, device=GPU, h0=True)
     _check(q, k, v, g, beta, h0, scale=kd ** -0.5,
-           config={"VARIANT": "registers", "BLOCK_V": bv, "num_warps": warps})
+           config={"VARIANT": "registers", "BLOCK_V": bv, "num_warps": warps, "STATE_LAYOUT": layout})
 
 
 @pytest.mark.gpu
