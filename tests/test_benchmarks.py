@@ -232,15 +232,6 @@ def _gpu_only_script(name: str, *args: str):
         sys.path.remove(str(BENCH))
 
 
-def test_kda_recurrent_layout_kernels_equal_the_template_s():
-    """``benchmarks/kda_recurrent_layout.py``: both layouts' kernels against fuser's recurrent
-    kernel in the interpreter (``--smoke``); without it and without a GPU it refuses."""
-    r = subprocess.run([sys.executable, str(BENCH / "kda_recurrent_layout.py"), "--smoke"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert r.returncode == 0 and "kv and vk equal" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
-    _gpu_only_script("kda_recurrent_layout")
-
-
 def test_kda_parallel_configs_checks_every_config_against_float64():
     """``benchmarks/kda_parallel_configs.py --smoke``: every config it times, in the interpreter,
     against the float64 recurrence; without a GPU the timing run refuses."""
