@@ -186,6 +186,13 @@ _STREAMED = [(1024, 8, 8), (512, 8, 8), (512, 16, 8)]  # (BLOCK_K, BLOCK_V, num_
 #: pick is 1.10x faster at the median, up to 1.77x (K=64, V=8192, N=16, T=64: 296 -> 167 µs, BLOCK_V 64,
 #: 1 warp), never more than 8% slower than the measured fastest. The "cuda" kind (other GPUs) uses
 #: it with its own SM count, NOT MEASURED; K_pad below 64 keeps :data:`_REGS_TABLE`'s order, NOT MEASURED.
+#: The ``"vk"`` rows (the state tile transposed, one warp; :data:`STATE_LAYOUTS`): MEASURED on the H100
+#: 2026-12-06 at the same shapes and inputs (``benchmarks/results/kda_recurrent_configs_vk.json``, 210
+#: device times; the kv rows re-measured at K=256 the same day ran 0.99× their committed times, median),
+#: fit within 1-9% (median) and 7-21% (worst). With them the pick is never slower than the kv rows'
+#: pick and 1.06-1.29× faster at K_pad 256, 1.23-1.50× at 512, where N · V ≥ 16384 value columns
+#: (geometric mean 1.06 over the 105 shapes; ``benchmarks/results/kda_recurrent_configs_vk.md``); at
+#: fewer columns, and at K_pad ≤ 128, a kv config stays first.
 REGISTERS_MODEL = {
     64: {
         (8, 1, "kv"): (7.03, 2.42, 0.282),
@@ -204,6 +211,10 @@ REGISTERS_MODEL = {
         (64, 2, "kv"): (2.46, 3, 0.579),
         (64, 4, "kv"): (1.39, 2.9, 0.87),
         (64, 8, "kv"): (1.26, 2.94, 0.846),
+        (8, 1, "vk"): (7.73, 3.65, 0.557),
+        (16, 1, "vk"): (10.3, 3.84, 1.41),
+        (32, 1, "vk"): (5.28, 3.95, 1.29),
+        (64, 1, "vk"): (4.36, 5.62, 2.25),
     },
     128: {
         (8, 1, "kv"): (4.8, 2.84, 0.373),
@@ -221,6 +232,9 @@ REGISTERS_MODEL = {
         (64, 2, "kv"): (2.46, 4.06, 1.5),
         (64, 4, "kv"): (1.39, 3.28, 0.757),
         (64, 8, "kv"): (0.949, 3.52, 1.48),
+        (8, 1, "vk"): (5.28, 4.57, 0.517),
+        (16, 1, "vk"): (4.8, 4.52, 0.836),
+        (32, 1, "vk"): (4.8, 5.22, 1.49),
     },
     256: {
         (8, 1, "kv"): (4.36, 4.62, 0.625),
@@ -236,6 +250,8 @@ REGISTERS_MODEL = {
         (32, 8, "kv"): (1.26, 5, 0.864),
         (64, 4, "kv"): (1.15, 6.34, 1.54),
         (64, 8, "kv"): (0.863, 6.31, 1.1),
+        (8, 1, "vk"): (4.8, 4.71, 0.643),
+        (16, 1, "vk"): (4.36, 5.09, 1.0),
     },
     512: {
         (8, 1, "kv"): (3.6, 5, 1.93),
@@ -246,6 +262,7 @@ REGISTERS_MODEL = {
         (16, 8, "kv"): (1.15, 5.08, 0.768),
         (32, 4, "kv"): (1.26, 6.53, 1.77),
         (32, 8, "kv"): (0.863, 6.27, 1.24),
+        (8, 1, "vk"): (4.36, 5.3, 0.944),
     },
     1024: {
         (8, 2, "kv"): (2.24, 7.25, 2.1),

@@ -251,6 +251,8 @@ def _as_gpu(monkeypatch, kind="sm90", sms=132):
     (128, 16384, 2, (16, 1, "kv")),   # 126 µs at T=64, BLOCK_V 8 / 2 warps: 174
     (128, 128, 2, (8, 1, "kv")),      # few programs: the smallest block, one warp
     (256, 128, 2, (8, 4, "kv")),      # 34 µs at T=64, BLOCK_V 8 / 1 warp: 43
+    (256, 8192, 2, (16, 1, "vk")),    # the state tile transposed: 113 µs at T=64, the kv pick (16/4): 142
+    (512, 1024, 16, (8, 1, "vk")),    # 211 µs at T=64, the kv pick (16/4): 301
     (200, 1000, 16, None),      # K, V not powers of two: whatever the model says, within its table
 ])
 def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, want):
