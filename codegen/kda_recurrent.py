@@ -24,7 +24,9 @@ Variants (:data:`VARIANTS`, the ``VARIANT`` key of a config):
     by hand: token t+1's vectors are loaded while token t is computed (on the H100 this halved
     the time per token, to about 0.5 µs at K=128). Needs ``K_pad · BLOCK_V`` ≤
     :data:`REGISTER_TILE_MAX` elements (the tables' first choices ≤ 8192); the default up to
-    K_pad = :data:`REGISTERS_MAX_K`.
+    K_pad = :data:`REGISTERS_MAX_K`. The tile is held ``[K_pad, BLOCK_V]`` or transposed
+    (``STATE_LAYOUT``, :data:`STATE_LAYOUTS`), whichever :data:`REGISTERS_MODEL` says is faster
+    at this N and V.
 ``"streamed"``
     for K too large for registers (8192, 16384, ...): the column block ``S[:, v-block]`` lives in
     a float32 global workspace, the final-state buffer itself (or a scratch ``[N, K, V]`` buffer
