@@ -404,12 +404,16 @@ def _normalise(cfg: dict, k_dim: int) -> dict:
 
 def choose_config(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows: Optional[int] = None,
                   config: Optional[dict] = None) -> dict:
-    """The config :func:`forward` runs: ``config``'s keys over the first candidate of its variant
-    (``config=None`` or without ``VARIANT``: the default candidate), checked.
+    """The config :func:`forward` runs: ``config``'s keys over the candidate of its variant that
+    agrees with most of them (the first such in the table's order; ``config=None``: the default
+    candidate; without ``VARIANT``: the default's variant), checked.
 
     For the registers variant ``BLOCK_K`` is always ``next_power_of_2(k_dim)`` (≥ 4); a config
     naming only ``{"VARIANT": "streamed", "BLOCK_K": 16}`` takes BLOCK_V, warps and stages from
-    the table's first streamed row.
+    the table's first streamed row. A partial config takes its missing keys from a measured row
+    like it: ``{"BLOCK_V": 16, "num_warps": 4}`` at K = 256 gets the layout of the table's 16 / 4
+    row (``"kv"``), not that of the first row (which may hold the tile transposed, fast at one
+    warp only).
 
     Raises:
         ValueError: unknown variant, blocks that are not powers of two ≥ 4, a registers
@@ -420,7 +424,9 @@ def choose_config(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows:
     if not config:
         return _normalise(dict(cands[0]), k_dim)
     variant = config.get("VARIANT", cands[0]["VARIANT"])
-    base = next((c for c in cands if c["VARIANT"] == variant), None)
+    same = [c for c in cands if c["VARIANT"] == variant]
+    # max() keeps the first of equals: the table's order decides among rows agreeing alike
+    base = max(same, key=lambda c: sum(c.get(key) == val for key, val in config.items()), default=None)
     if base is None:
         k_pad = max(4, launch.next_power_of_2(k_dim))
         bv = min(16, max(4, launch.next_power_of_2(v_dim)))
@@ -727,7 +733,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         scalar_gate: one decay per (row, token) instead of one per key channel.
         out_dtype: o's dtype (default v's).
         config: a launch config (keys of :func:`candidate_configs`; missing keys from the
-            table's first row of its variant, see :func:`choose_config`); None: the table's
+            table's row of its variant that agrees with most given keys, see :func:`choose_config`); None: the table's
             default for this device, K, V and N.
         out: o preallocated, written in place, or None (a new contiguous ``[N, T, V]``):
             ``[N, T, V]``, or ``[*lead, T, V]`` with ``prod(lead) = N`` (row ``n`` the row-major

@@ -280,6 +280,25 @@ def test_registers_configs_follow_the_measured_model(monkeypatch, kd, vd, n, wan
     assert (old[0]["BLOCK_V"], old[0]["num_warps"]) == (min(8, vd), kr._REGS_TABLE[k_pad][0][1])
 
 
+def test_a_partial_config_takes_the_rest_from_a_row_like_it(monkeypatch):
+    """A partial config's missing keys come from the table's row agreeing with most of the given
+    keys: at K=256, V=8192, N=2 the first row holds the tile transposed at one warp; a user's
+    ``{"BLOCK_V": 16, "num_warps": 4}`` gets the measured 16 / 4 row's layout (kv), and a layout
+    named alone takes the best row of that layout."""
+    _as_gpu(monkeypatch)
+    kw = dict(k_dim=256, v_dim=8192, dtype=torch.bfloat16, device="cuda", n_rows=2)
+    cands = kr.candidate_configs(**kw)
+    assert cands[0]["STATE_LAYOUT"] == "vk" and cands[0]["num_warps"] == 1
+    cfg = kr.choose_config(config={"BLOCK_V": 16, "num_warps": 4}, **kw)
+    assert (cfg["BLOCK_V"], cfg["num_warps"], cfg["STATE_LAYOUT"]) == (16, 4, "kv")
+    assert cfg == next(c for c in cands if (c["BLOCK_V"], c["num_warps"], c["STATE_LAYOUT"]) == (16, 4, "kv"))
+    cfg = kr.choose_config(config={"STATE_LAYOUT": "kv"}, **kw)
+    assert cfg == next(c for c in cands if c["STATE_LAYOUT"] == "kv")
+    # keys no row has: the first row, the given keys over it
+    cfg = kr.choose_config(config={"num_warps": 16}, **kw)
+    assert cfg == dict(cands[0], num_warps=16)
+
+
 def test_a_symbolic_row_count_is_not_guarded_on(monkeypatch):
     """The config order reads N only when it is a plain int: a symbolic N (dynamic batch) keeps the
     table's order and adds no guard on N (the graph would otherwise recompile, or fail under
