@@ -111,6 +111,12 @@ def _state_roles(s: fx.Node) -> Optional[tuple]:
 def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
     """``(base, dim, index, node)``: ``x`` selects time index ``index`` of dim ``dim`` of ``base``
     (``base[:, t]``, ``base.select(d, t)``, ``base[:, t, ..., None]``), through float32 casts."""
+    if not isinstance(x, fx.Node):
+        # a monomial's leaf of its own (e.g. ("exp", node): exp(beta[:, t]) computed per step)
+        inner = next((a for a in (x if isinstance(x, tuple) else ()) if isinstance(a, fx.Node)), None)
+        where = f" ('{inner.name}', {location(inner)})" if inner is not None else ""
+        raise _Decline(f"{what}{where} is computed inside the loop from a selection; compute it for the whole "
+                       "sequence before the loop")
     node = x
     while True:
         c = view.canon(x)
@@ -380,11 +386,29 @@ class KDAPattern(Pattern):
                            "that writes each o_t once into a buffer (o[:, t] = o_t) or stacks them")
         c = view.canon(rd[0])
         if c is not None and c.op == "setitem" and c.args[1] is item and c.args[0] is not item:
+            if item is not readout and view.op(item) == "cast":
+                KDAPattern._check_cast_into(readout, item, c.args[0])
             return item, rd[0]
         if c is not None and c.op == "stack":
             return item, rd[0]
         raise _Decline(f"o_t '{readout.name}' ({location(readout)}) is neither written into a buffer "
                        "(o[:, t] = o_t) nor stacked (torch.stack)")
+
+    @staticmethod
+    def _check_cast_into(readout: fx.Node, cast: fx.Node, buffer: fx.Node) -> None:
+        """A cast between o_t and its write into the buffer is taken only when it changes no value
+        the buffer receives: to the buffer's own dtype, or to a float at least as wide as it (the
+        fused op computes o_t in float32 and rounds it once, to the buffer's dtype). A narrower cast
+        (``o[:, t] = o_t.bfloat16()`` into a float32 buffer, ``.half()``, ``.int()``) rounds o_t
+        first in eager, which the op would skip: declined."""
+        to, into = dtype(cast), dtype(buffer)
+        wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+                 torch.float32: (torch.float64,)}
+        if to is not None and (to == into or to in wider.get(into, ())):
+            return
+        raise _Decline(f"o_t '{readout.name}' ({location(readout)}) is cast to {to} before it is written into a "
+                       f"{into} buffer; the fused op rounds o_t only once, to the buffer's dtype (write o_t "
+                       "itself, or make the buffer that dtype)")
 
     # -- the chain -----------------------------------------------------------------------------
     def _chain(self, head: fx.Node, steps: list, roles: tuple, ctx: MatchContext) -> Match:
@@ -409,6 +433,9 @@ class KDAPattern(Pattern):
                 if base is not b0 or dim != d0:
                     raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} from '{base.name}' dim {dim}, step 0 from '{b0.name}' dim {d0}")
                 if absolute(name, index) != t0 + j:
+                    if j == 0:
+                        raise _Decline(f"the first step reads {name} at time index {index} and q at "
+                                       f"{first.leaves['q'][2]}; one step must read every input at one time index")
                     raise _Decline(f"step {j} of the loop differs from step 0: it reads {name} at time index {index}; "
                                    f"expected {t0 + j} (the time steps must follow each other)")
             if st.scale != first.scale:

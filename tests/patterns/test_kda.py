@@ -323,6 +323,53 @@ def test_undecayed_state_in_the_delta_is_declined():
     assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="before its decay")
 
 
+def _cast_loop(cast, buffer_dtype=None):
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.zeros_like(v, dtype=buffer_dtype)
+        for t in range(q.shape[1]):
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+            o[:, t] = cast(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+        return o
+    return loop
+
+
+# found by an adversarial review (2026-12-07): a cast between o_t and its write was dropped, so
+# `o[:, t] = o_t.int()` (or `.bfloat16()` into a float32 buffer) returned the uncast values
+@pytest.mark.parametrize("cast", [lambda x: x.to(torch.int32), lambda x: x.bfloat16(), lambda x: x.half()],
+                         ids=["int32", "bfloat16", "float16"])
+def test_a_cast_narrower_than_the_buffer_before_the_write_is_declined(cast):
+    assert_declines(_cast_loop(cast), *_inputs("bthk"), pattern="kda", reason="cast to .* before it is written")
+
+
+@pytest.mark.parametrize("cast,buffer_dtype", [(lambda x: x.float(), torch.bfloat16),
+                                               (lambda x: x.bfloat16(), torch.bfloat16),
+                                               (lambda x: x.half(), torch.float16)],
+                         ids=["float-into-bf16", "bf16-into-bf16", "fp16-into-fp16"])
+def test_a_cast_that_changes_no_written_value_is_fused(cast, buffer_dtype):
+    _check(_cast_loop(cast, buffer_dtype), *_inputs("bthk"), tol=1e-2 if buffer_dtype else 2e-4)
+
+
+@pytest.mark.parametrize("where", ["beta", "q", "k"])
+def test_an_input_transformed_inside_the_loop_is_declined_with_a_reason(where):
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            q_t, k_t, b_t = q[:, t], k[:, t], beta[:, t]
+            q_t, k_t, b_t = (q_t.exp() if where == "q" else q_t, k_t.exp() if where == "k" else k_t,
+                             b_t.exp() if where == "beta" else b_t)
+            s = s * g[:, t][..., None].exp()
+            s = s + torch.einsum("bhk,bhv->bhkv", b_t[..., None] * k_t,
+                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, s))
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q_t, s)
+        return o
+
+    assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="computed inside the loop")
+
+
 def test_a_buffer_from_the_caller_is_declined():
     def loop(q, k, v, g, beta, o):
         s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
