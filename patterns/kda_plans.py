@@ -106,10 +106,12 @@ PARALLEL_TRAFFIC_EFFICIENCY = 1 / 1.3
 #: Measured over modelled time of the parallel form at the short-sequence configs of
 #: ``codegen/kda_parallel._short_config`` (the model above was fitted to the general config):
 #: ``"gram_steps_1"`` (K ≤ 512, T ≤ 16: one Gram step a program, four value tiles a state program)
-#: 0.77-0.84 of the general config's time, geometric mean 0.81 over four shapes; ``"gram_dk"``
-#: (K ≥ 8192, T ≤ 16, channel-major Gram tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16 (0.93). MEASURED
-#: on the H100 (torch 2.11 / Triton 3.6, 2026-12-06, ``benchmarks/results/kda_parallel_configs.md``).
-PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": 0.81, "gram_dk": 0.93}
+#: geometric mean 0.865 over the 64 such shapes of the T ≤ 16 plan sweep (0.68-1.09; H100, torch
+#: 2.11 / Triton 3.6, 2026-12-07, ``benchmarks/results/kda_plan_sweep_t16.md``; was 0.81 from four
+#: shapes of ``kda_parallel_configs.md``); ``"gram_dk"`` (K ≥ 8192, T ≤ 16, channel-major Gram
+#: tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16 (0.93; the sweep's two such shapes: 0.90, 0.95).
+#: MEASURED on the H100 (2026-12-06, ``benchmarks/results/kda_parallel_configs.md``).
+PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": 0.865, "gram_dk": 0.93}
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
