@@ -26,7 +26,12 @@ Variants (:data:`VARIANTS`, the ``VARIANT`` key of a config):
     :data:`REGISTER_TILE_MAX` elements (the tables' first choices ≤ 8192); the default up to
     K_pad = :data:`REGISTERS_MAX_K`. The tile is held ``[K_pad, BLOCK_V]`` or transposed
     (``STATE_LAYOUT``, :data:`STATE_LAYOUTS`), whichever :data:`REGISTERS_MODEL` says is faster
-    at this N and V.
+    at this N and V. Where its time goes at the kernel-blog shape (N=2, K=256, V=8192, T=8: 19 µs
+    on the H100): ~4 µs a one-token launch, ~4 µs the final state, 1.6-1.8 µs each further token,
+    3.3× a token's FMA floor. Tried and not kept (``benchmarks/results/kda_recurrent_reductions.md``):
+    lanes split over keys and values (24 shuffles a token instead of 160; 1.6-5.5× slower: each
+    lane then loads and exponentiates its keys' vectors), and the sums over the keys as chains of
+    multiply-adds over 32-key tiles (0.74-1.02×).
 ``"streamed"``
     for K too large for registers (8192, 16384, ...): the column block ``S[:, v-block]`` lives in
     a float32 global workspace, the final-state buffer itself (or a scratch ``[N, K, V]`` buffer
