@@ -163,7 +163,8 @@ class AttentionKLPattern(Pattern):
         for t in s1.mask_terms:
             if t["kind"] == "additive" and t["scale"]:
                 raise Decline("an additive mask added before the scale (it would differ per side)")
-        zero_hidden = _zero_hidden(zeroing, s1, s2, ctx)
+        zero_hidden, zeroed = _zero_hidden(zeroing, s1, s2, ctx)
+        _check_finite_terms(view.canon(term), s1, s2, zeroed)
 
         # A side under torch.no_grad() (or detached) gets no gradient: Dynamo keeps no_grad
         # blocks as grad-mode switches, and the values it recorded tell which nodes carry one.
@@ -255,23 +256,57 @@ def _zeroing_target(kind: str, cond, s: Scores, ctx: MatchContext, at=None):
     return "causal" if mc.cls == s.causal else None
 
 
-def _zero_hidden(zeroing: list, s1: Scores, s2: Scores, ctx: MatchContext) -> bool:
-    """Whether the KL terms are zeroed where the scores' masks hide keys, and the kernels must
-    exclude those terms (``zero_hidden``): only needed with a finite fill (with ``-inf`` the
-    hidden terms are 0 anyway). Raises Decline when the zeroing is not exactly that."""
+def _zero_hidden(zeroing: list, s1: Scores, s2: Scores, ctx: MatchContext) -> tuple:
+    """``(zero_hidden, zeroed)``: whether the KL terms are zeroed where the scores' masks hide
+    keys and the kernels must exclude those terms (``zero_hidden``: only with a finite fill; with
+    ``-inf`` the kernels' hidden terms are 0 already), and what the zeroing covers (``"causal"``,
+    ``("mask", node)``). Raises Decline when the zeroing is not exactly that."""
     targets = []
     for zkind, cond, reader in zeroing:
         t = _zeroing_target(zkind, cond, s1, ctx, at=reader)
         if t is None:
             raise Decline("the KL terms are zeroed by a mask other than the scores' mask")
         targets.append(t)
+    zeroed = set(targets) - {"nothing"}
     finite = any(f != NEG_INF for s in (s1, s2) for f in (s.mask_fill, s.causal_fill))
     if not zeroing or not finite:
-        return False
+        return False, zeroed
     hiding = ({"causal"} if s1.causal != "none" else set()) | {("mask", t["node"]) for t in s1.mask_terms}
-    if any(t["kind"] == "additive" for t in s1.mask_terms) or set(targets) - {"nothing"} != hiding:
+    if any(t["kind"] == "additive" for t in s1.mask_terms) or zeroed != hiding:
         raise Decline("with a finite fill, the KL terms must be zeroed exactly where the scores' masks hide keys")
-    return True
+    return True, zeroed
+
+
+def _minus_inf_hidden(s: Scores) -> set:
+    """The structures that hide keys of side ``s`` with a ``-inf`` score: ``"causal"``, ``("mask",
+    node)`` for a boolean term, ``"predicate"`` (an additive term's values are data: not here)."""
+    out = set()
+    if s.causal != "none" and s.causal_fill == NEG_INF:
+        out.add("causal")
+    for t in s.mask_terms:
+        if t["kind"] != "additive" and t.get("fill", NEG_INF) == NEG_INF:
+            out.add(("mask", t["node"]))
+    if s.pred is not None and s.pred_fill == NEG_INF:
+        out.add("predicate")
+    return out
+
+
+def _check_finite_terms(term, s1: Scores, s2: Scores, zeroed: set) -> None:
+    """Decline where eager's KL terms on hidden keys are not finite and nothing zeroes them: with a
+    ``-inf`` fill, ``p1 · (log p1 − log p2)`` and ``kl_div(log_target=True)`` give ``0 · (−∞) =
+    NaN`` (teacher hidden) or ``+∞`` (student hidden alone), and ``kl_div`` of probabilities,
+    ``xlogy(p1, p1) − p1 · log p2``, gives NaN or ``+∞`` where the student's entry is ``-inf``.
+    The kernels' terms there are 0 (they never form ``0 · (−∞)``), so the op would turn eager's NaN
+    loss into a finite one. (An additive mask holding ``-inf`` is data: README, Limits.)"""
+    probs = term.op == "kl_div" and not term.attrs.get("log_target")
+    risky = _minus_inf_hidden(s2) if probs else _minus_inf_hidden(s1) | _minus_inf_hidden(s2)
+    left = risky - zeroed
+    if left:
+        what = ", ".join(sorted("the causal mask" if r == "causal" else "the index predicate" if r == "predicate"
+                                else f"the mask '{r[1].name}'" for r in left))
+        raise Decline(f"{what} hides keys with -inf and the KL terms there are not zeroed: eager's terms on those "
+                      "keys are 0 * (-inf) = NaN (or +inf), so its loss is NaN; zero them (kl.masked_fill(hidden, 0)) "
+                      "or fill with a finite value (torch.finfo(dtype).min)")
 
 
 def _check_gradient_cuts(side: str, s: Scores, root: fx.Node, view: GraphView) -> None:

@@ -179,7 +179,32 @@ def _zeroed_by_other_mask(q1, k1, q2, k2):
     return kl.masked_fill(_causal(), 0).sum(-1).mean()
 
 
+def _causal_inf_not_zeroed(q1, k1, q2, k2):
+    m = _causal()
+    s1 = (q1 @ k1.mT * 0.3).masked_fill(m, float("-inf"))
+    s2 = (q2 @ k2.mT * 0.3).masked_fill(m, float("-inf"))
+    return F.kl_div(F.log_softmax(s2, -1), F.log_softmax(s1, -1), reduction="batchmean", log_target=True)
+
+
+def _handwritten_causal_inf_not_zeroed(q1, k1, q2, k2):
+    m = _causal()
+    s1 = (q1 @ k1.mT).masked_fill(m, float("-inf"))
+    s2 = (q2 @ k2.mT).masked_fill(m, float("-inf"))
+    return (F.softmax(s1, -1) * (F.log_softmax(s1, -1) - F.log_softmax(s2, -1))).sum(-1).mean()
+
+
+def _probs_causal_inf_not_zeroed(q1, k1, q2, k2):
+    m = _causal()
+    p1 = F.softmax((q1 @ k1.mT).masked_fill(m, float("-inf")), -1)
+    return F.kl_div(F.log_softmax((q2 @ k2.mT).masked_fill(m, float("-inf")), -1), p1, reduction="sum")
+
+
+# found by an adversarial review (2026-12-07): these are NaN in eager (0 * (-inf) on the hidden keys);
+# the op gave a finite loss
 NEAR = [
+    ("causal_inf_not_zeroed", _causal_inf_not_zeroed, "hides keys with -inf and the KL terms there are not zeroed"),
+    ("handwritten_causal_inf_not_zeroed", _handwritten_causal_inf_not_zeroed, "are not zeroed"),
+    ("probs_causal_inf_not_zeroed", _probs_causal_inf_not_zeroed, "are not zeroed"),
     ("target_not_a_single_softmax", _renormalised_head_mean, None),
     ("masks_differ", _different_masks, "masks differ"),
     ("student_log_probs_used_elsewhere", _student_probs_reused, "also used by"),
@@ -194,6 +219,34 @@ def test_near_misses_are_not_fused(qk, name, fn, reason):
         assert not [m for m in result.matches if m.pattern == "attention_kl"]
         return
     testing.assert_declines(fn, *qk, pattern="attention_kl", reason=reason)
+
+
+def test_near_misses_with_minus_inf_are_nan_in_eager(qk):
+    """The -inf near misses above: eager's loss is NaN, and the compiled one (Inductor's) too."""
+    for fn in (_causal_inf_not_zeroed, _handwritten_causal_inf_not_zeroed, _probs_causal_inf_not_zeroed):
+        assert torch.isnan(fn(*qk)).item()
+
+
+def test_kl_of_probabilities_with_only_the_teachers_keys_at_minus_inf_is_fused():
+    """``kl_div`` of probabilities is ``xlogy(p1, p1) - p1 * log p2``: a teacher entry at -inf (p1 = 0)
+    with a finite student entry gives 0 in eager, so this spelling is finite and fused."""
+    g = torch.Generator().manual_seed(4)
+    q1, k1 = torch.randn(B, H, N, D1, generator=g), torch.randn(B, H, N, D1, generator=g)
+    q2 = torch.randn(B, H, N, D2, generator=g).requires_grad_()
+    k2 = torch.randn(B, H, N, D2, generator=g).requires_grad_()
+    pad = torch.zeros(B, 1, 1, N, dtype=torch.bool)
+    pad[0, ..., -5:] = True
+
+    def f(q1, k1, q2, k2, pad):
+        p1 = F.softmax((q1 @ k1.mT).masked_fill(pad, float("-inf")), -1)
+        return F.kl_div(F.log_softmax((q2 @ k2.mT).masked_fill(pad, MIN), -1), p1, reduction="sum")
+
+    testing.assert_fuses(f, q1, k1, q2, k2, pad, pattern="attention_kl", spelling="kl_div(probs)")
+    want = f(q1, k1, q2, k2, pad)
+    assert torch.isfinite(want)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="fuser")(q1, k1, q2, k2, pad)
+    assert abs(got.item() - want.item()) <= 1e-4 * abs(want.item())
 
 
 def test_empty_rows_give_zero_loss_and_no_nan():
