@@ -271,6 +271,35 @@ class Num:
     dtype: torch.dtype
 
 
+#: The integers each dtype holds exactly: every one in the closed range (int64: any position).
+_EXACT_INTEGERS = {
+    torch.int32: (-2 ** 31, 2 ** 31 - 1), torch.int16: (-2 ** 15, 2 ** 15 - 1), torch.int8: (-2 ** 7, 2 ** 7 - 1),
+    torch.uint8: (0, 2 ** 8 - 1), torch.float64: (-2 ** 53, 2 ** 53), torch.float32: (-2 ** 24, 2 ** 24),
+    torch.float16: (-2 ** 11, 2 ** 11), torch.bfloat16: (-2 ** 8, 2 ** 8),
+}
+
+
+def _index_fits(x: "Index", shape: tuple, dtype: torch.dtype) -> bool:
+    """Whether every value of ``x`` over a tensor of ``shape`` is an integer that ``dtype`` holds
+    exactly, so that eager's ``dtype`` arithmetic gives the formula's values: always for int64; for
+    other dtypes only with static sizes, integer coefficients and a range inside
+    :data:`_EXACT_INTEGERS` (``arange(n, dtype=torch.bfloat16) + 250`` rounds, an int16 position
+    past 32767 wraps: such a node is not read as a formula)."""
+    if dtype == torch.int64:
+        return True
+    limits = _EXACT_INTEGERS.get(dtype)
+    if limits is None or not isinstance(x.const, int) or isinstance(x.const, bool):
+        return False
+    lo = hi = x.const
+    for axis, c in x.coef:
+        size = shape[axis] if -len(shape) <= axis < len(shape) else None
+        if not isinstance(size, int) or not isinstance(c, int):
+            return False
+        span = c * (size - 1)
+        lo, hi = lo + min(0, span), hi + max(0, span)
+    return limits[0] <= lo and hi <= limits[1]
+
+
 def _expr(x: Any) -> Any:
     """A SymInt/SymFloat/int/float as an int, float or sympy expression."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -524,6 +553,10 @@ class _Interpreter:
         fn, meth = n.op == "call_function", n.op == "call_method"
         name = t if meth else getattr(t, "__name__", "")
         out = self._op(n, t, name, fn, meth, args, kwargs, shape, rank, v)
+        if isinstance(out, Index) and not _index_fits(out, shape, v.dtype):
+            # eager computes this node in v.dtype: its values would wrap (integers) or round
+            # (floats), which the exact integer formula would not reproduce
+            raise NotIndexed(f"'{n.name}' holds positions in {v.dtype} whose values may not all be exact there")
         return _drop_unit_axes(_with_rank(out, rank), shape) if not isinstance(out, Scalar) else out
 
     def _op(self, n, t, name, fn, meth, args, kwargs, shape, rank, v):  # noqa: C901
@@ -755,8 +788,8 @@ class _Interpreter:
         if isinstance(x, Num):
             return Num(rank, x.pred, _round(x.a, dtype), _round(x.b, dtype), dtype)
         if isinstance(x, Index):
-            if dtype.is_floating_point or dtype in (torch.int32, torch.int64, torch.int16):
-                return Index(rank, x.coef, x.const)  # integer values survive (sizes < 2**24)
+            if dtype.is_floating_point or dtype in _EXACT_INTEGERS or dtype == torch.int64:
+                return Index(rank, x.coef, x.const)  # the caller checks that the values fit (_index_fits)
         raise NotIndexed(f"cast to {dtype}")
 
     def _reshape(self, n: fx.Node, x: Any, rank: int) -> Any:

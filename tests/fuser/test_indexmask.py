@@ -136,6 +136,40 @@ def test_mask_depending_on_batch_index_is_not_a_predicate():
         _analyse(f, X)
 
 
+# found by an adversarial review (2026-12-07): positions in a narrow dtype wrap or round in eager;
+# they were read as exact integers (int16 positions past 32767 made a wrapped mask "causal")
+@pytest.mark.parametrize("dtype,offset", [(torch.int16, 32760), (torch.int32, 2 ** 31 - 5), (torch.int8, 120),
+                                          (torch.uint8, 250), (torch.bfloat16, 250), (torch.float16, 2040)])
+def test_positions_that_do_not_fit_their_dtype_are_not_a_formula(dtype, offset):
+    def f(q):
+        n = q.shape[-2]
+        i = torch.arange(n, dtype=dtype)[:, None] + offset
+        j = torch.arange(n, dtype=dtype)[None, :] + offset
+        return j <= i
+
+    with pytest.raises(indexmask.NotIndexed, match="may not all be exact"):
+        _analyse(f, X, dynamic=False)
+
+
+def test_a_wrapping_subtraction_in_uint8_is_not_a_formula():
+    def f(q):
+        n = q.shape[-2]
+        i, j = torch.arange(n, dtype=torch.uint8)[:, None], torch.arange(n, dtype=torch.uint8)[None, :]
+        return j <= i - 3  # rows 0-2: i - 3 wraps to 253-255 in eager, every key visible
+
+    with pytest.raises(indexmask.NotIndexed, match="may not all be exact"):
+        _analyse(f, X, dynamic=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.float32, torch.bfloat16])
+def test_positions_that_fit_their_dtype_are_still_a_formula(dtype):
+    def f(q):
+        n = q.shape[-2]
+        return torch.arange(n, dtype=dtype)[None, :] <= torch.arange(n, dtype=dtype)[:, None] + 3
+
+    assert _analyse(f, X, dynamic=False)[0] not in (None, "none")
+
+
 # --- differential check of the interpreter: predicate vs real evaluation ------------------
 
 _ATOMS = st.sampled_from([
