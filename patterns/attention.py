@@ -24,7 +24,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
-from .masks import FLOATS, Decline, describe_mask
+from .masks import FLOATS, Decline, describe_mask, rounds_below
 from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, kv_heads, softmax_rule, within
 
 # --------------------------------------------------------------------------------------------
@@ -172,6 +172,9 @@ class AttentionPattern(Pattern):
                 raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
             if sm.attrs["dtype"] not in (None, *FLOATS):
                 raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
+            if sm.attrs["dtype"] is not None and rounds_below(sm.attrs["dtype"], dtype(sm.args[0])):
+                raise Decline(f"softmax in {sm.attrs['dtype']} of scores in {dtype(sm.args[0])}; fuser computes it "
+                              "in float32")
         for n in p_nodes:
             c = view.canon(n)
             if c.op == "dropout":
@@ -180,6 +183,9 @@ class AttentionPattern(Pattern):
                     raise Decline(f"dropout on the attention weights is active (p={p}, training); not fused")
             if c.op == "cast" and c.attrs["dtype"] not in FLOATS:
                 raise Decline(f"P is cast to {c.attrs['dtype']}")
+            if c.op == "cast" and rounds_below(c.attrs["dtype"], sc.compute_dtype):
+                raise Decline(f"P is rounded to {c.attrs['dtype']}, below the {sc.compute_dtype} the scores are "
+                              "computed in; the fused kernels keep it in float32 up to P V")
 
         pv_c = view.canon(pv)
         # softmax(S.detach()) V, or P computed under torch.no_grad(): gradients reach v only

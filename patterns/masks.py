@@ -34,6 +34,15 @@ from fuser.static import NotStatic, symint_value
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def rounds_below(to: torch.dtype, computed_in: torch.dtype) -> bool:
+    """Whether a cast to the float dtype ``to`` rounds values computed in ``computed_in``: a
+    narrower or another 16-bit float (float32 -> bfloat16, bfloat16 -> float16). The fused kernels
+    keep scores and probabilities in float32, so a program that rounds them below the dtype it
+    computes in gets a result the kernels would not reproduce."""
+    bits = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+    return to != computed_in and bits.get(to, 0) <= bits.get(computed_in, 0)
+
+
 NEG_INF = float("-inf")
 
 

@@ -23,7 +23,7 @@ from fuser.matcher import HOLE, Alt, Bindings, Chain, Op, Rule, Same, Var
 from fuser.pattern import MatchContext
 from fuser.static import NotStatic, symint_value
 
-from .masks import FLOATS, NEG_INF, Decline, SizeFactor, analyze_masks, round_to, static_product
+from .masks import FLOATS, NEG_INF, Decline, SizeFactor, analyze_masks, round_to, rounds_below, static_product
 
 _LAST_KEEPDIM = lambda c: c.attrs.get("keepdim") and c.attrs.get("dim") in ((ndim(c.args[0]) - 1,),)  # noqa: E731
 
@@ -364,6 +364,9 @@ def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bo
                               start=len(score_scales), neg=False, fill=f, at=c.node, shift=shift))
         elif label == "cast" and c.op == "cast" and c.attrs["dtype"] not in FLOATS:
             raise Decline(f"scores cast to {c.attrs['dtype']}")
+        elif label == "cast" and c.op == "cast" and rounds_below(c.attrs["dtype"], dtype(qk)):
+            raise Decline(f"the scores are rounded to {c.attrs['dtype']} after Q Kᵀ in {dtype(qk)}; the fused kernels "
+                          "keep them in float32 (cast the inputs instead, or keep the scores in their dtype)")
         elif label == "detach":
             detached = True
     factors = list(score_scales)
