@@ -25,7 +25,7 @@ import torch.fx as fx
 from . import distributed, planner, registry
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
 from .codegen import render
-from .graph import GraphView, annotate, flat_args, location, val, written_args
+from .graph import GraphView, annotate, flat_args, location, ndim, val, written_args
 from .options import Options
 from .pattern import Match, MatchContext, Pattern, Rejection, match_device
 from .report import CompileTimes, PhaseTimer
@@ -478,6 +478,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         for k in m.kernels:
             log.info("fuser:   kernel %s: %s", k.name, k.path)
     guarded = timer.wrap("emit", _guard_softmax_axis)(gm.graph, view)
+    guarded |= timer.wrap("emit", _guard_normalisation_axis)(gm.graph, view)
     for r in result.rejected:
         if r.node in guarded:
             r.reason += (" (rewritten as a softmax over the last dim of the transposed scores, so that "
@@ -708,6 +709,43 @@ def _guard_softmax_axis(graph: fx.Graph, view: GraphView) -> set:
             t = annotate(graph.call_method("transpose", (c.args[0], d, -1)))
             sm = annotate(graph.call_function(fn, (t, -1), kwargs))
             back = annotate(graph.call_method("transpose", (sm, d, -1)))
+        back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+        n.replace_all_uses_with(back)
+        graph.erase_node(n)
+        done.add(n.name)
+    return done
+
+
+def _guard_normalisation_axis(graph: fx.Graph, view: GraphView) -> set:
+    """The same guard for a softmax written by hand (``e = exp(x - x.amax(d, keepdim=True)); e /
+    e.sum(d', keepdim=True)``): Inductor's attention rewrite matches its decomposed form without
+    checking the axes either (measured with torch 2.13: ``e / e.sum(-2)`` before a matmul computed
+    over the last dim, 40% off), so a ``sum`` of an ``exp``, or an ``amax`` subtracted before an
+    ``exp``, over one dim other than the last (``keepdim=True``) is rewritten as the same reduction
+    of the transposed tensor over its last dim, transposed back — the same values. Returns the
+    names of rewritten nodes."""
+    done = set()
+    for n in list(graph.nodes):
+        if n not in view.order or n.op not in ("call_function", "call_method"):
+            continue
+        c = view.canon(n)
+        if c is None or c.op not in ("sum", "amax") or c.node is not n or not c.attrs.get("keepdim"):
+            continue
+        dims, rank = c.attrs.get("dim"), ndim(n)
+        if not dims or len(dims) != 1 or rank is None or rank < 2 or dims[0] in (rank - 1, -1):
+            continue
+        x = c.args[0]
+        if c.op == "sum":
+            if c.attrs.get("dtype") is not None or not isinstance(x, fx.Node) or view.op(x) != "exp":
+                continue
+        elif not any(view.op(u) == "sub" and any(view.op(w) == "exp" for w in u.users) for u in n.users):
+            continue
+        d = dims[0]
+        fn = torch.sum if c.op == "sum" else torch.amax
+        with graph.inserting_before(n):
+            t = annotate(graph.call_method("transpose", (x, d, -1)))
+            red = annotate(graph.call_function(fn, (t, -1), {"keepdim": True}))
+            back = annotate(graph.call_method("transpose", (red, d, -1)))
         back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
         n.replace_all_uses_with(back)
         graph.erase_node(n)

@@ -230,6 +230,12 @@ NEGATIVE = [
     ("fill_from_data", lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), v.mean()), -1) @ v,
      "only known at run time"),
     ("mixed_dtypes", lambda q, k, v: torch.softmax(q.double() @ k.double().mT, -1).float() @ v, "dtype"),
+    # found by an adversarial review (2026-12-07): roundings the program asks for were dropped
+    ("scores_rounded_to_bf16", lambda q, k, v: torch.softmax((q @ k.mT * 4.0).to(torch.bfloat16), -1).float() @ v,
+     "rounded to torch.bfloat16"),
+    ("softmax_in_bf16", lambda q, k, v: torch.softmax(q @ k.mT * 4.0, -1, dtype=torch.bfloat16).float() @ v,
+     "softmax in torch.bfloat16"),
+    ("p_rounded_to_fp16", lambda q, k, v: torch.softmax(q @ k.mT, -1).half().float() @ v, "P is rounded to torch.float16"),
 ]
 
 
@@ -237,6 +243,31 @@ NEGATIVE = [
 def test_near_miss_is_declined(qkv, name, fn, reason):
     q, k, v = qkv
     testing.assert_declines(fn, q, k, v, pattern="attention", reason=reason)
+
+
+def _handwritten(max_dim, sum_dim, use_max=False):
+    def f(q, k, v):
+        s = q @ k.mT * 0.3
+        m = torch.max(s, max_dim, keepdim=True)[0] if use_max else s.amax(max_dim, keepdim=True)
+        e = torch.exp(s - m)
+        return (e / e.sum(sum_dim, keepdim=True)) @ v
+    return f
+
+
+@pytest.mark.parametrize("max_dim,sum_dim,use_max", [(-1, -2, False), (-2, -1, False), (-2, -1, True), (-2, -2, False)])
+def test_a_handwritten_normalisation_over_another_axis_runs_as_written(qkv, max_dim, sum_dim, use_max):
+    """Not a softmax over the keys: not fused, and not taken by Inductor's attention rewrite either,
+    which ignores the axes (found by an adversarial review, 2026-12-07: 40% off with torch 2.13):
+    the reductions over a dim other than the last are rewritten over the transposed tensor."""
+    q, k, v = qkv
+    f = _handwritten(max_dim, sum_dim, use_max)
+    graphs, result = testing.fuse(f, q, k, v)
+    assert not result.matches
+    assert ".transpose(" in graphs[0][0].code
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="fuser")(q, k, v)
+    want = f(q, k, v)
+    assert (got - want).norm() <= 1e-5 * want.norm()
 
 
 def test_cpu_without_interpreter_is_declined(qkv):
