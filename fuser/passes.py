@@ -702,18 +702,23 @@ def _guard_softmax_axis(graph: fx.Graph, view: GraphView) -> set:
             continue
         if not any(view.op(u) == "matmul" for u in _through_casts(n, view)):
             continue
-        d = c.attrs["dim"]
         fn = torch.softmax if c.op == "softmax" else torch.log_softmax
         kwargs = {"dtype": c.attrs["dtype"]} if c.attrs.get("dtype") is not None else {}
-        with graph.inserting_before(n):
-            t = annotate(graph.call_method("transpose", (c.args[0], d, -1)))
-            sm = annotate(graph.call_function(fn, (t, -1), kwargs))
-            back = annotate(graph.call_method("transpose", (sm, d, -1)))
-        back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
-        n.replace_all_uses_with(back)
-        graph.erase_node(n)
+        _over_last_dim(graph, n, c.args[0], c.attrs["dim"], fn, kwargs)
         done.add(n.name)
     return done
+
+
+def _over_last_dim(graph: fx.Graph, n: fx.Node, x: fx.Node, d: int, fn, kwargs: dict) -> None:
+    """Replace ``n`` (``fn`` of ``x`` over dim ``d``) by ``fn(x.transpose(d, -1), -1, **kwargs)
+    .transpose(d, -1)``: the same values, with the op over the last dim."""
+    with graph.inserting_before(n):
+        t = annotate(graph.call_method("transpose", (x, d, -1)))
+        out = annotate(graph.call_function(fn, (t, -1), kwargs))
+        back = annotate(graph.call_method("transpose", (out, d, -1)))
+    back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+    n.replace_all_uses_with(back)
+    graph.erase_node(n)
 
 
 def _guard_normalisation_axis(graph: fx.Graph, view: GraphView) -> set:
@@ -740,15 +745,7 @@ def _guard_normalisation_axis(graph: fx.Graph, view: GraphView) -> set:
                 continue
         elif not any(view.op(u) == "sub" and any(view.op(w) == "exp" for w in u.users) for u in n.users):
             continue
-        d = dims[0]
-        fn = torch.sum if c.op == "sum" else torch.amax
-        with graph.inserting_before(n):
-            t = annotate(graph.call_method("transpose", (x, d, -1)))
-            red = annotate(graph.call_function(fn, (t, -1), {"keepdim": True}))
-            back = annotate(graph.call_method("transpose", (red, d, -1)))
-        back.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
-        n.replace_all_uses_with(back)
-        graph.erase_node(n)
+        _over_last_dim(graph, n, x, dims[0], torch.sum if c.op == "sum" else torch.amax, {"keepdim": True})
         done.add(n.name)
     return done
 
