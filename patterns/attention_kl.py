@@ -156,9 +156,15 @@ class AttentionKLPattern(Pattern):
             raise Decline("teacher and student are on different devices")
         if s1.causal != s2.causal or not _same_masks(s1, s2) or s1.causal_fill_mode != s2.causal_fill_mode \
                 or (s1.causal_fill == NEG_INF) != (s2.causal_fill == NEG_INF):
+            same_text = (s1.causal == s2.causal and describe_mask(s1.mask_terms) == describe_mask(s2.mask_terms)
+                         and s1.causal_fill_mode == s2.causal_fill_mode)
+            nodes = [f"'{a['node'].name}' / '{c['node'].name}'" for a, c in zip(s1.mask_terms, s2.mask_terms)
+                     if a["node"] is not c["node"]]
+            hint = (f": each side computes its own mask tensor ({', '.join(nodes)}); fuser compares them as tensors, "
+                    "so compute the mask once and use it on both sides") if same_text and nodes else ""
             raise Decline(
                 f"the masks differ between the two sides (causal {s1.causal} vs {s2.causal}; "
-                f"{describe_mask(s1.mask_terms)} vs {describe_mask(s2.mask_terms)})"
+                f"{describe_mask(s1.mask_terms)} vs {describe_mask(s2.mask_terms)}){hint}"
             )
         for t in s1.mask_terms:
             if t["kind"] == "additive" and t["scale"]:

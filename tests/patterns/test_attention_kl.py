@@ -221,6 +221,18 @@ def test_near_misses_are_not_fused(qk, name, fn, reason):
     testing.assert_declines(fn, *qk, pattern="attention_kl", reason=reason)
 
 
+def test_a_mask_computed_once_per_side_is_declined_with_the_fix_named(qk):
+    """Two ``~keep`` nodes (one per side) are two tensors to the matcher: declined, saying so."""
+    keep = torch.rand(B, 1, 1, N, generator=torch.Generator().manual_seed(5)) > 0.3
+
+    def f(q1, k1, q2, k2, keep):
+        s1 = (q1 @ k1.mT).masked_fill(~keep, MIN)
+        s2 = (q2 @ k2.mT).masked_fill(~keep, MIN)
+        return F.kl_div(F.log_softmax(s2, -1), F.log_softmax(s1, -1), reduction="batchmean", log_target=True)
+
+    testing.assert_declines(f, *qk, keep, pattern="attention_kl", reason="compute the mask once")
+
+
 def test_near_misses_with_minus_inf_are_nan_in_eager(qk):
     """The -inf near misses above: eager's loss is NaN, and the compiled one (Inductor's) too."""
     for fn in (_causal_inf_not_zeroed, _handwritten_causal_inf_not_zeroed, _probs_causal_inf_not_zeroed):
