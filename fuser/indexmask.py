@@ -292,7 +292,7 @@ def _index_fits(x: "Index", shape: tuple, dtype: torch.dtype) -> bool:
         return False
     lo = hi = x.const
     for axis, c in x.coef:
-        size = shape[axis] if -len(shape) <= axis < len(shape) else None
+        size = shape[axis] if -len(shape) <= axis < 0 else None  # axes count from the last
         if not isinstance(size, int) or not isinstance(c, int):
             return False
         span = c * (size - 1)
