@@ -58,6 +58,7 @@ from fuser.static import symint_value
 
 from . import kda_ops  # noqa: F401  (registers torch.ops.fuser.kda)
 from . import kda_plans
+from .masks import rounds_below
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
@@ -402,9 +403,7 @@ class KDAPattern(Pattern):
         (``o[:, t] = o_t.bfloat16()`` into a float32 buffer, ``.half()``, ``.int()``) rounds o_t
         first in eager, which the op would skip: declined."""
         to, into = dtype(cast), dtype(buffer)
-        wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
-                 torch.float32: (torch.float64,)}
-        if to is not None and (to == into or to in wider.get(into, ())):
+        if not rounds_below(to, into):
             return
         raise _Decline(f"o_t '{readout.name}' ({location(readout)}) is cast to {to} before it is written into a "
                        f"{into} buffer; the fused op rounds o_t only once, to the buffer's dtype (write o_t "
