@@ -512,3 +512,83 @@ def test_learned_temperature_when_no_input_needs_grad():
     m(q, k, v).square().sum().backward()
     torch.testing.assert_close(g, m.temperature.grad, atol=1e-5, rtol=1e-4)
     assert fused(rep)
+
+
+# --------------------------------------------------------------------------------------------
+# 11. Narrow dtypes (found by an adversarial review, 2026-12-07)
+# --------------------------------------------------------------------------------------------
+
+def _positions(n, dtype, offset):
+    return torch.arange(n, dtype=dtype) + offset
+
+
+@pytest.mark.parametrize("dtype,offset", [(torch.int16, 32760), (torch.uint8, 250), (torch.int8, 120)])
+def test_causal_mask_on_positions_that_wrap_equals_eager(dtype, offset):
+    """Positions past the dtype's range wrap in eager (int16 32767 + 1 = -32768): the mask is
+    then not causal. It was read as exact integers and fused as causal (0.99 off)."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        p = _positions(n, dtype, offset)
+        keep = p[None, :] <= p[:, None]
+        s = (q @ k.mT * 0.35).masked_fill(~keep, -1e4)  # finite fill: wrapped rows may hide every key
+        return torch.softmax(s, -1) @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert fused(rep), "the mask is still a mask (read as a tensor): the region stays fused"
+
+
+def test_wrapping_uint8_subtraction_equals_eager():
+    def f(q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n, dtype=torch.uint8)[:, None]
+        j = torch.arange(n, dtype=torch.uint8)[None, :]
+        s = (q @ k.mT * 0.35).masked_fill(~(j <= i - 3), float("-inf"))  # rows 0-2 wrap: all visible
+        return torch.softmax(s, -1) @ v
+
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3, grad=True))
+    assert fused(rep)
+
+
+@pytest.mark.parametrize("spelling", ["scores_bf16", "softmax_dtype_bf16", "p_half"])
+def test_rounding_below_the_compute_dtype_is_declined_and_runs_as_inductor(spelling):
+    """A program that rounds the scores or P below the dtype they are computed in is declined
+    (the kernels compute in float32 and would drop the rounding). The declined region then runs
+    exactly as under backend="inductor"."""
+    def f(q, k, v):
+        s = q @ k.mT * 4.0
+        if spelling == "scores_bf16":
+            p = torch.softmax(s.to(torch.bfloat16), -1).float()
+        elif spelling == "softmax_dtype_bf16":
+            p = torch.softmax(s, -1, dtype=torch.bfloat16).float()
+        else:
+            p = torch.softmax(s, -1).half().float()
+        return p @ v
+
+    args = _inputs(*[(B, H, N, D)] * 3)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        got = torch.compile(f, backend="fuser")(*_copy(args))
+    assert not fused(rep)
+    assert any("float16" in r.reason and "float32" in r.reason or "rounded to" in r.reason
+               for r in rep.rejected), rep.rejected
+    torch._dynamo.reset()
+    want = torch.compile(f, backend="inductor")(*_copy(args))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_hf_bf16_softmax_spelling_is_fused_and_equals_eager():
+    """The transformers spelling, softmax in float32 then cast back to the inputs' bf16, is not
+    a rounding below the compute dtype: it stays fused."""
+    def f(q, k, v):
+        s = q @ k.mT * 0.35
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    args = [x.to(torch.bfloat16) for x in _inputs(*[(B, H, N, D)] * 3)]
+    torch._dynamo.reset()
+    with collecting() as rep:
+        got = torch.compile(f, backend="fuser")(*_copy(args))
+    assert fused(rep)
+    ref = f(*_copy(args, torch.float64))
+    own = f(*_copy(args))
+    err_own = (own.double() - ref).abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= 2 * err_own + 1e-2
