@@ -592,3 +592,38 @@ def test_hf_bf16_softmax_spelling_is_fused_and_equals_eager():
     own = f(*_copy(args))
     err_own = (own.double() - ref).abs().max().item()
     assert (got.double() - ref).abs().max().item() <= 2 * err_own + 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# 12. Extreme finite values in an additive mask (found by an adversarial review, 2026-12-07)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [2.4e38, 3.3e38])
+def test_additive_mask_above_the_base2_limit_stays_finite(value):
+    """A finite additive mask entry above 2.35e38 overflowed to +inf in base 2 (times log2 e):
+    inf - inf gave NaN rows where eager puts all the weight on that key."""
+    def f(q, k, v, bias):
+        return torch.softmax(q @ k.mT * 0.35 + bias, -1) @ v
+
+    bias = torch.zeros(1, 1, 1, N)
+    bias[..., 3] = value
+    rep = run_both(f, *_inputs(*[(B, H, N, D)] * 3), bias, grads=False)
+    assert fused(rep)
+
+
+def test_h2o_score_with_an_additive_mask_above_the_base2_limit():
+    def f(q, k, v, bias):
+        p = torch.softmax(q @ k.mT * 0.25 + bias, -1)
+        return p @ v, p.sum(-2)
+
+    bias = torch.zeros(1, 1, 1, N)
+    bias[..., 3] = 2.4e38
+    args = [*_inputs(*[(B, H, N, D)] * 3), bias]
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting() as rep:
+        out, score = torch.compile(f, backend="fuser")(*_copy(args))
+        want = f(*_copy(args, torch.float64))
+    assert fused(rep, "h2o")
+    assert torch.isfinite(out).all() and torch.isfinite(score).all()
+    torch.testing.assert_close(out.double(), want[0], atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(score.double(), want[1], atol=2e-5, rtol=2e-4)
