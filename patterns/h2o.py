@@ -46,7 +46,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from fuser.static import symint_value
 
 from . import h2o_ops  # registers torch.ops.fuser.h2o; plan_string
-from .masks import FLOATS, Decline, describe_mask
+from .masks import FLOATS, Decline, describe_mask, rounds_below
 from .scores import Emitter, _same_dims, analyze_scores, describe_scale, kv_heads, softmax_rule, within
 
 SOFTMAX = softmax_rule()
@@ -341,10 +341,18 @@ class H2OPattern(Pattern):
                 raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
             if sm.attrs["dtype"] not in (None, *FLOATS):
                 raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
+            if sm.attrs["dtype"] is not None and rounds_below(sm.attrs["dtype"], dtype(sm.args[0])):
+                raise Decline(f"softmax in {sm.attrs['dtype']} of scores in {dtype(sm.args[0])}; fuser computes it "
+                              "in float32")
         for n in passed + path.nodes:
             c = view.canon(n)
             if c is not None and c.op == "cast" and c.attrs["dtype"] not in FLOATS:
                 raise Decline(f"P is cast to {c.attrs['dtype']}")
+            # a rounding the program asks for before the score's own dtype (its last node) would be
+            # dropped: the kernels keep P and the column sums in float32 up to that last cast
+            if c is not None and c.op == "cast" and n is not path.end and rounds_below(c.attrs["dtype"], sc.compute_dtype):
+                raise Decline(f"P is rounded to {c.attrs['dtype']} ('{n.name}'), below the {sc.compute_dtype} the "
+                              "scores are computed in; the fused kernels keep it in float32 up to the score")
         colsum = path.end
         if dtype(colsum) not in FLOATS:
             raise Decline(f"the score '{colsum.name}' is {dtype(colsum)}; the fused op sums in float32 and casts "

@@ -538,6 +538,48 @@ def test_fp32_softmax_cast_before_or_after_the_sum(qkv2):
     torch.testing.assert_close(score.double(), want[1].double(), rtol=2e-5, atol=1e-4)
 
 
+# found by an adversarial review (2026-12-07): P rounded below the dtype the scores are computed in
+# (float32 inputs) was summed unrounded (1e-3 off the score, 2e-3 off the output)
+@pytest.mark.parametrize("spelling", ["both", "score_only", "softmax_dtype"])
+def test_p_rounded_below_the_compute_dtype_is_declined(qkv2, spelling):
+    def f(q, k, v):
+        if spelling == "softmax_dtype":
+            p = torch.softmax(q @ k.mT * 0.25, -1, dtype=torch.bfloat16).float()
+            return p @ v, p.sum(-2)
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        if spelling == "both":
+            p = p.bfloat16().float()
+            return p @ v, p.sum(-2)
+        return p @ v, p.bfloat16().float().sum(-2)
+
+    # the declined region runs as Inductor's, which drops the same round trip (its choice:
+    # emulate_precision_casts is off): compared with backend="inductor" instead of eager
+    _declined(f, *qkv2, reason="rounded to torch.bfloat16|softmax in torch.bfloat16", compare=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = fuser.explain(f, *qkv2).output
+        torch._dynamo.reset()
+        want = torch.compile(f, backend="inductor")(*qkv2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_a_score_rounded_as_its_last_step_is_still_fused(qkv2):
+    def f(q, k, v):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        return p @ v, p.sum(-2).bfloat16()  # the score's own dtype: the op rounds once, as eager does
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rep = fuser.explain(f, *qkv2)
+        want = f(*_to64(qkv2))
+    assert [m.pattern for m in rep.fused] == ["h2o"], str(rep)
+    out, score = rep.output
+    assert score.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want[0], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(score.double(), want[1].double(), rtol=8e-3, atol=0)  # one bf16 rounding each
+
+
 def test_masks_layouts_and_gqa(qkv2):
     q, k, v = qkv2
 
