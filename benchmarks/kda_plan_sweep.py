@@ -16,7 +16,8 @@ Comparison (always; from ``--measure``'s results or ``--from-json``): ``kda_plan
 on ``kda_plans.stand_in_match`` at each shape, on the device's own model (or, without a GPU, the
 H100's: the estimates take the GPU's launch configs), each measured time plus the model's
 launch cost (``launch_us`` per kernel launch, as in the estimates). ``regret`` = measured time of
-the picked plan over the fastest measured one (1.00: the right pick).
+the picked plan over the fastest measured one (1.00: the right pick); the same again as the
+planner sees a graph replayed from CUDA graphs (no launch cost, ``Options.cuda_graphs``).
 
 Usage::
 
@@ -151,9 +152,11 @@ def _as_on_an_h100() -> None:
     torch.cuda.current_device = lambda: 0
 
 
-def compare(rows: list[dict]) -> tuple[list[list], dict]:
+def compare(rows: list[dict], cuda_graphs: bool = False) -> tuple[list[list], dict]:
     """Table rows (estimates and measured µs per plan, the pick, the fastest, regret) and a
-    summary (mean and worst regret, the shapes picked badly, each model's relative errors)."""
+    summary (mean and worst regret, the shapes picked badly, each model's relative errors).
+    With ``cuda_graphs``, as the planner sees a graph replayed from CUDA graphs
+    (``Options.cuda_graphs``: launches cost no host time, in the estimates and the measured times)."""
     import torch
 
     from fuser.codegen import launch
@@ -162,11 +165,12 @@ def compare(rows: list[dict]) -> tuple[list[list], dict]:
 
     if not torch.cuda.is_available():
         _as_on_an_h100()
-    model = kda_plans.cm.device_model(launch.gpu_name("cuda"), launch.sm_count("cuda"))
+    model = kda_plans.cm.device_model(launch.gpu_name("cuda"), launch.sm_count("cuda"), cuda_graphs=cuda_graphs)
+    ctx = types.SimpleNamespace(options=Options(cuda_graphs=cuda_graphs))
     table, regrets, bad, errors = [], [], [], {p: [] for p in PLANS}
     for r in rows:
         match = kda_plans.stand_in_match(r["N"], r["T"], r["K"], r["V"])
-        est = {c.params["plan"]: c.estimate_ms * 1e3 for c in kda_plans.candidates(match, types.SimpleNamespace(options=Options()))
+        est = {c.params["plan"]: c.estimate_ms * 1e3 for c in kda_plans.candidates(match, ctx)
                if c.params.get("impl") == "fuser"}
         meas = {p: r[p] + LAUNCHES[p] * model.launch_us for p in PLANS if r.get(p) is not None}
         for p in meas:
@@ -192,6 +196,11 @@ def compare(rows: list[dict]) -> tuple[list[list], dict]:
                         for p, es in errors.items() if es},
     }
     return table, summary
+
+
+def _bad(summary: dict) -> str:
+    return (", ".join(f"N={n} T={t} K={k} V={v} ({pk} over {b}, {rg}x)" for n, t, k, v, pk, b, rg in summary["picked_over_1.1x"])
+            or "none")
 
 
 def main(argv=None) -> int:
@@ -225,6 +234,7 @@ def main(argv=None) -> int:
     else:
         p.error("give --measure or --from-json")
     table, summary = compare(rows)
+    summary["cuda_graphs"] = compare(rows, cuda_graphs=True)[1]
     headers = ["N", "T", "K", "V"]
     for plan in PLANS:
         headers += [f"{plan} µs", f"{plan} est."]
@@ -240,9 +250,12 @@ def main(argv=None) -> int:
     notes = [f"shapes: {summary['shapes']}; regret mean {summary['regret_mean']:.3f}, worst {summary['regret_max']:.2f}"
              if summary["regret_mean"] is not None else f"shapes: {summary['shapes']}",
              f"estimate vs measured: {err}",
-             "picked more than 10% slower than the fastest: "
-             + (", ".join(f"N={n} T={t} K={k} V={v} ({pk} over {b}, {rg}x)" for n, t, k, v, pk, b, rg in summary["picked_over_1.1x"])
-                or "none")]
+             "picked more than 10% slower than the fastest: " + _bad(summary)]
+    graphs = summary["cuda_graphs"]
+    if graphs["regret_mean"] is not None:
+        notes.append(f"replayed from CUDA graphs (mode=\"reduce-overhead\"; launches cost no host time, measured and "
+                     f"estimated): regret mean {graphs['regret_mean']:.3f}, worst {graphs['regret_max']:.2f}; picked "
+                     f"more than 10% slower than the fastest: {_bad(graphs)}")
     md = common.header_md("KDA plans: measured device time against the planner's estimates", meta)
     if meta.get("estimates"):
         md += f"\n- estimates: {meta['estimates']}"

@@ -19,7 +19,8 @@ user writes:
   summed over keys and averaged (no mask), teacher q1, k1 and student q2, k2 of that shape.
 - ``kda``: ``benchmarks/kda.py``'s loop (the kernel blogs' KDA recurrence on FLA's
   ``[B, T, H, K]`` layout, returning ``(o, final state)``) at B=1, T=8 (``--kda-t``), H=2
-  (``--kda-heads``), K=V=16 (``--kda-dim``), ``--kda-dtype`` (bf16), the gate in float32.
+  (``--kda-heads``), K=V=16 (``--kda-dim``; ``--kda-value-dim`` for V ≠ K), ``--kda-dtype`` (bf16), the
+  gate in float32.
 - ``empty``: ``x + 1`` on a ``[--empty-numel]`` (8) tensor: the floor of any compiled call.
 
 Implementations (``--impls``; forward only, under ``torch.no_grad()``):
@@ -138,6 +139,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--kda-t", type=int, nargs="+", default=None, help="KDA steps T (default 8)")
     p.add_argument("--kda-heads", type=int, default=2)
     p.add_argument("--kda-dim", type=int, default=None, help="K = V (default 16)")
+    p.add_argument("--kda-value-dim", type=int, default=None, help="V when it differs from K (default: --kda-dim)")
     p.add_argument("--kda-dtype", choices=tuple(common.DTYPES), default=None,
                    help="q, k, v, beta (default bf16; fp32 with --smoke); the gate is float32")
     p.add_argument("--empty-numel", type=int, default=8)
@@ -157,6 +159,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.dtype = a.dtype or ("fp32" if small else "fp16")
     a.kda_t = a.kda_t or ([4] if small else [8])
     a.kda_dim = a.kda_dim or (8 if small else 16)
+    a.kda_value_dim = a.kda_value_dim or a.kda_dim
     a.kda_dtype = a.kda_dtype or ("fp32" if small else "bf16")
     a.calls = a.calls or (3 if small else 1000)
     a.rounds = a.rounds or (1 if small else 5)
@@ -303,7 +306,7 @@ class OverheadBenchmark(common.Benchmark):
         a, m = self.args, self.meta
         return (f"overhead benchmark on {m['device']}: torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; "
                 f"ops={a.ops} modes={a.modes} impls={a.impl_list} attention B={a.batch} H={a.heads} N={a.seqs} "
-                f"D={a.dim} {a.dtype}; KDA B={a.batch if a.dynamic_batch else 1} T={a.kda_t} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}; "
+                f"D={a.dim} {a.dtype}; KDA B={a.batch if a.dynamic_batch else 1} T={a.kda_t} H={a.kda_heads} {self.kda_dims()} {a.kda_dtype}; "
                 f"calls={a.calls} rounds={a.rounds}" + ("; batch dim dynamic (mark_dynamic)" if a.dynamic_batch else ""))
 
     def groups(self):
@@ -393,7 +396,7 @@ class OverheadBenchmark(common.Benchmark):
         b, t, h, d = a.batch if a.dynamic_batch else 1, cfg.n, a.kda_heads, a.kda_dim
         q = F.normalize(torch.randn(b, t, h, d, device=dev), dim=-1).to(dt)
         k = F.normalize(torch.randn(b, t, h, d, device=dev), dim=-1).to(dt)
-        v = torch.randn(b, t, h, d, device=dev).to(dt)
+        v = torch.randn(b, t, h, a.kda_value_dim, device=dev).to(dt)
         g = -F.softplus(torch.randn(b, t, h, d, device=dev))
         beta = torch.randn(b, t, h, device=dev).sigmoid().to(dt)
         return q, k, v, g, beta
@@ -498,13 +501,17 @@ class OverheadBenchmark(common.Benchmark):
                 "fuser": {"shape": shape, "minus_inductor_us": (us["fuser"] - us["inductor"])
                           if {"fuser", "inductor"} <= set(us) else None}}
 
+    def kda_dims(self) -> str:
+        a = self.args
+        return f"K=V={a.kda_dim}" if a.kda_value_dim == a.kda_dim else f"K={a.kda_dim} V={a.kda_value_dim}"
+
     def shape(self, cfg: Config) -> str:
         a = self.args
         if cfg.op == "empty":
             return f"[{cfg.n}]"
         dyn = " (B dynamic)" if a.dynamic_batch else ""
         if cfg.op == "kda":
-            return f"B={a.batch if a.dynamic_batch else 1} T={cfg.n} H={a.kda_heads} K=V={a.kda_dim} {a.kda_dtype}{dyn}"
+            return f"B={a.batch if a.dynamic_batch else 1} T={cfg.n} H={a.kda_heads} {self.kda_dims()} {a.kda_dtype}{dyn}"
         return f"B={a.batch} H={a.heads} N={cfg.n} D={a.dim} {a.dtype}{dyn}"
 
     def empty_us(self, mode: str) -> Optional[float]:

@@ -75,10 +75,22 @@ def efficiency(table: tuple, head_dim: int) -> float:
     return table[0] if head_dim <= 64 else table[1] if head_dim <= 128 else table[2]
 
 
-def device_model(name: str, sm_count: int | None = None) -> DeviceModel:
+#: Host time of a kernel launch replayed from a CUDA graph, in µs: none (one host call replays
+#: the whole graph). The gap between consecutive kernel nodes on the device (about a microsecond)
+#: is part of the device times the launch-heavy plans' tables were fitted to (the KDA plan sweeps
+#: time CUDA-graph replays: ``benchmarks/kda_plan_sweep.py``); for the attention, attention-KL and
+#: H2O kernels (tens of µs and more at the shapes they take) it is below the models' error.
+GRAPH_LAUNCH_US = 0.0
+
+
+def device_model(name: str, sm_count: int | None = None, *, cuda_graphs: bool = False) -> DeviceModel:
     """The model for a device by name; unknown GPUs and the interpreter use the H100's
-    rates (estimates then rank plans but their absolute values mean little)."""
+    rates (estimates then rank plans but their absolute values mean little). With
+    ``cuda_graphs`` (the compiled graph is replayed from CUDA graphs: ``Options.cuda_graphs``),
+    ``launch_us`` is :data:`GRAPH_LAUNCH_US` instead of the host's dispatch and launch time."""
     model = H100
+    if cuda_graphs:
+        model = dataclasses.replace(model, launch_us=GRAPH_LAUNCH_US)
     if sm_count is not None and sm_count != model.sm_count:
         model = dataclasses.replace(model, sm_count=sm_count)
     if name != model.name:

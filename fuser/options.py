@@ -25,6 +25,12 @@ fuser.interpret    FUSER_INTERPRET         regions on CPU tensors: ``True``: fus
                                            ``TRITON_INTERPRET=1`` is set in the environment.
 fuser.debug_dir    FUSER_DEBUG_DIR         also write every kernel rendered while compiling to this
                                            directory.
+fuser.cuda_graphs  FUSER_CUDA_GRAPHS       whether the compiled graph runs replayed from CUDA graphs,
+                                           for the planner's launch costs (a replayed launch costs no
+                                           host time): ``"auto"`` (default) follows Inductor's
+                                           ``triton.cudagraphs`` (``mode="reduce-overhead"``);
+                                           ``True`` where you capture the compiled function in CUDA
+                                           graphs yourself (``torch.cuda.graph``, a serving engine).
 =================  ======================  ==========================================================
 
 ``FUSER_CACHE_DIR`` (environment only) sets where rendered kernels and autotuning results are
@@ -131,6 +137,12 @@ class Options:
         interpret: ``"on"``, ``"off"`` or ``"auto"`` (``fuser.interpret`` True, False, "auto").
         triton_interpret: whether ``TRITON_INTERPRET`` was set to a true value when these
             options were made (what ``interpret="auto"`` follows).
+        cuda_graphs: whether the compiled graph runs replayed from CUDA graphs: the option
+            ``fuser.cuda_graphs`` where it is True or False, else (``"auto"``) whether Inductor
+            will (``mode="reduce-overhead"`` or ``"max-autotune"``, or Inductor's
+            ``triton.cudagraphs``, in ``options=`` or its config). A kernel launch then costs no
+            host time: the cost models take their launch cost from
+            ``costmodel.device_model(..., cuda_graphs=True)``.
     """
 
     enabled: bool = True
@@ -140,6 +152,7 @@ class Options:
     interpret: str = "auto"  # "auto" | "on" | "off"
     debug_dir: str | None = None
     triton_interpret: bool = dataclasses.field(default_factory=lambda: env_true("TRITON_INTERPRET"))
+    cuda_graphs: bool = False
 
     #: The near-miss reason for CPU regions when :attr:`interpret_cpu` is False.
     cpu_decline: ClassVar[str] = CPU_DECLINE
@@ -162,7 +175,7 @@ class Options:
         return None
 
 
-_NAMES = ("enabled", "patterns", "autotune", "plan", "interpret", "debug_dir")
+_NAMES = ("enabled", "patterns", "autotune", "plan", "interpret", "debug_dir", "cuda_graphs")
 
 
 def _valid_keys() -> str:
@@ -304,6 +317,13 @@ def _parse(name: str, value: Any) -> Any:
             ) from None
     if name == "debug_dir":
         return _parse_debug_dir(value)
+    if name == "cuda_graphs":
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _as_bool("fuser.cuda_graphs", value)
+        except FuserOptionError:
+            raise FuserOptionError(f"fuser.cuda_graphs takes True, False or 'auto', got {value!r}") from None
     raise AssertionError(name)
 
 
@@ -316,7 +336,9 @@ def resolve(options: Mapping[str, Any] | None = None, mode: str | None = None) -
             unless ``fuser.autotune`` says otherwise.
 
     Returns:
-        ``(Options, inductor_options)``.
+        ``(Options, inductor_options)``. Unless ``fuser.cuda_graphs`` says otherwise,
+        ``Options.cuda_graphs`` is Inductor's ``triton.cudagraphs`` as the compile will see it:
+        ``options=`` first, then the mode's settings, then Inductor's config.
 
     Raises:
         FuserOptionError: an unknown ``fuser.*`` key (the message lists the valid ones), or a
@@ -344,4 +366,19 @@ def resolve(options: Mapping[str, Any] | None = None, mode: str | None = None) -
             values[name] = _parse(name, value)
         else:
             rest[key] = value
-    return Options(**values), rest
+    graphs = values.pop("cuda_graphs", "auto")
+    return Options(**values, cuda_graphs=_cuda_graphs(rest, mode) if graphs == "auto" else graphs), rest
+
+
+def _cuda_graphs(inductor_options: Mapping[str, Any], mode: str | None) -> bool:
+    """Inductor's ``triton.cudagraphs`` for a compile with these options and ``mode``."""
+    if "triton.cudagraphs" in inductor_options:
+        return bool(inductor_options["triton.cudagraphs"])
+    import torch._inductor
+    from torch._inductor import config as inductor_config
+
+    if mode is not None:  # list_mode_options(None) lists every mode's settings
+        settings = torch._inductor.list_mode_options(mode)
+        if "triton.cudagraphs" in settings:
+            return bool(settings["triton.cudagraphs"])
+    return bool(inductor_config.triton.cudagraphs)

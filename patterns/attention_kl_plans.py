@@ -131,7 +131,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     """Every plan this match can run with, each with its estimate at the example shapes."""
     b = m.bindings
     dev = b["device"]
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
     subs = _subs(m)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     forced_split = ctx.options.forced("attention_kl", "split_k")

@@ -167,7 +167,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     interp = dev.type == "cpu"
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
     subs = _shape_subs(m)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     training = b["need_lse"]

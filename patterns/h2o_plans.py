@@ -220,7 +220,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     subs, dv = _shapes(m)
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     out: list[Candidate] = []
 

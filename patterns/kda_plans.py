@@ -103,21 +103,40 @@ PARALLEL_FIXED_US = 14.0
 PARALLEL_GRAM_US = 3.3e-6
 PARALLEL_SOLVE_WAVE_US = {16: 0.4, 32: 14.0, 64: 75.0}
 PARALLEL_TRAFFIC_EFFICIENCY = 1 / 1.3
+#: The parallel form at its ``"gram_steps_1"`` config (K ≤ 512, T ≤ 16: one Gram step a program,
+#: four value tiles a state program): ``PARALLEL_STEPS_1_CALIBRATION · (traffic + Gram + solve waves)
+#: + PARALLEL_STEPS_1_FIXED_US + PARALLEL_STEPS_1_ROW_US · T`` µs, in place of
+#: :data:`PARALLEL_FIXED_US` and one calibration factor: the solve's forward substitution runs its
+#: ``T`` rows one after another, which the general model (fitted at T ≥ 32, where the solve waves
+#: dominate) does not count; with one factor the estimates ran 20% high at T = 8 and 8-18% low at
+#: T = 16, and at the blog shape (N=2, T=8, K=256, V=8192) ranked the parallel form (17.1 µs) behind
+#: the recurrent kernel (19.8 µs). Least squares on the relative error over the 64 such shapes of
+#: the T ≤ 16 sweep (H100, torch 2.11 / Triton 3.6, 2026-12-07,
+#: ``benchmarks/results/kda_plan_sweep_t16.json``, device time of CUDA-graph replays): median
+#: |error| 5.4%, from -16% to +16% (one factor 0.865 and the 14 µs fixed term: 7.9%, -20% to +27%).
+PARALLEL_STEPS_1_CALIBRATION = 0.91
+PARALLEL_STEPS_1_FIXED_US = 7.7
+PARALLEL_STEPS_1_ROW_US = 0.33
 #: Measured over modelled time of the parallel form at the short-sequence configs of
 #: ``codegen/kda_parallel._short_config`` (the model above was fitted to the general config):
-#: ``"gram_steps_1"`` (K ≤ 512, T ≤ 16: one Gram step a program, four value tiles a state program)
-#: geometric mean 0.865 over the 64 such shapes of the T ≤ 16 plan sweep (0.68-1.09; H100, torch
-#: 2.11 / Triton 3.6, 2026-12-07, ``benchmarks/results/kda_plan_sweep_t16.md``; was 0.81 from four
-#: shapes of ``kda_parallel_configs.md``); ``"gram_dk"`` (K ≥ 8192, T ≤ 16, channel-major Gram
-#: tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16 (0.93; the sweep's two such shapes: 0.90, 0.95).
-#: MEASURED on the H100 (2026-12-06, ``benchmarks/results/kda_parallel_configs.md``).
-PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": 0.865, "gram_dk": 0.93}
+#: ``"gram_dk"`` (K ≥ 8192, T ≤ 16, channel-major Gram tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16
+#: (0.93; the T ≤ 16 sweep's two such shapes: 0.90, 0.95). MEASURED on the H100 (2026-12-06,
+#: ``benchmarks/results/kda_parallel_configs.md``). ``"gram_steps_1"``: see
+#: :data:`PARALLEL_STEPS_1`.
+PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": PARALLEL_STEPS_1_CALIBRATION, "gram_dk": 0.93}
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
 #: Fraction of the fp32 FMA peak the unrolled loop's elementwise kernels reach (Inductor's plan;
 #: its traffic bounds it): NOT MEASURED.
 INDUCTOR_FP32_EFFICIENCY = 0.5
+#: Device µs of each of the unrolled loop's kernels at least (Inductor's plan: ``3 T`` small
+#: kernels, each waiting on the one before): the estimate is at least ``3 T`` times this, whatever
+#: the traffic. With no host time a launch (CUDA graphs) this is what the loop costs at small
+#: states. MEASURED on the H100 (``benchmarks/results/overhead.md``: B=1, T=8, H=2, K=V=16 bf16
+#: under ``mode="reduce-overhead"``, Inductor 47.3 device µs a call, less the 4.6 of an empty
+#: function's replay, over its 24 kernels: 1.8).
+INDUCTOR_KERNEL_US = 1.8
 #: Fraction of the matrix-unit peak the chunked kernels reach: NOT MEASURED on its own.
 CHUNK_EFFICIENCY = 0.3
 #: Measured over modelled time of the chunked forward, by the dots' dtype, applied to the chunk
@@ -199,7 +218,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
     x = shapes(m)  # the example shapes, for choices made on numbers (configs, measured tables)
     if plan == "inductor":
         return {"bytes": io + INDUCTOR_STATE_PASSES * 4 * N * KD * VD * T, "flops": 8 * N * T * KD * VD,
-                "kind": "fp32", "launches": 3 * T, "chain_us": 0}
+                "kind": "fp32", "launches": 3 * T, "chain_us": 0, "floor_us": INDUCTOR_KERNEL_US * 3 * T}
     if plan == "recurrent":
         from fuser.codegen import kda_recurrent
 
@@ -233,11 +252,13 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
                                          n_rows=x[N], t_len=x[T])
         t_pad = max(16, launch.next_power_of_2(max(1, x[T])))
         short = "gram_dk" if cfg["GRAM_DK"] else "gram_steps_1" if cfg["GRAM_STEPS"] == 1 else None
+        steps_1 = short == "gram_steps_1"
         return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": 0,
                 "traffic_efficiency": PARALLEL_TRAFFIC_EFFICIENCY,
                 "calibration": PARALLEL_SHORT_CALIBRATION.get(short, 1.0),
+                "calibrated_us": PARALLEL_STEPS_1_FIXED_US + PARALLEL_STEPS_1_ROW_US * T if steps_1 else 0,
                 "waves": {"programs": N * sympy.ceiling(VD / cfg["BLOCK_VS"]), "per_sm": 1,
-                          "fixed_us": PARALLEL_FIXED_US + PARALLEL_GRAM_US * N * KD * T ** 2,
+                          "fixed_us": (0 if steps_1 else PARALLEL_FIXED_US) + PARALLEL_GRAM_US * N * KD * T ** 2,
                           "wave_us": PARALLEL_SOLVE_WAVE_US[min(t_pad, 64)], "whole_waves": True,
                           "overlaps_traffic": False}}
     from fuser.codegen import kda_chunk
@@ -344,8 +365,10 @@ def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> fl
     traffic, else their sum. Otherwise the larger of traffic and arithmetic, plus the dependency
     chain: matrix-unit FLOPs run at the rate of their kind in ``terms["flops_by_kind"]`` where the
     plan splits them (the chunk plan: its state and output paths' dots), else at the inputs'
-    ``in_kind``. ``floor_waves`` (the chunk plan's first kernel) puts its programs' waves under
-    the result."""
+    ``in_kind``. ``calibration`` multiplies that sum; ``calibrated_us`` (terms fitted together with
+    the factor: the parallel form's short config) is added after it. ``floor_waves`` (the chunk
+    plan's first kernel) puts its programs' waves under the result, ``floor_us`` a time in µs
+    (Inductor's: its kernels' least device time, :data:`INDUCTOR_KERNEL_US`)."""
     nbytes = cm.evaluate(terms["bytes"], subs)
     bandwidth = model.bandwidth_gbs * 1e9 * terms.get("traffic_efficiency", 1.0)
     if "state_bytes" in terms and cm.evaluate(terms["state_bytes"], subs) > STREAMED_FAST_BYTES:
@@ -366,8 +389,10 @@ def estimate(terms: dict, subs: dict, model: cm.DeviceModel, in_kind: str) -> fl
         t = max(nbytes / bandwidth, t_math)
     t += cm.evaluate(terms["chain_us"], subs) * 1e-6
     t *= terms.get("calibration", 1.0)
+    t += cm.evaluate(terms.get("calibrated_us", 0), subs) * 1e-6
     if "floor_waves" in terms:
         t = max(t, _waves_seconds(terms["floor_waves"], subs, model))
+    t = max(t, cm.evaluate(terms.get("floor_us", 0), subs) * 1e-6)
     t += cm.evaluate(terms["launches"], subs) * model.launch_us * 1e-6
     return t * 1e3
 
@@ -407,7 +432,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     subs = shapes(m)
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev))
+    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
     from fuser.graph import dtype
 
     kind = cm.operand_kind(str(dtype(b["q"])), launch.dot_precision(dtype(b["q"])) == "tf32")

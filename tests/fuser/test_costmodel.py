@@ -26,6 +26,23 @@ def test_estimate_is_bounded_by_the_slowest_resource():
     assert t_mem == pytest.approx(1000.0)
 
 
+def test_a_graph_replay_launches_without_host_time():
+    assert cm.device_model(cm.H100.name).launch_us == cm.H100.launch_us > 0
+    assert cm.device_model(cm.H100.name, cuda_graphs=True).launch_us == cm.GRAPH_LAUNCH_US
+    assert cm.device_model("other", 100, cuda_graphs=True).sm_count == 100
+    est = {g: cm.estimate_ms({"bytes": 3e6, "launches": 4}, {}, cm.device_model(cm.H100.name, cuda_graphs=g), "bf16", 1.0)
+           for g in (False, True)}
+    assert est[False] == pytest.approx(est[True] + 4 * cm.H100.launch_us * 1e-3)
+
+
+def test_the_reason_says_when_launches_are_replayed():
+    a = Candidate("a", {"impl": "fuser"}, {}, 2.0)
+    b = Candidate("b", {"impl": "fuser"}, {}, 1.0)
+    _, why = choose(_match(), [a, b], resolve(None, mode="reduce-overhead")[0])
+    assert "CUDA graphs" in why
+    assert "CUDA graphs" not in choose(_match(), [a, b], resolve(None)[0])[1]
+
+
 def _match():
     return Match("attention", None, frozenset(), {}, {}, "x.py:1")
 

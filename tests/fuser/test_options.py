@@ -5,10 +5,11 @@ from fuser.options import ALL_PATTERNS, FuserOptionError, Options, resolve
 
 
 def test_defaults_and_passthrough(monkeypatch):
-    for var in ("FUSER_ENABLED", "FUSER_PATTERNS", "FUSER_AUTOTUNE", "FUSER_PLAN", "FUSER_INTERPRET", "FUSER_DEBUG_DIR"):
+    for var in ("FUSER_ENABLED", "FUSER_PATTERNS", "FUSER_AUTOTUNE", "FUSER_PLAN", "FUSER_INTERPRET", "FUSER_DEBUG_DIR",
+                "FUSER_CUDA_GRAPHS"):
         monkeypatch.delenv(var, raising=False)
     opts, rest = resolve({"max_autotune": True, "fuser.autotune": True})
-    assert opts.autotune and opts.enabled and opts.patterns == ALL_PATTERNS
+    assert opts.autotune and opts.enabled and opts.patterns == ALL_PATTERNS and not opts.cuda_graphs
     assert rest == {"max_autotune": True}
 
 
@@ -68,6 +69,45 @@ def test_max_autotune_mode_turns_autotune_on(monkeypatch):
     assert resolve(None, mode="max-autotune")[0].autotune
     assert not resolve({"fuser.autotune": False}, mode="max-autotune")[0].autotune
     assert not resolve(None, mode="reduce-overhead")[0].autotune
+
+
+@pytest.mark.parametrize("options,mode,want", [
+    (None, None, False),
+    (None, "default", False),
+    (None, "reduce-overhead", True),
+    (None, "max-autotune", True),
+    (None, "max-autotune-no-cudagraphs", False),
+    ({"triton.cudagraphs": True}, None, True),
+    ({"triton.cudagraphs": False}, "reduce-overhead", False),  # options= wins over the mode, as in Inductor
+])
+def test_cuda_graphs_follows_inductors_setting(options, mode, want):
+    opts, rest = resolve(options, mode)
+    assert opts.cuda_graphs is want
+    assert rest == (options or {})  # still Inductor's: passed through
+
+
+def test_cuda_graphs_from_inductors_config():
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert resolve(None)[0].cuda_graphs
+        assert resolve(None, mode="max-autotune-no-cudagraphs")[0].cuda_graphs  # that mode sets no value: the config's
+        assert not resolve({"triton.cudagraphs": False})[0].cuda_graphs
+    assert not resolve(None)[0].cuda_graphs
+
+
+@pytest.mark.parametrize("value,mode,want", [(True, None, True), ("1", None, True), (False, "reduce-overhead", False),
+                                            ("auto", "reduce-overhead", True), ("AUTO", None, False)])
+def test_cuda_graphs_option_overrides_inductors_setting(value, mode, want):
+    assert resolve({"fuser.cuda_graphs": value}, mode)[0].cuda_graphs is want
+
+
+def test_cuda_graphs_option_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSER_CUDA_GRAPHS", "1")
+    assert resolve(None)[0].cuda_graphs
+    monkeypatch.setenv("FUSER_CUDA_GRAPHS", "sometimes")
+    with pytest.raises(FuserOptionError, match="FUSER_CUDA_GRAPHS.*True, False or 'auto'"):
+        resolve(None)
 
 
 def test_plan_syntax():

@@ -612,16 +612,23 @@ def test_the_chunk_estimate_counts_each_paths_products(dtype):
     assert est["tf32"] < est["tf32x3"] < est["ieee"], est
 
 
-@pytest.mark.parametrize("n,t,k,v,want,measured", [
-    # device µs on the H100 (benchmarks/results/kda_plan_sweep.md): recurrent / parallel / chunk
-    (2, 8, 512, 16384, "parallel", "98 / 47 / -"),      # the kernel blog's shape the old rates got wrong
-    (2, 8, 8192, 1024, "parallel", "550 / 47 / -"),
-    (2, 16, 64, 128, "recurrent", "6.7 / 17 / 54"),
-    (2, 64, 256, 8192, "recurrent", "140 / 312 / 563"),  # the chunk plan's first kernel: two programs
-    (2, 64, 128, 1024, "recurrent", "30 / 86 / 128"),
-    (16, 4096, 128, 128, "chunk", "- / - / 854"),         # the training shape
+@pytest.mark.parametrize("n,t,k,v,graphs,want,measured", [
+    # device µs on the H100 (benchmarks/results/kda_plan_sweep.md, kda_plan_sweep_t16.md: CUDA-graph
+    # replays): recurrent / parallel / chunk; the default mode adds 4 µs of host time a launch (1 / 4 / 2)
+    (2, 8, 512, 16384, False, "parallel", "98 / 47 / -"),      # the kernel blog's shape the old rates got wrong
+    (2, 8, 8192, 1024, False, "parallel", "550 / 47 / -"),
+    (2, 16, 64, 128, False, "recurrent", "6.7 / 17 / 54"),
+    (2, 64, 256, 8192, False, "recurrent", "140 / 312 / 563"),  # the chunk plan's first kernel: two programs
+    (2, 64, 128, 1024, False, "recurrent", "30 / 86 / 128"),
+    (16, 4096, 128, 128, False, "chunk", "- / - / 854"),         # the training shape
+    # the kernel blog's 256 x 8192 (T=8, B=1, H=2): the launches decide
+    (2, 8, 256, 8192, False, "recurrent", "19.8 + 4 / 17.1 + 16"),
+    (2, 8, 256, 8192, True, "parallel", "19.8 / 17.1 replayed"),
+    # the parallel form's solve runs its T rows one after another (kda_plans.PARALLEL_STEPS_1_ROW_US)
+    (2, 16, 256, 128, True, "recurrent", "9.9 / 14.7 replayed"),
+    (2, 16, 256, 16384, True, "parallel", "65.6 / 31.4 replayed"),
 ])
-def test_the_planner_picks_the_plan_measured_fastest(monkeypatch, n, t, k, v, want, measured):
+def test_the_planner_picks_the_plan_measured_fastest(monkeypatch, n, t, k, v, graphs, want, measured):
     import types
 
     from fuser.codegen import launch
@@ -631,7 +638,8 @@ def test_the_planner_picks_the_plan_measured_fastest(monkeypatch, n, t, k, v, wa
     monkeypatch.setattr(launch, "device_properties",
                         lambda index: {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": (9, 0)})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    cands = kda_plans.candidates(kda_plans.stand_in_match(n, t, k, v), types.SimpleNamespace(options=Options()))
+    cands = kda_plans.candidates(kda_plans.stand_in_match(n, t, k, v),
+                                 types.SimpleNamespace(options=Options(cuda_graphs=graphs)))
     est = {c.params.get("plan", c.name): c.estimate_ms for c in cands}
     assert min(est, key=est.get) == want, (est, measured)
 
