@@ -134,8 +134,21 @@ def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
         if picked is not None:
             index = next(e for e in idx if isinstance(e, int) and not isinstance(e, bool))
             return x.args[0], picked, index, node
+    sym = next((a for a in x.args if isinstance(a, fx.Node) and _symbolic_scalar(a)), None) \
+        if x.op == "call_function" else None
+    if sym is not None:
+        raise _Decline(f"{what} ('{node.name}', {location(node)}) is scaled inside the loop by '{sym.name}', a number "
+                       "computed from a symbolic size (e.g. K ** -0.5 with the head dim dynamic under dynamic=True); "
+                       "the op takes a constant scale: keep the head dim static (torch.compile without dynamic=True "
+                       "only marks sizes that change) or scale q for the whole sequence before the loop")
     raise _Decline(f"{what} ('{node.name}', {location(node)}) is not a selection x[:, t] of a tensor made before "
                    "the loop; compute it for the whole sequence before the loop")
+
+
+def _symbolic_scalar(x: fx.Node) -> bool:
+    """``x`` is a Python number that depends on a symbolic size (a SymInt or SymFloat)."""
+    v = x.meta.get("val", x.meta.get("example_value"))
+    return isinstance(v, (torch.SymInt, torch.SymFloat))
 
 
 def same_shape(a: Any, b: Any) -> bool:

@@ -347,6 +347,10 @@ def _setup(ctx, inputs, output):
         plan = inputs
     ctx.save_for_backward(q, k, v, g, beta, h0, *output[2:])
     ctx.args = (list(time_dims), t0, steps, scale, scalar_gate, out_dim, want_state, _parsed_plan(plan)["chunk"])
+    # the final state never depends on q: with only q needing a gradient it needs none, as in eager
+    # (autograd.grad of it then raises instead of giving zeros); kda_save's workspaces never do
+    state_free = not any(t is not None and t.requires_grad for t in (k, v, g, beta, h0))
+    ctx.mark_non_differentiable(*([output[1]] if state_free else []), *output[2:])
 
 
 #: Largest K (and V) the backward kernels (codegen/kda_bwd.py) take: their state tiles live in

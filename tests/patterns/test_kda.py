@@ -199,6 +199,47 @@ def test_training_gradients_match_eager():
         _close(a, b, 1e-3)
 
 
+def test_a_nan_at_the_last_token_leaves_earlier_outputs_exact_under_the_recurrent_plan():
+    # README Limits: the chunked kernels may spread a later token's NaN to earlier tokens (0 * NaN in
+    # a dot); the token loop does not, as eager does not
+    q, k, v, g, beta = _inputs("bhtk")
+    v = v.clone()
+    v[:, :, -1] = float("nan")
+    graphs, result = fuse(blog_loop, q, k, v, g, beta, options={"fuser.plan": "kda.plan=recurrent"})
+    assert [m.pattern for m in result.matches if m.fused] == ["kda"]
+    o, s = run_rewritten(graphs, q, k, v, g, beta)
+    wo, ws = blog_loop(q, k, v, g, beta)
+    assert torch.equal(o.isnan(), wo.isnan()) and torch.equal(s.isnan(), ws.isnan())
+    _close(o[:, :, :-1], wo[:, :, :-1])
+
+
+def test_a_scale_from_a_dynamic_head_dim_is_declined_naming_it():
+    # dynamic=True makes K symbolic: the blog loop's K ** -0.5 is then no constant (the op takes one);
+    # the decline names the symbolic scale (it said "not a selection x[:, t]")
+    assert_declines(blog_loop, *_inputs("bhtk"), pattern="kda", dynamic=True,
+                    reason=r"scaled inside the loop by .* symbolic size")
+
+
+# found by an adversarial review (2026-12-07): with only q needing a gradient the fused op's final
+# state required one (autograd.grad of it gave zeros where eager raises)
+@pytest.mark.parametrize("plan", [None, "kda.plan=chunk,kda.save=workspaces"])
+def test_the_final_state_needs_a_gradient_only_when_eagers_does(plan):
+    args = list(_inputs("bhtk"))
+    args[0] = args[0].clone().requires_grad_(True)  # q alone: the state never depends on it
+    options = {"fuser.plan": plan} if plan else None
+    graphs, result = fuse(blog_loop, *args, options=options)
+    assert [m.pattern for m in result.matches if m.fused] == ["kda"]
+    o, s = run_rewritten(graphs, *args)
+    wo, ws = blog_loop(*args)
+    assert (o.requires_grad, s.requires_grad) == (wo.requires_grad, ws.requires_grad) == (True, False)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(s.sum(), args[0])
+    _close(torch.autograd.grad(o.square().sum(), args[0])[0], torch.autograd.grad(wo.square().sum(), args[0])[0], 1e-3)
+    args[2] = args[2].clone().requires_grad_(True)  # v too: now the state does
+    o, s = run_rewritten(graphs, *args)
+    assert s.requires_grad
+
+
 @pytest.mark.parametrize("layout,scalar_gate,t_len", [("bhtk", False, 40), ("bthk", True, 37)])
 def test_training_with_the_forward_workspaces_kept(layout, scalar_gate, t_len):
     """``kda.save=workspaces`` (chunk plan, gradients recorded): the rewrite emits fuser::kda_save,
