@@ -217,6 +217,11 @@ class AttentionPattern(Pattern):
         k, v, group = kv_heads(sc, v, v_p, view)
         if dtype(v) != sc.in_dtype:
             raise Decline(f"q, k, v dtypes differ ({sc.in_dtype}, {sc.in_dtype}, {dtype(v)})")
+        if dtype(pv) in FLOATS and rounds_below(sc.compute_dtype, dtype(pv)):
+            # e.g. the scores under torch.autocast and P V after it: the kernels would compute P V
+            # (v included) in the scores' dtype, rounding what the program keeps wider
+            raise Decline(f"P V is computed in {dtype(pv)}, wider than the {sc.compute_dtype} the scores are "
+                          "computed in (an autocast region ending between them?); the kernels compute both in one dtype")
         sq, sk, sv = permuted(shape(q), sc.q_p), permuted(shape(k), sc.k_p), permuted(shape(v), v_p)
         dv = sv[-1]
         if not within(dv, 1, 256):

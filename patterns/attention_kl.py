@@ -152,6 +152,10 @@ class AttentionKLPattern(Pattern):
             raise Decline(f"the two attentions have different shapes (q1 {shape(s1.q)}, q2 {shape(s2.q)}, Nk {nk1} vs {nk2})")
         if s1.in_dtype != s2.in_dtype:
             raise Decline(f"teacher and student dtypes differ ({s1.in_dtype}, {s2.in_dtype})")
+        if s1.compute_dtype != s2.compute_dtype:
+            # e.g. one side's scores under torch.autocast: the kernels take one dtype for both sides
+            raise Decline(f"the teacher's scores are computed in {s1.compute_dtype}, the student's in "
+                          f"{s2.compute_dtype} (torch.autocast around one side only?); the kernels take one dtype")
         if s1.device != s2.device:
             raise Decline("teacher and student are on different devices")
         if s1.causal != s2.causal or not _same_masks(s1, s2) or s1.causal_fill_mode != s2.causal_fill_mode \

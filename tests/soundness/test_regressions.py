@@ -627,3 +627,48 @@ def test_h2o_score_with_an_additive_mask_above_the_base2_limit():
     assert torch.isfinite(out).all() and torch.isfinite(score).all()
     torch.testing.assert_close(out.double(), want[0], atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(score.double(), want[1], atol=2e-5, rtol=2e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# 13. torch.autocast around part of a region (found by an adversarial review, 2026-12-07)
+# --------------------------------------------------------------------------------------------
+
+def test_pv_after_an_autocast_block_keeps_its_float32():
+    """Scores under autocast (bfloat16), P V after the block in float32: the kernels would have
+    computed P V (v included) in bfloat16. Causal row 0 sees one key: eager's row is v[0] exactly."""
+    def f(q, k, v):
+        n = q.shape[-2]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = (q @ k.mT * 0.35).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s.float(), -1) @ v
+
+    q, k, v = _inputs(*[(B, H, N, D)] * 3)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        out = torch.compile(f, backend="fuser")(q, k, v)
+    assert not fused(rep)
+    assert any("P V is computed in torch.float32" in r.reason for r in rep.rejected), rep.rejected
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0], atol=0, rtol=0)
+    torch._dynamo.reset()  # the declined region is Inductor's (which keeps the scores' rounding its own way)
+    torch.testing.assert_close(out, torch.compile(f, backend="inductor")(q, k, v), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_attention_kl_with_autocast_around_one_side_is_declined_not_a_crash(side):
+    """One side's scores in bfloat16 (autocast), the other's in float32: fused, the op raised
+    'must share one dtype' on the user's call."""
+    def f(q1, k1, q2, k2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=side == "teacher"):
+            lt = F.log_softmax(q1 @ k1.mT * 0.35, -1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=side == "student"):
+            ls = F.log_softmax(q2 @ k2.mT * 0.35, -1)
+        return F.kl_div(ls, lt, reduction="batchmean", log_target=True)
+
+    args = _inputs(*[(B, H, N, D)] * 4)
+    torch._dynamo.reset()
+    with collecting() as rep:
+        got = torch.compile(f, backend="fuser")(*args)
+    assert not fused(rep, "attention_kl")
+    assert any("scores are computed in" in r.reason for r in rep.rejected if r.pattern == "attention_kl"), rep.rejected
+    torch.testing.assert_close(got, f(*args), atol=0.05, rtol=0.01)  # bfloat16 scores: Inductor's and eager's roundings
