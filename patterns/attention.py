@@ -99,6 +99,16 @@ def decline_cut_inputs(named: list, out: fx.Node, view: GraphView, what: str, ow
                           "reads it and would give it one")
 
 
+#: ``nn.MultiheadAttention``'s forward: Dynamo keeps it as one call (it does not trace into it).
+MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
+MHA_OPAQUE = (
+    "nn.MultiheadAttention reaches the graph as one call (F.multi_head_attention_forward: Dynamo does not "
+    "trace into it), so its attention is not visible to fuser; Inductor runs it as PyTorch does (its SDPA "
+    "kernels when need_weights=False). To have fuser fuse it, write the attention out: "
+    "F.scaled_dot_product_attention, or softmax(q @ k.transpose(-2, -1) * scale) @ v"
+)
+
+
 class AttentionPattern(Pattern):
     """Scaled dot-product attention with optional causal/padding/bias masks and GQA."""
 
@@ -112,12 +122,14 @@ class AttentionPattern(Pattern):
     def anchors(self, view: GraphView):
         for n in view.graph.nodes:
             op = view.op(n)
-            if op in ("softmax", "div", "sdpa"):
+            if op in ("softmax", "div", "sdpa") or (n.op == "call_function" and n.target is MHA_FORWARD):
                 yield n
 
     # -- match ---------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
         view = ctx.view
+        if anchor.target is MHA_FORWARD:
+            return Rejection(self.name, MHA_OPAQUE, location(anchor), anchor.name)
         if view.op(anchor) == "sdpa":
             try:
                 return self._analyze_sdpa(anchor, ctx)

@@ -299,3 +299,23 @@ def test_a_data_mask_is_tested_on_every_call_not_at_compile_time():
             want = torch.autograd.grad(ref, leaves, g)
             assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-4, (n, build.__name__)
     assert rep.fused and all(m.summary["mask"].startswith("additive") for m in rep.fused), str(rep)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_module_says_why_it_is_not_fused(need_weights):
+    """nn.MultiheadAttention reaches the graph as one opaque call: nothing to fuse, but explain()
+    says so and names the spellings that are fused (users should not have to read our code)."""
+    import fuser
+
+    m = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 8, 16)
+
+    def f(x):
+        return m(x, x, x, need_weights=need_weights)[0]
+
+    torch._dynamo.reset()
+    rep = fuser.explain(f, x)
+    assert not rep.fused
+    (r,) = [r for r in rep.rejected if r.pattern == "attention"]
+    assert "nn.MultiheadAttention" in r.reason and "scaled_dot_product_attention" in r.reason
+    torch.testing.assert_close(rep.output, f(x))
