@@ -75,7 +75,9 @@ class AttentionKLPattern(Pattern):
 
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
         first: Optional[Rejection] = None
+        found = False
         for b in match(TERM, anchor, ctx.view):
+            found = True
             red = self._reduction(anchor, ctx.view, b)
             if red is None:
                 return None
@@ -85,6 +87,10 @@ class AttentionKLPattern(Pattern):
                 return self._analyze(b, anchor, red, ctx)
             except Decline as exc:
                 first = first or Rejection(self.name, str(exc), location(anchor), anchor.name, ctx.graph_index)
+        if not found:
+            why = _detached_after_softmax(anchor, ctx.view)
+            if why:
+                return Rejection(self.name, why, location(anchor), anchor.name, ctx.graph_index)
         return first
 
     # -- the reduction after the elementwise term -------------------------------------------
@@ -326,6 +332,27 @@ def _check_gradient_cuts(side: str, s: Scores, root: fx.Node, view: GraphView) -
     input itself. (A side cut as a whole — its softmax without gradients — is :func:`_detached`.)"""
     k = s.k_ungrouped if s.k_ungrouped is not None else s.k  # as the op reads it: before a GQA repeat
     decline_cut_inputs(score_inputs(s, k), root, view, "the KL", owner=f"the {side}'s ")
+
+
+def _detached_after_softmax(term: fx.Node, view: GraphView) -> Optional[str]:
+    """Why a KL term that does not match reads a ``.detach()`` of a softmax or log-softmax
+    (``F.softmax(s1, -1).detach()``), when it does: the spelling fuser takes detaches the scores
+    (the same values and gradients). None when the term has no such operand, or is no KL term
+    (a ``mul`` whose operands hold no log-probabilities)."""
+    if view.op(term) not in ("kl_div", "mul"):
+        return None
+    operands = [a for a in term.args if isinstance(a, fx.Node)]
+    operands += [a for x in operands if view.op(x) == "sub" for a in x.args if isinstance(a, fx.Node)]
+    if view.op(term) == "mul" and not any(view.op(x) in ("log_softmax", "log", "sub") for x in operands):
+        return None
+    for x in operands:
+        c = view.canon(x)
+        if c is not None and c.op == "detach" and isinstance(c.args[0], fx.Node) \
+                and view.op(c.args[0]) in ("softmax", "log_softmax"):
+            return (f"'{x.name}' ({location(x)}) detaches the output of a {view.op(c.args[0])} ('{c.args[0].name}'); "
+                    "fuser takes the KL when the scores are detached instead (softmax(s.detach(), -1): the same "
+                    "values and gradients) or the side is computed under torch.no_grad()")
+    return None
 
 
 def _detached(b, tag: str, s: Scores) -> bool:

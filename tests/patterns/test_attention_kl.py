@@ -199,9 +199,28 @@ def _probs_causal_inf_not_zeroed(q1, k1, q2, k2):
     return F.kl_div(F.log_softmax((q2 @ k2.mT).masked_fill(m, float("-inf")), -1), p1, reduction="sum")
 
 
+# found by an adversarial review (2026-12-07): a detach after the softmax matched nothing and explain()
+# said nothing; now a near-miss naming the spelling that is fused (detach the scores)
+def _teacher_probs_detached(q1, k1, q2, k2):
+    return F.kl_div(F.log_softmax(q2 @ k2.mT, -1), F.softmax(q1 @ k1.mT, -1).detach(), reduction="batchmean")
+
+
+def _teacher_log_probs_detached(q1, k1, q2, k2):
+    lp1 = F.log_softmax(q1 @ k1.mT, -1).detach()
+    return F.kl_div(F.log_softmax(q2 @ k2.mT, -1), lp1, reduction="batchmean", log_target=True)
+
+
+def _handwritten_p1_detached(q1, k1, q2, k2):
+    s1, s2 = q1 @ k1.mT, q2 @ k2.mT
+    return (F.softmax(s1, -1).detach() * (F.log_softmax(s1, -1) - F.log_softmax(s2, -1))).sum(-1).mean()
+
+
 # found by an adversarial review (2026-12-07): these are NaN in eager (0 * (-inf) on the hidden keys);
 # the op gave a finite loss
 NEAR = [
+    ("teacher_probs_detached", _teacher_probs_detached, r"detaches the output of a softmax .*s\.detach\(\)"),
+    ("teacher_log_probs_detached", _teacher_log_probs_detached, "detaches the output of a log_softmax"),
+    ("handwritten_p1_detached", _handwritten_p1_detached, "detaches the output of a softmax"),
     ("causal_inf_not_zeroed", _causal_inf_not_zeroed, "hides keys with -inf and the KL terms there are not zeroed"),
     ("handwritten_causal_inf_not_zeroed", _handwritten_causal_inf_not_zeroed, "are not zeroed"),
     ("probs_causal_inf_not_zeroed", _probs_causal_inf_not_zeroed, "are not zeroed"),
