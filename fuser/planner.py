@@ -70,10 +70,11 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
         return best, f"forced by fuser.plan ({', '.join(forced_desc)})"
     others = [c for c in pool if c is not best]
     note = "; nondeterministic plans left out (torch.use_deterministic_algorithms)" if left_out else ""
-    if options.cuda_graphs:
-        note += "; launches cost no host time (the graph is replayed from CUDA graphs)"
     if not others:
         return best, "the only candidate" + note
+    dev = match_device(match)
+    if options.cuda_graphs and dev is not None and dev.type == "cuda":
+        note += "; launches cost no host time (the graph is replayed from CUDA graphs)"
     runner_up = min(others, key=lambda c: c.estimate_ms)
     return best, (
         f"lowest estimated time: {best.estimate_ms:.3g} ms vs {runner_up.estimate_ms:.3g} ms "

@@ -38,9 +38,13 @@ def test_a_graph_replay_launches_without_host_time():
 def test_the_reason_says_when_launches_are_replayed():
     a = Candidate("a", {"impl": "fuser"}, {}, 2.0)
     b = Candidate("b", {"impl": "fuser"}, {}, 1.0)
-    _, why = choose(_match(), [a, b], resolve(None, mode="reduce-overhead")[0])
+    on_gpu = Match("attention", None, frozenset(), {"device": "cuda"}, {}, "x.py:1")
+    _, why = choose(on_gpu, [a, b], resolve(None, mode="reduce-overhead")[0])
     assert "CUDA graphs" in why
-    assert "CUDA graphs" not in choose(_match(), [a, b], resolve(None)[0])[1]
+    assert "CUDA graphs" not in choose(on_gpu, [a, b], resolve(None)[0])[1]
+    # CPU tensors (the interpreter) are never replayed from CUDA graphs
+    on_cpu = Match("attention", None, frozenset(), {"device": "cpu"}, {}, "x.py:1")
+    assert "CUDA graphs" not in choose(on_cpu, [a, b], resolve(None, mode="reduce-overhead")[0])[1]
 
 
 def _match():
