@@ -307,24 +307,24 @@ def _parse(name: str, value: Any) -> Any:
     if name == "plan":
         return _parse_plan(value)
     if name == "interpret":
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        try:
-            return "on" if _as_bool("fuser.interpret", value) else "off"
-        except FuserOptionError:
-            raise FuserOptionError(
-                f"fuser.interpret takes True, False or 'auto', got {value!r}"
-            ) from None
+        flag = _auto_or_bool(name, value)
+        return flag if flag == "auto" else "on" if flag else "off"
     if name == "debug_dir":
         return _parse_debug_dir(value)
     if name == "cuda_graphs":
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        try:
-            return _as_bool("fuser.cuda_graphs", value)
-        except FuserOptionError:
-            raise FuserOptionError(f"fuser.cuda_graphs takes True, False or 'auto', got {value!r}") from None
+        return _auto_or_bool(name, value)
     raise AssertionError(name)
+
+
+def _auto_or_bool(name: str, value: Any) -> "str | bool":
+    """``"auto"`` (any case) or the boolean ``value`` stands for; FuserOptionError naming the
+    three accepted values otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _as_bool(f"fuser.{name}", value)
+    except FuserOptionError:
+        raise FuserOptionError(f"fuser.{name} takes True, False or 'auto', got {value!r}") from None
 
 
 def resolve(options: Mapping[str, Any] | None = None, mode: str | None = None) -> tuple[Options, dict[str, Any]]:

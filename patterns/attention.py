@@ -25,7 +25,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 from .masks import FLOATS, Decline, describe_mask, rounds_below
-from .scores import _same_dims, analyze_scores, analyze_sdpa, describe_scale, kv_heads, softmax_rule, within
+from .scores import _same_dims, analyze_scores, analyze_sdpa, check_softmax, describe_scale, kv_heads, softmax_rule, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
@@ -180,13 +180,7 @@ class AttentionPattern(Pattern):
         sc = analyze_scores(b, ctx, predicates=True)
         rank = sc.rank
         if sm.op == "softmax":
-            if sm.attrs["dim"] != rank - 1:
-                raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
-            if sm.attrs["dtype"] not in (None, *FLOATS):
-                raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
-            if sm.attrs["dtype"] is not None and rounds_below(sm.attrs["dtype"], dtype(sm.args[0])):
-                raise Decline(f"softmax in {sm.attrs['dtype']} of scores in {dtype(sm.args[0])}; fuser computes it "
-                              "in float32")
+            check_softmax(sm, rank)
         for n in p_nodes:
             c = view.canon(n)
             if c.op == "dropout":

@@ -47,7 +47,7 @@ from fuser.static import symint_value
 
 from . import h2o_ops  # registers torch.ops.fuser.h2o; plan_string
 from .masks import FLOATS, Decline, describe_mask, rounds_below
-from .scores import Emitter, _same_dims, analyze_scores, describe_scale, kv_heads, softmax_rule, within
+from .scores import Emitter, _same_dims, analyze_scores, check_softmax, describe_scale, kv_heads, softmax_rule, within
 
 SOFTMAX = softmax_rule()
 THROUGH = frozenset({"cast", "identity"})
@@ -337,13 +337,7 @@ class H2OPattern(Pattern):
         if rank not in (3, 4):
             raise Decline(f"scores of rank {rank}; the H2O kernels take [B, H, Nq, Nk] or [B·H, Nq, Nk] scores")
         if sm.op == "softmax":  # a softmax by hand is over the last dim by its rule
-            if sm.attrs["dim"] != rank - 1:
-                raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
-            if sm.attrs["dtype"] not in (None, *FLOATS):
-                raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
-            if sm.attrs["dtype"] is not None and rounds_below(sm.attrs["dtype"], dtype(sm.args[0])):
-                raise Decline(f"softmax in {sm.attrs['dtype']} of scores in {dtype(sm.args[0])}; fuser computes it "
-                              "in float32")
+            check_softmax(sm, rank)
         for n in passed + path.nodes:
             c = view.canon(n)
             if c is not None and c.op == "cast" and c.attrs["dtype"] not in FLOATS:

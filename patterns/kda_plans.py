@@ -122,7 +122,7 @@ PARALLEL_STEPS_1_ROW_US = 0.33
 #: ``"gram_dk"`` (K ≥ 8192, T ≤ 16, channel-major Gram tiles) 0.92 / 0.92 at T ≤ 8, 0.97 at T = 16
 #: (0.93; the T ≤ 16 sweep's two such shapes: 0.90, 0.95). MEASURED on the H100 (2026-12-06,
 #: ``benchmarks/results/kda_parallel_configs.md``). ``"gram_steps_1"``: see
-#: :data:`PARALLEL_STEPS_1`.
+#: :data:`PARALLEL_STEPS_1_CALIBRATION` and the two terms beside it.
 PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": PARALLEL_STEPS_1_CALIBRATION, "gram_dk": 0.93}
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).

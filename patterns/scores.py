@@ -53,6 +53,24 @@ def scores_rule(tag: str = "") -> Rule:
     return Chain(qk, SCORE_STEPS, name=f"steps{tag}", root=f"S{tag}")
 
 
+def check_softmax(sm, rank: int) -> None:
+    """Decline a ``softmax`` node (canonical, ``sm``) over scores of rank ``rank`` that the fused
+    kernels would not reproduce: over another dim than the keys (the last), in a non-float dtype,
+    or in a float dtype that rounds the scores below the dtype they are computed in
+    (``softmax(s, -1, dtype=torch.bfloat16)`` of float32 scores; the kernels compute it in float32).
+
+    Raises:
+        Decline: with the reason.
+    """
+    if sm.attrs["dim"] != rank - 1:
+        raise Decline(f"softmax over dim {sm.attrs['dim']}, not over the keys (last dim)")
+    if sm.attrs["dtype"] not in (None, *FLOATS):
+        raise Decline(f"softmax in {sm.attrs['dtype']}; fuser computes it in float32")
+    if sm.attrs["dtype"] is not None and rounds_below(sm.attrs["dtype"], dtype(sm.args[0])):
+        raise Decline(f"softmax in {sm.attrs['dtype']} of scores in {dtype(sm.args[0])}; fuser computes it "
+                      "in float32")
+
+
 def softmax_rule(tag: str = "") -> Rule:
     """A softmax over the last dim of :func:`scores_rule`: ``softmax`` (any spelling) or by hand
     ``exp(S - amax(S)) / sum(...)`` (also without the max). Binds ``softmax<tag>``."""
