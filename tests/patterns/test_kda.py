@@ -240,6 +240,21 @@ def test_the_final_state_needs_a_gradient_only_when_eagers_does(plan):
     assert s.requires_grad
 
 
+@pytest.mark.parametrize("which", [1, 2, 3, 4], ids=["k", "v", "g", "beta"])
+def test_the_final_state_keeps_its_gradient_when_one_of_its_inputs_needs_one(which):
+    # the other side of the rule above: the state depends on k, v, g and beta; each alone needing a
+    # gradient must give the state eager's gradient (not a non-differentiable output)
+    args = list(_inputs("bhtk"))
+    args[which] = args[which].clone().requires_grad_(True)
+    graphs, result = fuse(blog_loop, *args)
+    assert [m.pattern for m in result.matches if m.fused] == ["kda"]
+    o, s = run_rewritten(graphs, *args)
+    wo, ws = blog_loop(*args)
+    assert s.requires_grad and ws.requires_grad
+    _close(torch.autograd.grad(s.square().sum(), args[which])[0], torch.autograd.grad(ws.square().sum(), args[which])[0],
+           1e-3)
+
+
 @pytest.mark.parametrize("layout,scalar_gate,t_len", [("bhtk", False, 40), ("bthk", True, 37)])
 def test_training_with_the_forward_workspaces_kept(layout, scalar_gate, t_len):
     """``kda.save=workspaces`` (chunk plan, gradients recorded): the rewrite emits fuser::kda_save,
