@@ -108,6 +108,37 @@ MHA_OPAQUE = (
     "F.scaled_dot_product_attention, or softmax(q @ k.transpose(-2, -1) * scale) @ v"
 )
 
+#: Where a graph ends or begins inside an attention core: Dynamo compiled its halves as separate
+#: graphs, and fuser sees one graph at a time.
+GRAPH_CUT = (
+    "fuser fuses softmax(q kᵀ) with P V only within one captured graph. {case}: a graph break (TORCH_LOGS=graph_breaks names its cause; "
+    "fullgraph=True turns it into an error) or, under DDP, a gradient-bucket boundary of Dynamo's "
+    "DDPOptimizer (an nn.Parameter used inside the attention, e.g. a learned temperature or bias)"
+)
+
+
+def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optional[fx.Node]:
+    """The graph input that the softmax input ``x`` is computed from when no matmul lies
+    between them (the scores were computed in another graph), else None. Walks back through
+    at most ``depth`` ops and never past a matmul."""
+    frontier, seen, found = [x], set(), None
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                v = val(n)
+                if found is None and isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape == val(x).shape:
+                    found = n
+                continue
+            if view.op(n) in ("matmul", "sdpa"):
+                return None
+            nxt.extend(a for a in n.all_input_nodes if is_tensor(a))
+        frontier = nxt
+    return found if not frontier else None
+
 
 class AttentionPattern(Pattern):
     """Scaled dot-product attention with optional causal/padding/bias masks and GQA."""
@@ -139,7 +170,15 @@ class AttentionPattern(Pattern):
         for b in match(SOFTMAX, anchor, view):
             consumer = self._consumer(anchor, view)
             if consumer is None:
-                return None  # a softmax that does not feed P V: not attention (maybe H2O, KL)
+                # a softmax that does not feed P V: not attention (maybe H2O, KL), unless P of
+                # batched q kᵀ leaves the graph (a classifier's x @ W.t() has a 2-D W)
+                if all(ndim(b[n]) >= 3 for n in ("q", "kT")) and self._leaves_graph(anchor, view):
+                    why = (f"the attention weights P ('{anchor.name}') leave this graph as an output and meet no "
+                           "P V matmul in it. "
+                           + GRAPH_CUT.format(case="If your code multiplies P by V next, the graph ends between "
+                                                   "the two"))
+                    return Rejection(self.name, why, location(anchor), anchor.name)
+                return None
             if isinstance(consumer, str):
                 return Rejection(self.name, consumer, location(anchor), anchor.name)
             pv, p_nodes = consumer
@@ -147,7 +186,40 @@ class AttentionPattern(Pattern):
                 return self._analyze(b, anchor, pv, p_nodes, ctx)
             except Decline as exc:
                 first_decline = first_decline or Rejection(self.name, str(exc), location(anchor), anchor.name)
+        if first_decline is None and view.op(anchor) == "softmax":
+            return self._cut_before_softmax(anchor, view)
         return first_decline
+
+    def _cut_before_softmax(self, sm: fx.Node, view: GraphView) -> Optional[Rejection]:
+        """``softmax(x) @ v`` where ``x`` is a graph input (through elementwise ops only): the
+        scores were computed in an earlier graph. A near-miss, so that explain() says why."""
+        consumer = self._consumer(sm, view)
+        x = view.canon(sm).args[0]
+        if not isinstance(consumer, tuple) or not isinstance(x, fx.Node) or not is_tensor(x):
+            return None
+        inp = _scores_from_outside(x, view)
+        if inp is None:
+            return None
+        why = (f"the softmax '{sm.name}' reads scores that come from outside this graph (its input "
+               f"'{user_name(inp)}', with no q kᵀ matmul in between) and feeds the P V matmul '{consumer[0].name}'. "
+               + GRAPH_CUT.format(case="If your code computes these scores from q kᵀ, the graph begins between the two"))
+        return Rejection(self.name, why, location(sm), sm.name)
+
+    @staticmethod
+    def _leaves_graph(p: fx.Node, view: GraphView) -> bool:
+        """Whether P, through casts/dropout, is only read by the graph's output."""
+        x = p
+        while True:
+            readers = view.readers(x)
+            if len(readers) != 1:
+                return False
+            r = readers[0]
+            if r.op == "output":
+                return True
+            c = view.canon(r)
+            if c is None or c.op not in P_THROUGH or c.args[0] is not x:
+                return False
+            x = r
 
     def _consumer(self, p: fx.Node, view: GraphView):
         """Follow P through casts/dropout to the P V matmul: (pv node, nodes passed), None if

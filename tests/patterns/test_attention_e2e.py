@@ -319,3 +319,48 @@ def test_multihead_attention_module_says_why_it_is_not_fused(need_weights):
     (r,) = [r for r in rep.rejected if r.pattern == "attention"]
     assert "nn.MultiheadAttention" in r.reason and "scaled_dot_product_attention" in r.reason
     torch.testing.assert_close(rep.output, f(x))
+
+
+@pytest.mark.parametrize("cut", ["after_softmax", "before_softmax", "after_scores"])
+def test_graph_break_inside_attention_says_why_it_is_not_fused(cut):
+    """A graph break between q kᵀ and P V leaves two graphs, neither holding a whole attention:
+    the output is eager's, and explain() names the cut (one near-miss, in the graph that holds the
+    softmax) instead of saying nothing."""
+    import fuser
+
+    def f(q, k, v, m):
+        s = q @ k.transpose(-1, -2)
+        if cut == "after_scores":
+            torch._dynamo.graph_break()
+        s = s * 0.25 + m
+        if cut == "before_softmax":
+            torch._dynamo.graph_break()
+        p = s.softmax(-1)
+        if cut == "after_softmax":
+            torch._dynamo.graph_break()
+        return p @ v
+
+    q, k, v = _inputs((1, 2, 24, 16), (1, 2, 24, 16), requires_grad=False)
+    m = torch.zeros(24, 24)
+    torch._dynamo.reset()
+    rep = fuser.explain(f, q, k, v, m, options={"fuser.interpret": True})
+    assert not rep.fused
+    (r,) = rep.rejected
+    assert r.pattern == "attention" and "only within one captured graph" in r.reason
+    assert ("graph ends" if cut == "after_softmax" else "graph begins") in r.reason
+    assert "TORCH_LOGS=graph_breaks" in r.reason
+    torch.testing.assert_close(rep.output, f(q, k, v, m))
+
+
+def test_softmax_returned_without_scores_is_no_near_miss():
+    """A classifier's softmax over logits that leaves the graph is not an attention cut: no
+    near-miss (explain() must not cry wolf)."""
+    import fuser
+
+    lin = torch.nn.Linear(16, 5)
+    w = torch.nn.Parameter(torch.randn(5, 16))
+
+    for f in (lambda x: lin(x).softmax(-1), lambda x: (x @ w.t()).softmax(-1)):
+        torch._dynamo.reset()
+        rep = fuser.explain(f, torch.randn(2, 3, 16))
+        assert not rep.rejected and not rep.fused
