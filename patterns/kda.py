@@ -221,11 +221,11 @@ class KDAPattern(Pattern):
         return False
 
     def _is_update(self, s: fx.Node, view: GraphView) -> bool:
-        """``s`` is ``D + U`` with ``D`` a decayed state: a step's output, not a chain's head."""
+        """``s`` is ``D + U`` (or ``D − U``) with ``D`` a decayed state: a step's output, not a chain's head."""
         c = view.canon(s)
-        if c is None or c.op != "add":
+        if c is None or c.op not in ("add", "sub"):
             return False
-        for a in c.args:
+        for a in (c.args if c.op == "add" else c.args[:1]):
             ca = view.canon(a)
             if ca is not None and ca.op == "mul" and any(self._is_exp(x, view) for x in ca.args):
                 return True
@@ -264,8 +264,10 @@ class KDAPattern(Pattern):
         lead = roles[:-2]
         # D = S ∘ exp(g_t)
         decay = md = None
+        odd_decay = None  # S * exp(<an expression>): a reason, if the rest is a delta-rule step
         for r in view.readers(s_prev):
-            if view.op(r) != "mul":
+            c = view.canon(r)
+            if c is None or c.op != "mul":
                 continue
             m = monomial(r, view, is_leaf=lambda n: n is s_prev)
             if m is None or len(m.factors) != 2:
@@ -273,21 +275,46 @@ class KDAPattern(Pattern):
             if sum(f.leaf is s_prev for f in m.factors) == 1 and sum(f.is_exp for f in m.factors) == 1:
                 decay, md = r, m
                 break
-        if decay is None:
+            if odd_decay is None and any(a is s_prev for a in c.args) \
+                    and any(self._is_exp(a, view) for a in c.args if a is not s_prev):
+                odd_decay = r
+        if decay is None and odd_decay is None:
             raise _Skip
-        # S' = D + U: the reader of D that adds it to a product
+        decay = decay or odd_decay
+        # S' = D + U: the reader of D that adds it to a product (D − U: a reason)
         s_new = u = None
+        subtracted = False
         for r in view.readers(decay):
             c = view.canon(r)
             if c is not None and c.op == "add" and decay in c.args:
                 s_new, u = r, c.args[1] if c.args[0] is decay else c.args[0]
                 break
+            if c is not None and c.op == "sub" and c.args[0] is decay:
+                s_new, u, subtracted = r, c.args[1], True
+                break
         if s_new is None or not isinstance(u, fx.Node):
             raise _Skip
         mu = monomial(u, view, is_leaf=lambda n: n is decay)
-        if mu is None or len(mu.factors) not in (2, 3) or not same_shape(shape(u), shape(s_prev)):
+        if mu is None or len(mu.factors) < 2 or not same_shape(shape(u), shape(s_prev)):
             raise _Skip
         # from here on it looks like a KDA step: failures have reasons
+        if mu.summed:
+            raise _Decline(f"the state update '{u.name}' ({location(u)}) sums over a dim of its own: one update per "
+                           "chunk of tokens (a chunked form, such as FLA's naive_chunk_kda), not the token-by-token "
+                           "recurrence fuser matches. Write the loop per token (S = S * g[:, t].exp()[..., None]; S = "
+                           "S + β_t · k_t ⊗ (v_t − k_t · S); o[:, t] = q_t · S, as FLA's naive_recurrent_kda): fuser "
+                           "then picks the chunked kernels itself where they are faster")
+        if md is None:
+            raise _Decline(f"the decay '{decay.name}' ({location(decay)}) multiplies the state by exp of an expression "
+                           "computed inside the loop, not by exp(g_t) of a selection g[:, t]; compute the gate for "
+                           "the whole sequence before the loop (e.g. g = -a, then S * g[:, t].exp())")
+        if subtracted:
+            raise _Decline(f"the state update '{u.name}' is subtracted from the decayed state ('{s_new.name}', "
+                           f"{location(s_new)}); the delta rule adds β_t · k_t ⊗ (v_t − v̂), with v̂ = k_t · S")
+        if len(mu.factors) > 3:
+            raise _Decline(f"the state update '{u.name}' ({location(u)}) multiplies {len(mu.factors)} factors, not the "
+                           "three of β_t · k_t ⊗ (v_t − v̂); a β computed inside the loop (e.g. β_t * β_t) is a factor "
+                           "of its own: compute it for the whole sequence before the loop")
         if not same_shape(shape(s_new), shape(s_prev)) or not same_shape(shape(decay), shape(s_prev)):
             raise _Decline(f"the state changes shape in the step ('{s_new.name}'): {shape(s_prev)} -> {shape(s_new)}")
         names = md.roles({s_prev: roles}, roles)
@@ -320,6 +347,9 @@ class KDAPattern(Pattern):
         if cdv is None or cdv.op != "sub" or not all(isinstance(a, fx.Node) for a in cdv.args):
             raise _Decline(f"the delta '{getattr(dv, 'name', dv)}' is not v_t − v̂")
         v_t, v_hat = cdv.args
+        if self._reads(v_t, decay, view) and not self._reads(v_hat, decay, view):
+            raise _Decline(f"the delta '{dv.name}' ({location(dv)}) is v̂ − v_t, the opposite sign of the delta rule's "
+                           "v_t − v̂ (S' = D + β_t · k_t ⊗ (v_t − v̂), with v̂ = k_t · D)")
         if ndim(v_t) != ndim(dv) or not same_shape(shape(v_hat), shape(dv)):
             raise _Decline(f"v_t and v̂ in '{dv.name}' ({location(dv)}) do not have one shape")
         leaves["k"] = _time_leaf(by_role["k"], view, "k_t")
@@ -346,6 +376,16 @@ class KDAPattern(Pattern):
         if sink is not None and view.op(sink) == "stack":
             nodes.discard(sink)  # the stack is shared by every step: added once by the chain
         return Step(s_prev, s_new, decay, readout, item, sink, leaves, float(mo.const), scalar_gate, nodes)
+
+    @staticmethod
+    def _reads(x: Any, node: fx.Node, view: GraphView, depth: int = 6) -> bool:
+        """Whether ``x`` is computed from ``node`` within ``depth`` ops (not through it)."""
+        frontier = [x] if isinstance(x, fx.Node) else []
+        for _ in range(depth):
+            if node in frontier:
+                return True
+            frontier = [a for n in frontier for a in n.all_input_nodes]
+        return node in frontier
 
     @staticmethod
     def _readout(s_new: fx.Node, roles: tuple, view: GraphView) -> tuple:

@@ -426,6 +426,52 @@ def test_an_input_transformed_inside_the_loop_is_declined_with_a_reason(where):
     assert_declines(loop, *_inputs("bthk"), pattern="kda", reason="computed inside the loop")
 
 
+def _variant_loop(variant):
+    """The blog loop with one change that makes it another recurrence (or a per-step input)."""
+    def loop(q, k, v, g, beta):
+        s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+        o = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            g_t, b_t, k_t, v_t = g[:, t][..., None], beta[:, t][..., None], k[:, t], v[:, t]
+            s = s * ((-g_t).exp() if variant == "exp(-g)" else g_t.exp())
+            b_t = b_t * b_t if variant == "beta squared" else b_t
+            v_hat = torch.einsum("bhk,bhkv->bhv", k_t, s)
+            delta = v_hat - v_t if variant == "delta flipped" else v_t - v_hat
+            update = torch.einsum("bhk,bhv->bhkv", b_t * k_t, delta)
+            s = s - update if variant == "update subtracted" else s + update
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        return o
+
+    return loop
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("exp(-g)", "exp of an expression computed inside the loop.*before the loop"),
+    ("beta squared", "multiplies 4 factors.*before the loop"),
+    ("delta flipped", "is v̂ − v_t, the opposite sign"),
+    ("update subtracted", "is subtracted from the decayed state"),
+])
+def test_a_step_of_another_recurrence_is_declined_with_a_reason(variant, reason):
+    """Near-misses users write (or mistype): each says what differs instead of a silent decline, and
+    the program still computes what eager does."""
+    args = _inputs("bthk")
+    rej = assert_declines(_variant_loop(variant), *args, pattern="kda", reason=reason)
+    assert rej.location.startswith("test_kda.py")
+    graphs, _ = fuse(_variant_loop(variant), *args)
+    torch.testing.assert_close(run_rewritten(graphs, *args), _variant_loop(variant)(*args))
+
+
+def test_the_chunked_form_is_declined_naming_the_loop_that_fuses():
+    """A chunked (WY) loop, here the float64 reference's own, is another algorithm for the same
+    recurrence: declined with a reason that names the per-token loop fuser matches (not a
+    misleading one about its gate)."""
+    def chunked(q, k, v, g, beta):
+        return kda_reference.chunked(q, k, v, g, beta, chunk=4)[0]
+
+    args = tuple(x.float() for x in _inputs("bthk", t=8))
+    assert_declines(chunked, *args, pattern="kda", reason="chunked form.*Write the loop per token")
+
+
 def test_a_buffer_from_the_caller_is_declined():
     def loop(q, k, v, g, beta, o):
         s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
