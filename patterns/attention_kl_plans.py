@@ -29,6 +29,7 @@ from fuser.static import symint_value
 
 from . import attention_kl_ops  # noqa: F401  (registers torch.ops.fuser.attention_kl)
 from .scores import Emitter
+from . import planning
 
 BLOCK_M, BLOCK_N = 128, 64  # nominal tiles for tile counts in the cost model
 D1, D2, HKV1, HKV2 = sympy.symbols("D_1 D_2 H_kv1 H_kv2", positive=True, integer=True)
@@ -131,7 +132,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     """Every plan this match can run with, each with its estimate at the example shapes."""
     b = m.bindings
     dev = b["device"]
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
+    model = planning.device_model(dev, ctx)
     subs = _subs(m)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     forced_split = ctx.options.forced("attention_kl", "split_k")

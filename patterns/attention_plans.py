@@ -40,6 +40,7 @@ from fuser.static import symint_value
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention)
 from .masks import NEG_INF
 from .scores import Emitter
+from . import planning
 
 BLOCK_M, BLOCK_N = 128, 64  # the nominal tile used for tile counts in the cost model
 
@@ -167,7 +168,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     interp = dev.type == "cpu"
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
+    model = planning.device_model(dev, ctx)
     subs = _shape_subs(m)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     training = b["need_lse"]

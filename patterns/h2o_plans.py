@@ -33,6 +33,7 @@ from fuser.codegen import launch
 from fuser.graph import permuted, shape
 from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
+from . import planning
 
 
 #: the nominal query-block height for tile and atomic counts (the GPU tables' usual BLOCK_M)
@@ -220,7 +221,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     subs, dv = _shapes(m)
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
+    model = planning.device_model(dev, ctx)
     kind = cm.operand_kind(str(b["in_dtype"]), launch.dot_precision(b["in_dtype"]) == "tf32")
     out: list[Candidate] = []
 

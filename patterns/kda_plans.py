@@ -71,6 +71,7 @@ from fuser.pattern import Candidate, Match, MatchContext
 from fuser.static import symint_value
 
 from .kda_ops import plan_string
+from . import planning
 
 #: Shape symbols: N value heads (batch × heads), T steps, K key dim, V value dim.
 N, T, KD, VD = sympy.symbols("N T K V", positive=True, integer=True)
@@ -432,7 +433,7 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     b = m.bindings
     dev = b["device"]
     subs = shapes(m)
-    model = cm.device_model(launch.gpu_name(dev), launch.sm_count(dev), cuda_graphs=ctx.options.cuda_graphs)
+    model = planning.device_model(dev, ctx)
     from fuser.graph import dtype
 
     kind = cm.operand_kind(str(dtype(b["q"])), launch.dot_precision(dtype(b["q"])) == "tf32")
