@@ -196,6 +196,10 @@ class KDAPattern(Pattern):
 
     # -- anchors: where a state enters a chain ----------------------------------------------
     def anchors(self, view: GraphView):
+        """The states that enter a chain: a decayed state ``S * exp(..)`` whose ``S`` is not a
+        step's update; and, where a loop continues the state of another loop over other inputs
+        (``s = loop(s, x1); s = loop(s, x2)``), the second loop's first decay node (its ``S`` is
+        the first loop's last state, which that loop's match holds)."""
         heads = []
         for n in view.nodes:
             if view.op(n) != "mul":
@@ -205,7 +209,33 @@ class KDAPattern(Pattern):
                 if isinstance(s, fx.Node) and ndim(s) is not None and ndim(s) >= 2 and self._is_exp(other, view):
                     if not self._is_update(s, view):
                         heads.append(s)
+                    elif self._continues_another_loop(n, s, view):
+                        heads.append(n)
         return list(dict.fromkeys(heads))
+
+    @staticmethod
+    def _gate_base(decay: fx.Node, s: Any, view: GraphView) -> Optional[fx.Node]:
+        """The tensor whose time slice the decay ``decay = s * exp(g[:, t])`` reads, or None."""
+        m = monomial(decay, view, is_leaf=lambda n: n is s)
+        f = next((f for f in m.factors if f.is_exp), None) if m is not None else None
+        if f is None or not isinstance(f.node, fx.Node):
+            return None
+        try:
+            return _time_leaf(f.node, view, "the gate")[0]
+        except _Decline:
+            return None
+
+    def _continues_another_loop(self, decay: fx.Node, s: fx.Node, view: GraphView) -> bool:
+        """``s`` (what ``decay`` decays) is the update of a step whose gate is read from another
+        tensor than ``decay``'s: a chain ends at ``s`` and a new one starts at ``decay``."""
+        c = view.canon(s)
+        prev = next((a for a in c.args if isinstance(a, fx.Node) and view.op(a) == "mul"
+                     and any(self._is_exp(x, view) for x in view.canon(a).args)), None)
+        if prev is None:
+            return False
+        s_prev = next((a for a in view.canon(prev).args if isinstance(a, fx.Node) and not self._is_exp(a, view)), None)
+        here, before = self._gate_base(decay, s, view), self._gate_base(prev, s_prev, view)
+        return here is not None and before is not None and here is not before
 
     @staticmethod
     def _is_exp(x: Any, view: GraphView) -> bool:
@@ -219,6 +249,11 @@ class KDAPattern(Pattern):
                 return False
             x = c.args[0]
         return False
+
+    def _is_update_of_any(self, decay: fx.Node, view: GraphView) -> bool:
+        """``decay`` is ``S * exp(..)`` with ``S`` a step's update (an anchor of a continuing loop)."""
+        c = view.canon(decay)
+        return any(isinstance(a, fx.Node) and self._is_update(a, view) for a in c.args)
 
     def _is_update(self, s: fx.Node, view: GraphView) -> bool:
         """``s`` is ``D + U`` (or ``D − U``) with ``D`` a decayed state: a step's output, not a chain's head."""
@@ -234,11 +269,15 @@ class KDAPattern(Pattern):
     # -- match -------------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
         view = ctx.view
-        roles = _state_roles(anchor)
+        head = anchor
+        if view.op(anchor) == "mul" and self._is_update_of_any(anchor, view):
+            # a loop that continues another loop's state (anchors): its head is that loop's last state
+            head = next(a for a in view.canon(anchor).args if isinstance(a, fx.Node) and self._is_update(a, view))
+        roles = _state_roles(head)
         if roles is None:
             return None
         steps: list[Step] = []
-        s = anchor
+        s = head
         while True:
             try:
                 st = self._step(s, roles, view)
@@ -251,12 +290,14 @@ class KDAPattern(Pattern):
                                  location(s), anchor.name)
             if st is None:
                 break
+            if steps and st.leaves["g"][0] is not steps[0].leaves["g"][0]:
+                break  # another loop, over other inputs, continues this state: a chain of its own
             steps.append(st)
             s = st.s_new
         if not steps:
             return None
         try:
-            return self._chain(anchor, steps, roles, ctx)
+            return self._chain(head, steps, roles, ctx)
         except _Decline as exc:
             return Rejection(self.name, str(exc), location(steps[0].decay), anchor.name)
 
@@ -641,6 +682,13 @@ class KDAPattern(Pattern):
             # ~30x eager's error at T = 64)
             cands = [c for c in cands if c.params.get("plan") != "chunk" or c.params.get("dots") == "float32"]
         return cands
+
+    def why_not_offered(self, m: Match, choice: str, value: str) -> str:
+        why = kda_plans.why_not_offered(m, choice, value)
+        if not why and m.bindings["state_dtype"] in HALF and choice in ("plan", "dots"):
+            why = (f"the program keeps its state in {str(m.bindings['state_dtype']).replace('torch.', '')}: "
+                   + HALF_STATE_NOTE)
+        return why
 
     def kernels(self, m: Match, plan: Candidate) -> list:
         return kda_plans.kernels_for(m, plan)

@@ -199,6 +199,49 @@ def test_training_gradients_match_eager():
         _close(a, b, 1e-3)
 
 
+def _segment(s, q, k, v, g, beta):
+    """One segment of a streamed sequence: continues the state ``s`` over ``[B, T, H, *]`` inputs."""
+    o = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        s = s * g[:, t][..., None].exp()
+        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
+                             v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+    return o, s
+
+
+def two_segments(q, k, v, g, beta, q2, k2, v2, g2, beta2):
+    """Two loops over two segments, the state handed from one to the next (chunked prefill)."""
+    s = q.new_zeros(q.shape[0], q.shape[2], q.shape[-1], v.shape[-1])
+    o1, s = _segment(s, q, k, v, g, beta)
+    o2, s = _segment(s, q2, k2, v2, g2, beta2)
+    return o1, o2, s
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_two_loops_chained_through_the_state_are_two_matches(train):
+    """The second loop's initial state is the first loop's final state: each loop is a chain of its
+    own (the second's h0 the first op's state output), forward and gradients equal to eager's.
+    Before, the chain ran on into the second loop and both were declined ("step 5 differs")."""
+    args = [x.clone().requires_grad_(train) for x in _inputs("bthk") + _inputs("bthk", seed=1, t=3)]
+    graphs, result = fuse(two_segments, *args)
+    fused = [m for m in result.matches if m.pattern == "kda" and m.fused]
+    assert [m.summary["steps"] for m in fused] == [T, 3] and not result.rejected
+    assert fused[0].summary["initial_state"] == "zeros" and fused[0].summary["outputs"] == "o, state"
+    assert fused[1].summary["initial_state"] != "zeros"
+    got = run_rewritten(graphs, *args)
+    ref = [x.detach().double().requires_grad_(train) for x in args]
+    want = two_segments(*ref)
+    for a, b in zip(got, want):
+        _close(a, b)
+    if train:
+        gw = [torch.randn_like(w) for w in want]
+        dg = torch.autograd.grad(got, args, [x.float() for x in gw])
+        dw = torch.autograd.grad(want, ref, gw)
+        for a, b in zip(dg, dw):
+            _close(a, b, 1e-3)
+
+
 def test_a_nan_at_the_last_token_leaves_earlier_outputs_exact_under_the_recurrent_plan():
     # README Limits: the chunked kernels may spread a later token's NaN to earlier tokens (0 * NaN in
     # a dot); the token loop does not, as eager does not
@@ -909,10 +952,23 @@ def _run_with(fn, args, options):
     return run_rewritten(graphs, *args), result
 
 
+@pytest.mark.parametrize("plan,shape,reason", [
+    ("kda.plan=parallel", dict(t=70), r"offers plan in \['chunk', 'recurrent'\]: the parallel form runs .* at most 64 "
+                                      r"steps; this loop has 70"),
+    ("kda.plan=chunk", dict(k=300), r"offers plan in \['parallel', 'recurrent'\]: the chunked kernels take a key dim "
+                                    r"K ≤ 256; this state has K = 300"),
+])
+def test_forcing_a_plan_these_sizes_do_not_allow_says_why(plan, shape, reason):
+    from fuser import FuserOptionError
+
+    with pytest.raises(FuserOptionError, match=reason):
+        fuse(blog_loop, *_inputs("bhtk", **shape), options={"fuser.plan": plan})
+
+
 def test_forcing_bfloat16_chunk_dots_on_a_half_precision_state_names_the_plans_offered():
     from fuser import FuserOptionError
 
-    with pytest.raises(FuserOptionError, match="recurrent"):
+    with pytest.raises(FuserOptionError, match="recurrent.*keeps its state in float16"):
         fuse(half_state_loop, *_inputs("bhtk", dtype=torch.float16, t=8),
              options={"fuser.plan": "kda.plan=chunk,kda.dots=bfloat16"})
 
