@@ -427,7 +427,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
         # planned on each rank's shapes (DTensors seen as their local shards; a plain graph: as is)
         with distributed.planning_view():
             cands = timer.wrap("plan", pattern.candidates)(m, ctx)
-            plan, reason = choose(m, cands, options)  # a bad forced plan is the user's error
+            plan, reason = choose(m, cands, options, pattern)  # a bad forced plan is the user's error
         m.plan, m.alternatives, m.reason = plan, cands, reason
         m.sharding = distributed.planning_note(m)
         if plan.params.get("impl") == "inductor" or plan.params.get("keep"):

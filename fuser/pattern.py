@@ -205,3 +205,9 @@ class Pattern(abc.ABC):
     def kernels(self, match: Match, plan: Candidate) -> list:
         """The rendered kernels ``plan`` runs (rendered now, not launched)."""
         return []
+
+    def why_not_offered(self, match: Match, choice: str, value: str) -> str:
+        """Why ``fuser.plan``'s valid value ``value`` of ``choice`` is not among ``match``'s
+        candidates (a shape or option it needs), as a sentence that names the fix; "" when
+        there is nothing to add. The planner appends it to the error it raises."""
+        return ""

@@ -11,15 +11,18 @@ kept on the match for ``explain()``.
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 
 from .options import FuserOptionError, Options
-from .pattern import Candidate, Match, match_device
+from .pattern import Candidate, Match, Pattern, match_device
 
 
-def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple[Candidate, str]:
-    """Pick the plan for ``match``.
+def choose(match: Match, candidates: list[Candidate], options: Options,
+           pattern: Optional[Pattern] = None) -> tuple[Candidate, str]:
+    """Pick the plan for ``match`` (of ``pattern``, which explains a forced value it does not
+    offer: :meth:`fuser.pattern.Pattern.why_not_offered`).
 
     Returns:
         ``(plan, reason)``.
@@ -36,8 +39,8 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
     forced_desc = []
     strict = torch.are_deterministic_algorithms_enabled()
     for key, value in options.plan:
-        pattern, _, choice = key.partition(".")
-        if pattern != match.pattern:
+        name, _, choice = key.partition(".")
+        if name != match.pattern:
             continue
         relevant = [c for c in pool if choice in c.params]
         if not relevant:
@@ -46,7 +49,7 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
         if str(value) not in offered:
             raise FuserOptionError(
                 f"fuser.plan forces {key}={value}, but {match.pattern} at {match.location} offers "
-                f"{choice} in {offered}{_why_not_offered(match, choice, str(value), key)}"
+                f"{choice} in {offered}{_why_not_offered(match, choice, str(value), key, pattern)}"
             )
         if strict and not any(c.deterministic for c in relevant if str(c.params[choice]) == str(value)):
             message = (f"fuser.plan forces {key}={value} for {match.pattern} at {match.location}, which is "
@@ -82,19 +85,15 @@ def choose(match: Match, candidates: list[Candidate], options: Options) -> tuple
     )
 
 
-def _why_not_offered(match: Match, choice: str, value: str, key: str) -> str:
+def _why_not_offered(match: Match, choice: str, value: str, key: str, pattern: Optional[Pattern] = None) -> str:
     """Why a valid ``fuser.plan`` value is not among a match's candidates, when known: the
-    text to append to the error ("" when there is nothing to add)."""
-    if choice == "impl" and value in ("sdpa", "inductor"):
+    text to append to the error ("" when there is nothing to add). ``impl=inductor`` (every
+    pattern's "leave it as written") on CPU tensors here; the rest from the pattern."""
+    if choice == "impl" and value == "inductor":
         dev = match_device(match)
         if dev is not None and dev.type == "cpu":
-            return (f": Inductor and SDPA plans exist only on CUDA; these tensors are on the CPU, where "
-                    f"fuser's kernels run in Triton's interpreter. Drop {key} from fuser.plan, or leave "
-                    "CPU regions to Inductor with fuser.interpret=False")
-        if value == "sdpa" and dev is not None and dev.type == "cuda":
-            return (": SDPA is offered only where it computes exactly the same thing (no mask tensor, "
-                    "causal top-left, D = Dv, fp16/bf16)")
-        return " (Inductor and SDPA plans exist only on CUDA)"
-    if choice == "backward" and value == "autotune":
-        return ": backward=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
-    return ""
+            return (f": Inductor plans exist only on CUDA; these tensors are on the CPU, where fuser's kernels "
+                    f"run in Triton's interpreter. Drop {key} from fuser.plan, or leave CPU regions to Inductor "
+                    "with fuser.interpret=False")
+    why = pattern.why_not_offered(match, choice, value) if pattern is not None else ""
+    return f": {why}" if why else ""

@@ -20,7 +20,7 @@ from fuser.codegen import predicate
 from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
 from fuser.names import user_name
 from fuser.matcher import match
-from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection
+from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection, match_device
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
@@ -155,6 +155,19 @@ class AttentionPattern(Pattern):
             op = view.op(n)
             if op in ("softmax", "div", "sdpa") or (n.op == "call_function" and n.target is MHA_FORWARD):
                 yield n
+
+    def why_not_offered(self, match: Match, choice: str, value: str) -> str:
+        dev = match_device(match)
+        if choice == "impl" and value == "sdpa":
+            if dev is not None and dev.type == "cpu":
+                return ("SDPA plans exist only on CUDA; these tensors are on the CPU, where fuser's kernels run in "
+                        "Triton's interpreter. Drop attention.impl from fuser.plan, or leave CPU regions to "
+                        "Inductor with fuser.interpret=False")
+            return ("SDPA is offered only where it computes exactly the same thing (no mask tensor, causal "
+                    "top-left, D = Dv, fp16/bf16)")
+        if choice == "backward" and value == "autotune":
+            return "backward=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
+        return ""
 
     # -- match ---------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:

@@ -422,6 +422,11 @@ class H2OPattern(Pattern):
 
         return candidates(m, ctx)
 
+    def why_not_offered(self, m: Match, choice: str, value: str) -> str:
+        from fuser.patterns.h2o_plans import why_not_offered
+
+        return why_not_offered(m, choice, value)
+
     def kernels(self, m: Match, plan: Candidate) -> list:
         from fuser.patterns.h2o_plans import kernels_for
 

@@ -269,6 +269,27 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     return out
 
 
+def why_not_offered(m: Match, choice: str, value: str) -> str:
+    """Why ``h2o.<choice>=<value>`` is not among :func:`candidates` for ``m`` (see
+    :meth:`fuser.pattern.Pattern.why_not_offered`)."""
+    if choice != "plan":
+        return ""
+    if value == "autotune":
+        return "h2o.plan=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
+    if m.bindings.get("causal_fill", float("-inf")) != float("-inf"):
+        return ("with a finite causal fill (torch.where(causal, 0, finfo.min) or masked_fill with a number) only "
+                "two_kernel's kernels take it; drop h2o.plan from fuser.plan, or hide with -inf")
+    if value == "diag_cache":
+        subs, _ = _shapes(m)
+        t = kernels.candidate_configs(head_dim=subs[cm.D], dtype=m.bindings["in_dtype"], device=m.bindings["device"],
+                                      plan="diag_cache")[0]["BLOCK_M"]
+        return (f"diag_cache keeps the scores of diagonal {t}x{t} tiles for the column pass, and at N_q={subs[cm.NQ]}, "
+                f"N_k={subs[cm.NK]} (this compile's sizes; a recompile for new sizes plans again) the scores span "
+                f"fewer than 2 tiles of {t}: nothing to keep. Force it only where N_q or N_k is above {t} "
+                "(compile that call on its own), or drop h2o.plan from fuser.plan and let the planner choose")
+    return ""
+
+
 def kernels_for(m: Match, plan: Candidate) -> list:
     """The kernel modules a fuser plan runs (for reports); all tried plans for autotune."""
     if plan.params.get("impl") != "fuser":

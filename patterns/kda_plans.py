@@ -469,6 +469,21 @@ def candidates(m: Match, ctx: MatchContext) -> list[Candidate]:
     return out
 
 
+def why_not_offered(m: Match, choice: str, value: str) -> str:
+    """Why ``kda.<choice>=<value>`` is not among :func:`candidates` for ``m`` because of its
+    sizes or device (see :meth:`fuser.pattern.Pattern.why_not_offered`); "" otherwise."""
+    from fuser.codegen import kda_parallel
+
+    x = shapes(m)
+    if choice == "plan" and value == "parallel" and x[T] > kda_parallel.MAX_T:
+        return (f"the parallel form runs the whole loop as one chunk of at most {kda_parallel.MAX_T} steps; this loop "
+                f"has {x[T]} (drop kda.plan from fuser.plan, or force it only for loops of ≤ {kda_parallel.MAX_T} steps)")
+    if choice in ("plan", "dots", "output_precision", "save") and x[KD] > CHUNK_MAX_K:
+        which = "the chunked kernels" if choice == "plan" else f"the chunked kernels (kda.{choice} is theirs)"
+        return f"{which} take a key dim K ≤ {CHUNK_MAX_K}; this state has K = {x[KD]}"
+    return ""
+
+
 def kernels_for(m: Match, plan: Candidate) -> list:
     """The rendered kernels a fuser plan runs (for reports)."""
     if plan.params.get("impl") != "fuser":

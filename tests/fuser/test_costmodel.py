@@ -60,8 +60,10 @@ def test_planner_cheapest_and_forced():
     assert plan is a and "forced" in why
     with pytest.raises(FuserOptionError, match="takes one of: two_kernel, atomic_dq, autotune"):
         resolve({"fuser.plan": "attention.backward=three_kernel"})  # not a value at all
+    from fuser.patterns.attention import AttentionPattern
+
     with pytest.raises(FuserOptionError, match="offers backward in .*only under fuser.autotune"):
-        choose(_match(), [a, b], resolve({"fuser.plan": "attention.backward=autotune"})[0])
+        choose(_match(), [a, b], resolve({"fuser.plan": "attention.backward=autotune"})[0], AttentionPattern())
     # a choice the candidates do not have (inference: no backward) is ignored
     c = Candidate("fuser", {"impl": "fuser"}, {}, 1.0)
     assert choose(_match(), [c], resolve({"fuser.plan": "attention.backward=atomic_dq"})[0])[0] is c

@@ -96,11 +96,19 @@ def test_kl_and_attention_atomic_candidates_are_marked_nondeterministic(determin
 def test_forcing_inductor_or_sdpa_on_the_cpu_says_they_exist_only_on_cuda(impl):
     cpu_match = types.SimpleNamespace(pattern="attention", location="m.py:3", bindings={"device": torch.device("cpu")})
     fuser_only = [Candidate("fuser[backward=two_kernel]", {"impl": "fuser", "backward": "two_kernel"}, {}, 1.0)]
-    with pytest.raises(FuserOptionError, match=r"offers impl in \['fuser'\]: Inductor and SDPA plans exist only on "
+    from fuser.patterns.attention import AttentionPattern
+
+    with pytest.raises(FuserOptionError, match=r"offers impl in \['fuser'\]: (Inductor|SDPA) plans exist only on "
                                                r"CUDA; these tensors are on the CPU"):
-        choose(cpu_match, fuser_only, Options(plan=(("attention.impl", impl),)))
+        choose(cpu_match, fuser_only, Options(plan=(("attention.impl", impl),)), AttentionPattern())
 
 
 def test_forced_autotune_backward_without_autotune_names_the_option():
+    from fuser.patterns.attention import AttentionPattern
+
+    m = types.SimpleNamespace(pattern="attention", location="m.py:3", bindings={"device": torch.device("cuda")})
     with pytest.raises(FuserOptionError, match=r"backward=autotune is offered only under fuser.autotune=True"):
-        choose(MATCH, _candidates(), Options(plan=(("attention_kl.backward", "autotune"),)))
+        choose(m, _candidates(), Options(plan=(("attention.backward", "autotune"),)), AttentionPattern())
+    # without the pattern the planner says only what is offered
+    with pytest.raises(FuserOptionError, match=r"offers backward in \['atomic_dq', 'two_kernel'\]$"):
+        choose(m, _candidates(), Options(plan=(("attention.backward", "autotune"),)))

@@ -720,6 +720,17 @@ def test_forced_plan_runs_and_matches_eager(plan):
         torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
 
 
+def test_forcing_diag_cache_where_nothing_can_be_cached_says_why_and_how():
+    """A decode-like recompile (N = 1) of a graph compiled with h2o.plan=diag_cache: the error says
+    why this call's sizes have nothing to cache and what to do, not only which plans exist."""
+    opts = {"fuser.plan": "h2o.plan=diag_cache"}
+    q, k, v = (torch.randn(1, 2, 1, 16) for _ in range(3))
+    with torch.no_grad(), pytest.raises(fuser.FuserOptionError,
+                                        match=r"offers plan in \['one_kernel', 'two_kernel'\]: diag_cache keeps .* at "
+                                              r"N_q=1, N_k=1 .*nothing to keep.*drop h2o.plan"):
+        fuser.explain(scores_and_out, q, k, v, options=opts)
+
+
 def test_deterministic_algorithms_leave_out_one_kernel():
     q, k, v = _plan_qkv()
     old = torch.are_deterministic_algorithms_enabled()
