@@ -781,7 +781,12 @@ def _place(m: Match, view: GraphView) -> Optional[str]:
     grad mode). Returns None, or the reason to decline."""
     order = view.order
     inputs = _inputs(m, view)
-    # nodes that feed the region: where the program reads an input on the region's behalf
+    # nodes that feed the region: where the program reads an input on the region's behalf. Not
+    # past a declared input: the op reads that input's memory as the program computed it (a later
+    # write to the memory it was computed from does not change it; one to its own memory, views
+    # included, is the conflict below), e.g. a loop's q computed from an earlier loop's output
+    # buffer, which that loop wrote in place
+    declared_nodes = {x for x in m.inputs if isinstance(x, fx.Node)}
     feeders: set = set()
     stack = [a for n in m.region for a in flat_args(n) if isinstance(a, fx.Node)]
     lowest = min(order[x] for x in inputs) if inputs else 0
@@ -790,7 +795,8 @@ def _place(m: Match, view: GraphView) -> Optional[str]:
         if n in feeders or n in m.region or order[n] < lowest:
             continue
         feeders.add(n)
-        stack.extend(a for a in flat_args(n) if isinstance(a, fx.Node))
+        if n not in declared_nodes:
+            stack.extend(a for a in flat_args(n) if isinstance(a, fx.Node))
 
     def read_span(x: fx.Node) -> tuple[int, int]:
         uses = [order[u] for u in x.users if u in m.region or u in feeders]

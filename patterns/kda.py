@@ -214,28 +214,57 @@ class KDAPattern(Pattern):
         return list(dict.fromkeys(heads))
 
     @staticmethod
-    def _gate_base(decay: fx.Node, s: Any, view: GraphView) -> Optional[fx.Node]:
-        """The tensor whose time slice the decay ``decay = s * exp(g[:, t])`` reads, or None."""
+    def _gate_leaf(decay: fx.Node, s: Any, view: GraphView) -> Optional[tuple]:
+        """``(tensor, dim, time index)`` of the gate slice ``g[:, t]`` the decay ``decay = s *
+        exp(g[:, t])`` reads, or None."""
         m = monomial(decay, view, is_leaf=lambda n: n is s)
         f = next((f for f in m.factors if f.is_exp), None) if m is not None else None
         if f is None or not isinstance(f.node, fx.Node):
             return None
         try:
-            return _time_leaf(f.node, view, "the gate")[0]
+            return _time_leaf(f.node, view, "the gate")[:3]
         except _Decline:
             return None
 
     def _continues_another_loop(self, decay: fx.Node, s: fx.Node, view: GraphView) -> bool:
-        """``s`` (what ``decay`` decays) is the update of a step whose gate is read from another
-        tensor than ``decay``'s: a chain ends at ``s`` and a new one starts at ``decay``."""
-        c = view.canon(s)
-        prev = next((a for a in c.args if isinstance(a, fx.Node) and view.op(a) == "mul"
+        """``s`` (what ``decay`` decays) is the update of a step of another loop: a chain ends at
+        ``s`` and a new one starts at ``decay``. Another loop does not read the next time step of
+        the same gate tensor (another tensor, the time index restarting, or no time slice at all:
+        a decode step) and writes its outputs elsewhere (another buffer or stack, or none); a gate
+        that changes within one loop's outputs is a step that differs (a near-miss of that loop),
+        not a new loop."""
+        cd = view.canon(decay)
+        if cd is None or cd.op != "mul" or s not in cd.args or not self._is_update(s, view) \
+                or not any(self._is_exp(a, view) for a in cd.args if a is not s):
+            return False
+        prev = next((a for a in view.canon(s).args if isinstance(a, fx.Node) and view.op(a) == "mul"
                      and any(self._is_exp(x, view) for x in view.canon(a).args)), None)
         if prev is None:
             return False
         s_prev = next((a for a in view.canon(prev).args if isinstance(a, fx.Node) and not self._is_exp(a, view)), None)
-        here, before = self._gate_base(decay, s, view), self._gate_base(prev, s_prev, view)
-        return here is not None and before is not None and here is not before
+        before, here = self._gate_leaf(prev, s_prev, view), self._gate_leaf(decay, s, view)
+        if before is None or (here is not None and here[0] is before[0] and here[1] == before[1]
+                              and here[2] == before[2] + 1):
+            return False  # the next time step of the same gate: the same loop
+        roles = _state_roles(s)
+        old = self._container(s, roles, view)
+        s_new = next((r for r in view.readers(decay) if view.op(r) in ("add", "sub")
+                      and decay in view.canon(r).args[:1 if view.op(r) == "sub" else 2]), None)
+        new = self._container(s_new, roles, view) if s_new is not None else None
+        return not (old is not None and old is new)
+
+    def _container(self, s_new: fx.Node, roles: Optional[tuple], view: GraphView) -> Optional[fx.Node]:
+        """Where the step that produced ``s_new`` puts its ``o_t``: the buffer it writes into or
+        the stack node; None when that is not known."""
+        if roles is None:
+            return None
+        try:
+            readout = self._readout(s_new, roles, view)[0]
+            _, sink = self._sink(readout, view)
+        except _Decline:
+            return None
+        c = view.canon(sink)
+        return c.args[0] if c.op == "setitem" else sink
 
     @staticmethod
     def _is_exp(x: Any, view: GraphView) -> bool:
@@ -250,10 +279,9 @@ class KDAPattern(Pattern):
             x = c.args[0]
         return False
 
-    def _is_update_of_any(self, decay: fx.Node, view: GraphView) -> bool:
-        """``decay`` is ``S * exp(..)`` with ``S`` a step's update (an anchor of a continuing loop)."""
-        c = view.canon(decay)
-        return any(isinstance(a, fx.Node) and self._is_update(a, view) for a in c.args)
+    def _another_loop_follows(self, s: fx.Node, view: GraphView) -> bool:
+        """A decay of ``s`` starts another loop (:meth:`_continues_another_loop`)."""
+        return any(view.op(r) == "mul" and self._continues_another_loop(r, s, view) for r in view.readers(s))
 
     def _is_update(self, s: fx.Node, view: GraphView) -> bool:
         """``s`` is ``D + U`` (or ``D − U``) with ``D`` a decayed state: a step's output, not a chain's head."""
@@ -269,10 +297,15 @@ class KDAPattern(Pattern):
     # -- match -------------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
         view = ctx.view
-        head = anchor
-        if view.op(anchor) == "mul" and self._is_update_of_any(anchor, view):
-            # a loop that continues another loop's state (anchors): its head is that loop's last state
-            head = next(a for a in view.canon(anchor).args if isinstance(a, fx.Node) and self._is_update(a, view))
+        head, first_decay = anchor, None
+        if view.op(anchor) == "mul":
+            # a loop that continues another loop's state (anchors): its head is that loop's last
+            # state, its first step the anchor's own decay (several loops may continue one state);
+            # any other anchor is a state itself (which may be a product: s = s * 2 between loops)
+            prev = next((a for a in view.canon(anchor).args if isinstance(a, fx.Node)
+                         and self._continues_another_loop(anchor, a, view)), None)
+            if prev is not None:
+                head, first_decay = prev, anchor
         roles = _state_roles(head)
         if roles is None:
             return None
@@ -280,17 +313,19 @@ class KDAPattern(Pattern):
         s = head
         while True:
             try:
-                st = self._step(s, roles, view)
+                st = self._step(s, roles, view, decay=None if steps else first_decay)
             except _Skip:
                 break
             except _Decline as exc:
                 if not steps:
                     return Rejection(self.name, str(exc), location(s), anchor.name)
+                if self._another_loop_follows(s, view):
+                    break  # that loop's own near-miss is reported at its anchor
                 return Rejection(self.name, f"step {len(steps)} of the loop differs from the others: {exc}",
                                  location(s), anchor.name)
             if st is None:
                 break
-            if steps and st.leaves["g"][0] is not steps[0].leaves["g"][0]:
+            if steps and self._continues_another_loop(st.decay, s, view):
                 break  # another loop, over other inputs, continues this state: a chain of its own
             steps.append(st)
             s = st.s_new
@@ -301,12 +336,14 @@ class KDAPattern(Pattern):
         except _Decline as exc:
             return Rejection(self.name, str(exc), location(steps[0].decay), anchor.name)
 
-    def _step(self, s_prev: fx.Node, roles: tuple, view: GraphView) -> Optional[Step]:
+    def _step(self, s_prev: fx.Node, roles: tuple, view: GraphView, decay: Optional[fx.Node] = None) -> Optional[Step]:
+        """The step that decays ``s_prev`` (by ``decay`` when given: one of several readers)."""
         lead = roles[:-2]
         # D = S ∘ exp(g_t)
+        only = decay
         decay = md = None
         odd_decay = None  # S * exp(<an expression>): a reason, if the rest is a delta-rule step
-        for r in view.readers(s_prev):
+        for r in ([only] if only is not None else view.readers(s_prev)):
             c = view.canon(r)
             if c is None or c.op != "mul":
                 continue
