@@ -319,26 +319,6 @@ def test_a_first_loop_left_unfused_hands_its_state_to_a_fused_second(train):
     assert any("β_t" in r.reason for r in _kda_rejections(result))
 
 
-@pytest.mark.parametrize("spelling", ["alternating", "cast_inside"])
-def test_a_gate_read_from_another_tensor_at_every_step_is_not_fused_and_eager_is_kept(spelling):
-    # one loop, the gate tensor another at every step: nothing may be fused (each step alone writes
-    # one index of the buffer), and the program's values are kept
-    def fn(q, k, v, g, g2, beta):
-        s = _zeros(q, v)
-        o = torch.empty_like(v)
-        for t in range(q.shape[1]):
-            gt = (g if t % 2 == 0 else g2)[:, t] if spelling == "alternating" else g.float()[:, t]
-            s = s * gt[..., None].exp()
-            s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t],
-                                 v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
-            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
-        return o, s
-
-    q, k, v, g, beta = A1
-    result = _run_and_compare(fn, (q, k, v, g, _inputs("bthk", seed=3)[3], beta))
-    assert not _fused(result) and _kda_rejections(result)
-
-
 # ------------------------------------------------------------------------------------------------
 # the review's findings, fixed: each asserts the intended behaviour after checking eager's values
 # ------------------------------------------------------------------------------------------------
@@ -385,8 +365,10 @@ def test_a_gate_read_from_another_tensor_at_every_step_names_the_gate(spelling):
             o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
         return o, s
 
+    # one loop, the gate tensor another at every step: nothing may be fused (each step alone writes
+    # one index of the buffer), the program's values are kept, and one near-miss names the gate
     q, k, v, g, beta = A1
-    _, result = fuse(fn, q, k, v, g, _inputs("bthk", seed=3)[3], beta)
+    result = _run_and_compare(fn, (q, k, v, g, _inputs("bthk", seed=3)[3], beta))
     rej = _kda_rejections(result)
     assert not _fused(result)
     assert any("reads g from" in r.reason for r in rej) and len(rej) == 1, [r.reason for r in rej]
