@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import distributed, planner, registry
+from .cuts import Cuts, current as current_cuts
 from . import copies  # noqa: F401  (registers torch.ops.fuser.saved_copy)
 from .codegen import render
 from .graph import GraphView, annotate, flat_args, location, ndim, val, written_args
@@ -294,7 +295,7 @@ def apply(
     patterns = load_patterns(options) if options.enabled else []
     t0 = time.perf_counter()
     with render.timing(timer.phase):
-        result = _apply(gm, example_inputs, options, grad_enabled, graph_index, patterns, timer)
+        result = _apply(gm, example_inputs, options, grad_enabled, graph_index, patterns, timer, cuts=current_cuts())
     wall_ms = (time.perf_counter() - t0) * 1e3
     ms = timer.ms
     order = (["canonicalise", "static masks"] + [f"match[{p.name}]" for p in patterns]
@@ -332,7 +333,7 @@ def _weak_method(obj: Any, name: str) -> Callable:
 
 def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options: Options, grad_enabled: bool,
            graph_index: int, patterns: list[Pattern], timer: PhaseTimer, *, inputs: Optional[dict] = None,
-           match_only: Optional[str] = None) -> PassResult:
+           match_only: Optional[str] = None, cuts: Optional[Cuts] = None) -> PassResult:
     """:func:`apply`'s work, each phase timed by ``timer`` (wrapped callables: the pass's
     steps are as they would be untimed); then the same in the bodies of the higher-order ops
     the graph calls (:func:`_apply_bodies`). ``inputs`` (placeholder -> example value) stands
@@ -352,7 +353,8 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
     check_region, place = timer.wrap("regions", _check_region), timer.wrap("regions", _place)
     remap, stale_placement = timer.wrap("regions", _remap), timer.wrap("regions", _stale_placement)
     choose = timer.wrap("plan", planner.choose)
-    ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index)
+    ctx = MatchContext(view=view, evaluator=evaluator, options=options, grad_enabled=grad_enabled, graph_index=graph_index,
+                       cuts=cuts)
     taken: set[fx.Node] = set()
     matched: dict[str, str] = {}  # node name -> the pattern whose match (fused or not) holds it
     found: list[tuple[Pattern, Match]] = []

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 
+from .cuts import Cuts
 from .graph import GraphView
 from .options import Options
 from .static import StaticEvaluator
@@ -160,6 +161,10 @@ class MatchContext:
         options: fuser's options.
         grad_enabled: autograd was on when the graph was captured (training).
         graph_index: index of this graph among those compiled in the session.
+        cuts: where the graph was cut out of the program (:class:`fuser.cuts.Cuts`: a graph
+            break, a DDPOptimizer boundary), None when unknown (a graph not from Dynamo, the
+            body of a higher-order op): a region the program computes across a cut is reported
+            only where the cut is known.
     """
 
     view: GraphView
@@ -167,6 +172,7 @@ class MatchContext:
     options: Options
     grad_enabled: bool
     graph_index: int = 0
+    cuts: Optional[Cuts] = None
 
 
 class Pattern(abc.ABC):

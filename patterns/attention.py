@@ -108,19 +108,20 @@ MHA_OPAQUE = (
     "F.scaled_dot_product_attention, or softmax(q @ k.transpose(-2, -1) * scale) @ v"
 )
 
-#: Where a graph ends or begins inside an attention core: Dynamo compiled its halves as separate
-#: graphs, and fuser sees one graph at a time.
+#: Where a graph ends or begins inside an attention core (``fuser.cuts``): Dynamo compiled its
+#: halves as separate graphs, and fuser sees one graph at a time.
 GRAPH_CUT = (
-    "fuser fuses softmax(q kᵀ) with P V only within one captured graph. {case}: a graph break (TORCH_LOGS=graph_breaks names its cause; "
-    "fullgraph=True turns it into an error) or, under DDP, a gradient-bucket boundary of Dynamo's "
-    "DDPOptimizer (an nn.Parameter used inside the attention, e.g. a learned temperature or bias)"
+    "fuser fuses softmax(q kᵀ) with P V only within one captured graph, and this graph {where} at {cut}. "
+    "{case}; TORCH_LOGS=graph_breaks names a break's cause and fullgraph=True turns it into an error "
+    "(under DDP, DDPOptimizer splits at gradient buckets: an nn.Parameter used inside the attention, e.g. a "
+    "learned temperature or bias, can put a boundary there)"
 )
 
 
 def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optional[fx.Node]:
-    """The graph input that the softmax input ``x`` is computed from when no matmul lies
-    between them (the scores were computed in another graph), else None. Walks back through
-    at most ``depth`` ops and never past a matmul."""
+    """The graph input of the softmax input ``x``'s shape that ``x`` is computed from (the
+    scores, computed in another graph), when no scores-shaped matmul lies between them (a mask's
+    own outer product does not count); else None. Walks back at most ``depth`` ops."""
     frontier, seen, found = [x], set(), None
     for _ in range(depth):
         nxt = []
@@ -133,7 +134,7 @@ def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optiona
                 if found is None and isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape == val(x).shape:
                     found = n
                 continue
-            if view.op(n) in ("matmul", "sdpa"):
+            if view.op(n) in ("matmul", "sdpa") and getattr(val(n), "shape", None) == val(x).shape:
                 return None
             nxt.extend(a for a in n.all_input_nodes if is_tensor(a))
         frontier = nxt
@@ -163,8 +164,13 @@ class AttentionPattern(Pattern):
                 return ("SDPA plans exist only on CUDA; these tensors are on the CPU, where fuser's kernels run in "
                         "Triton's interpreter. Drop attention.impl from fuser.plan, or leave CPU regions to "
                         "Inductor with fuser.interpret=False")
-            return ("SDPA is offered only where it computes exactly the same thing (no mask tensor, causal "
-                    "top-left, D = Dv, fp16/bf16)")
+            from .attention_plans import sdpa_not_exact
+
+            why = sdpa_not_exact(match)
+            return ("SDPA is offered only where it computes exactly what the region does" + (f": {why}" if why else ""))
+        if choice == "impl" and value == "inductor" and match.bindings.get("sdpa"):
+            return ("the program calls scaled_dot_product_attention itself: fuser offers its own kernels or the call "
+                    "as written (attention.impl=sdpa), not a decomposition for Inductor")
         if choice == "backward" and value == "autotune":
             return "backward=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
         return ""
@@ -185,10 +191,12 @@ class AttentionPattern(Pattern):
             if consumer is None:
                 # a softmax that does not feed P V: not attention (maybe H2O, KL), unless P of
                 # batched q kᵀ leaves the graph (a classifier's x @ W.t() has a 2-D W)
-                if all(ndim(b[n]) >= 3 for n in ("q", "kT")) and self._leaves_graph(anchor, view):
+                cut = ctx.cuts.after if ctx.cuts is not None else None
+                if cut and all(ndim(b[n]) >= 3 for n in ("q", "kT")) and self._leaves_graph(anchor, view):
                     why = (f"the attention weights P ('{anchor.name}') leave this graph as an output and meet no "
                            "P V matmul in it. "
-                           + GRAPH_CUT.format(case="If your code multiplies P by V next, the graph ends between "
+                           + GRAPH_CUT.format(where="ends", cut=cut,
+                                              case="If your code multiplies P by V next, that cut lies between "
                                                    "the two"))
                     return Rejection(self.name, why, location(anchor), anchor.name)
                 return None
@@ -199,13 +207,15 @@ class AttentionPattern(Pattern):
                 return self._analyze(b, anchor, pv, p_nodes, ctx)
             except Decline as exc:
                 first_decline = first_decline or Rejection(self.name, str(exc), location(anchor), anchor.name)
-        if first_decline is None and view.op(anchor) == "softmax":
-            return self._cut_before_softmax(anchor, view)
+        cut = ctx.cuts.before if ctx.cuts is not None else None
+        if first_decline is None and cut and view.op(anchor) == "softmax":
+            return self._cut_before_softmax(anchor, view, cut)
         return first_decline
 
-    def _cut_before_softmax(self, sm: fx.Node, view: GraphView) -> Optional[Rejection]:
-        """``softmax(x) @ v`` where ``x`` is a graph input (through elementwise ops only): the
-        scores were computed in an earlier graph. A near-miss, so that explain() says why."""
+    def _cut_before_softmax(self, sm: fx.Node, view: GraphView, cut: str) -> Optional[Rejection]:
+        """``softmax(x) @ v`` where ``x`` is a graph input of a graph that begins at a cut
+        (``cut``, :mod:`fuser.cuts`): the scores were computed in the graph before. A near-miss,
+        so that explain() says why."""
         consumer = self._consumer(sm, view)
         x = view.canon(sm).args[0]
         if not isinstance(consumer, tuple) or not isinstance(x, fx.Node) or not is_tensor(x):
@@ -215,7 +225,8 @@ class AttentionPattern(Pattern):
             return None
         why = (f"the softmax '{sm.name}' reads scores that come from outside this graph (its input "
                f"'{user_name(inp)}', with no q kᵀ matmul in between) and feeds the P V matmul '{consumer[0].name}'. "
-               + GRAPH_CUT.format(case="If your code computes these scores from q kᵀ, the graph begins between the two"))
+               + GRAPH_CUT.format(where="begins", cut=cut,
+                                  case="If your code computes these scores from q kᵀ, that cut lies between the two"))
         return Rejection(self.name, why, location(sm), sm.name)
 
     @staticmethod
@@ -232,6 +243,8 @@ class AttentionPattern(Pattern):
             c = view.canon(r)
             if c is None or c.op not in P_THROUGH or c.args[0] is not x:
                 return False
+            if c.op == "dropout" and c.attrs["training"] is not False and c.attrs["p"] != 0:
+                return False  # an active dropout: not fused in one graph either
             x = r
 
     def _consumer(self, p: fx.Node, view: GraphView):

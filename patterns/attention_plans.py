@@ -25,6 +25,7 @@ Candidates:
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import sympy
 import torch
@@ -232,24 +233,33 @@ def _tiles(m: Match, subs: dict, training: bool, tuned: bool) -> str:
 
 
 def _sdpa_exact(m: Match) -> bool:
+    return sdpa_not_exact(m) is None
+
+
+def sdpa_not_exact(m: Match) -> Optional[str]:
+    """Why PyTorch's SDPA would not compute exactly what the region computes (so ``impl=sdpa``
+    is not offered), or None when it would."""
     b = m.bindings
-    if b["mask_terms"] or b["in_dtype"] not in (torch.float16, torch.bfloat16):
-        return False
+    if b["mask_terms"]:
+        return "the region has a mask tensor (SDPA is offered only without one)"
+    if b["in_dtype"] not in (torch.float16, torch.bfloat16):
+        return f"the inputs are {str(b['in_dtype']).replace('torch.', '')} (SDPA is offered for float16/bfloat16)"
     if b["causal"] != "none" and b["causal_fill"] != NEG_INF:
-        return False  # SDPA's is_causal hides the keys; a finite fill is a value
+        return "the causal fill is a finite value (SDPA's is_causal hides the keys)"
     if b["pred"] is not None:
-        return False
+        return "the mask is an index predicate SDPA has no flag for"
     subs = _shape_subs(m)
     d, dv = subs[cm.D], subs[cm.DV]
     if d != dv or d % 8 or d > 256:
-        return False
+        return f"the head dims are D={d}, Dv={dv} (SDPA is offered for D = Dv, a multiple of 8, at most 256)"
     if b["causal"] == "bottom_right":
         # SDPA's is_causal is top-left: the same only while Nq == Nk, so only for static sizes
         n_q = permuted(shape(b["q"]), b["q_p"])[-2]
         n_k = permuted(shape(b["k"]), b["k_p"])[-2]
         if not (isinstance(n_q, int) and isinstance(n_k, int) and n_q == n_k):
-            return False
-    return True
+            return ("the causal mask is bottom-right with Nq ≠ Nk or sizes that may change (SDPA's is_causal is "
+                    "top-left)")
+    return None
 
 
 def plan_string(params: dict) -> str:

@@ -274,11 +274,11 @@ def why_not_offered(m: Match, choice: str, value: str) -> str:
     :meth:`fuser.pattern.Pattern.why_not_offered`)."""
     if choice != "plan":
         return ""
-    if value == "autotune":
-        return "h2o.plan=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
     if m.bindings.get("causal_fill", float("-inf")) != float("-inf"):
         return ("with a finite causal fill (torch.where(causal, 0, finfo.min) or masked_fill with a number) only "
                 "two_kernel's kernels take it; drop h2o.plan from fuser.plan, or hide with -inf")
+    if value == "autotune":
+        return "h2o.plan=autotune is offered only under fuser.autotune=True (or mode=\"max-autotune\")"
     if value == "diag_cache":
         subs, _ = _shapes(m)
         t = kernels.candidate_configs(head_dim=subs[cm.D], dtype=m.bindings["in_dtype"], device=m.bindings["device"],

@@ -722,7 +722,7 @@ class KDAPattern(Pattern):
 
     def why_not_offered(self, m: Match, choice: str, value: str) -> str:
         why = kda_plans.why_not_offered(m, choice, value)
-        if not why and m.bindings["state_dtype"] in HALF and choice in ("plan", "dots"):
+        if not why and m.bindings["state_dtype"] in HALF and choice == "plan" and value == "chunk":
             why = (f"the program keeps its state in {str(m.bindings['state_dtype']).replace('torch.', '')}: "
                    + HALF_STATE_NOTE)
         return why

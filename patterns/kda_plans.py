@@ -478,9 +478,9 @@ def why_not_offered(m: Match, choice: str, value: str) -> str:
     if choice == "plan" and value == "parallel" and x[T] > kda_parallel.MAX_T:
         return (f"the parallel form runs the whole loop as one chunk of at most {kda_parallel.MAX_T} steps; this loop "
                 f"has {x[T]} (drop kda.plan from fuser.plan, or force it only for loops of ≤ {kda_parallel.MAX_T} steps)")
-    if choice in ("plan", "dots", "output_precision", "save") and x[KD] > CHUNK_MAX_K:
-        which = "the chunked kernels" if choice == "plan" else f"the chunked kernels (kda.{choice} is theirs)"
-        return f"{which} take a key dim K ≤ {CHUNK_MAX_K}; this state has K = {x[KD]}"
+    if choice == "plan" and value == "chunk" and x[KD] > CHUNK_MAX_K:
+        return (f"the chunked kernels take a key dim K ≤ {CHUNK_MAX_K}; this state has K = {x[KD]} (drop kda.plan "
+                "from fuser.plan: the recurrent and parallel plans take any K)")
     return ""
 
 
