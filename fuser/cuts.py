@@ -10,8 +10,9 @@ being compiled (``InstructionTranslator.current_tx()``), its ``compile_subgraph_
 ``GraphCompileReason`` whose ``graph_break`` is set when a break ended the graph) and its code's
 name (Dynamo names the code after a break ``torch_dynamo_resume_in_<fn>_at_<line>``); and, under
 DDP, ``torch._dynamo.utils.get_optimize_ddp_mode()`` with the active DDP module. These are
-torch internals (present from torch 2.3 to 2.13, checked): anything missing reads as "no cut
-known", so reports stay silent rather than guess.
+torch internals (read on torch 2.13, tested in tests/patterns/test_review_cut_and_forced.py; the
+same names exist in torch 2.11, not yet run there): anything missing reads as "no cut known", so
+reports stay silent rather than guess.
 """
 
 from __future__ import annotations
