@@ -145,6 +145,13 @@ def _time_leaf(x: fx.Node, view: GraphView, what: str) -> tuple:
                    "the loop; compute it for the whole sequence before the loop")
 
 
+def _next_time_step(before: Optional[tuple], here: Optional[tuple]) -> bool:
+    """``here`` (a time leaf ``(tensor, dim, index, ...)``) reads the time step after ``before``'s
+    of the same tensor and dim: the next step of one loop."""
+    return (before is not None and here is not None and here[0] is before[0] and here[1] == before[1]
+            and here[2] == before[2] + 1)
+
+
 def _symbolic_scalar(x: fx.Node) -> bool:
     """``x`` is a Python number that depends on a symbolic size (a SymInt or SymFloat)."""
     v = x.meta.get("val", x.meta.get("example_value"))
@@ -234,17 +241,15 @@ class KDAPattern(Pattern):
         that changes within one loop's outputs is a step that differs (a near-miss of that loop),
         not a new loop."""
         cd = view.canon(decay)
-        if cd is None or cd.op != "mul" or s not in cd.args or not self._is_update(s, view) \
+        if cd is None or cd.op != "mul" or s not in cd.args \
                 or not any(self._is_exp(a, view) for a in cd.args if a is not s):
             return False
-        prev = next((a for a in view.canon(s).args if isinstance(a, fx.Node) and view.op(a) == "mul"
-                     and any(self._is_exp(x, view) for x in view.canon(a).args)), None)
+        prev = self._decayed(s, view)
         if prev is None:
-            return False
+            return False  # s is no step's update
         s_prev = next((a for a in view.canon(prev).args if isinstance(a, fx.Node) and not self._is_exp(a, view)), None)
         before, here = self._gate_leaf(prev, s_prev, view), self._gate_leaf(decay, s, view)
-        if before is None or (here is not None and here[0] is before[0] and here[1] == before[1]
-                              and here[2] == before[2] + 1):
+        if before is None or _next_time_step(before, here):
             return False  # the next time step of the same gate: the same loop
         roles = _state_roles(s)
         old = self._container(s, roles, view)
@@ -283,16 +288,21 @@ class KDAPattern(Pattern):
         """A decay of ``s`` starts another loop (:meth:`_continues_another_loop`)."""
         return any(view.op(r) == "mul" and self._continues_another_loop(r, s, view) for r in view.readers(s))
 
-    def _is_update(self, s: fx.Node, view: GraphView) -> bool:
-        """``s`` is ``D + U`` (or ``D − U``) with ``D`` a decayed state: a step's output, not a chain's head."""
+    def _decayed(self, s: fx.Node, view: GraphView) -> Optional[fx.Node]:
+        """``D`` where ``s`` is ``D + U`` (or ``D − U``) with ``D = S * exp(..)`` a decayed state; None
+        when ``s`` is no step's update."""
         c = view.canon(s)
         if c is None or c.op not in ("add", "sub"):
-            return False
+            return None
         for a in (c.args if c.op == "add" else c.args[:1]):
             ca = view.canon(a)
             if ca is not None and ca.op == "mul" and any(self._is_exp(x, view) for x in ca.args):
-                return True
-        return False
+                return a
+        return None
+
+    def _is_update(self, s: fx.Node, view: GraphView) -> bool:
+        """``s`` is ``D + U`` (or ``D − U``) with ``D`` a decayed state: a step's output, not a chain's head."""
+        return self._decayed(s, view) is not None
 
     # -- match -------------------------------------------------------------------------------
     def match(self, anchor: fx.Node, ctx: MatchContext) -> Match | Rejection | None:
@@ -325,7 +335,8 @@ class KDAPattern(Pattern):
                                  location(s), anchor.name)
             if st is None:
                 break
-            if steps and self._continues_another_loop(st.decay, s, view):
+            if steps and not _next_time_step(steps[-1].leaves["g"], st.leaves["g"]) \
+                    and self._continues_another_loop(st.decay, s, view):
                 break  # another loop, over other inputs, continues this state: a chain of its own
             steps.append(st)
             s = st.s_new
