@@ -91,6 +91,7 @@ def _check_inlined(op, args):
         if "triton_kernel_wrapper_functional" in str(node.target):
             written = [node.kwargs["kwargs"][name] for name in node.kwargs["tensors_to_clone"]]
             assert not [w for w in written if isinstance(w, torch.fx.Node) and w.op == "placeholder"], node.kwargs
+    _analysed_as_older_torch(gm)
     # and no kernel writes a slice of a buffer another reads, which functionalisation scatters
     # back into the whole (a KDA workspace sliced into parts once cost six copy kernels a call)
     scatters = [t for t in targets if "scatter" in t]
@@ -100,6 +101,44 @@ def _check_inlined(op, args):
         if e.numel() > 1:
             assert g.stride() == e.stride(), (g.shape, g.stride(), e.stride())
     return gm
+
+
+def _analysed_as_older_torch(gm):
+    """Every kernel the traced graph launches lowers to TTIR as torch 2.11's access analysis
+    lowers it: each non-tensor argument a constant (a Python number in the kernel), not a scalar
+    of the kernel's signature (torch 2.13 passes only ``tl.constexpr`` ones so). A kernel that
+    calls ``.to()`` on such an argument fails there; torch then assumes the kernel writes every
+    tensor it takes, so Inductor copies the op's inputs before each call and skips CUDA graphs
+    ("mutated inputs"): seen on the H100 with torch 2.11 (the attention-KL forward's ``SPLIT_K``).
+    """
+    import copy
+
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+    from triton.runtime.autotuner import Autotuner
+
+    for node in gm.graph.nodes:
+        if "triton_kernel_wrapper_functional" not in str(node.target):
+            continue
+        kernel = tkw.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        kwargs = {k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs["kwargs"].items()}
+        kwargs.update(tkw.kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+        if isinstance(kernel, Autotuner):
+            kwargs.update(kernel.configs[0].kwargs if kernel.configs else {})
+            kernel = kernel.fn
+        older = copy.copy(kernel)
+        older.params = [copy.copy(p) for p in kernel.params]
+        for p in older.params:
+            if not isinstance(kwargs.get(p.name), torch.Tensor):
+                p.__dict__["is_constexpr"] = True  # a cached property of Triton's KernelParam
+                p.do_not_specialize = p.do_not_specialize_on_alignment = False
+        older.do_not_specialize = []
+        if hasattr(older, "do_not_specialize_on_alignment"):
+            older.do_not_specialize_on_alignment = []
+        try:
+            tkw.generate_ttir(older, kwargs, node.kwargs.get("tma_descriptor_metadata") or {})
+        except Exception as e:  # noqa: BLE001 -- the failure is the finding
+            raise AssertionError(f"{kernel.fn.__name__} does not lower with its scalar arguments as "
+                                 f"constants (torch 2.11's access analysis): {str(e)[-600:]}") from None
 
 
 def _qkv(hq=4, hkv=2, n=40, d=16, dtype=torch.float16):
@@ -152,10 +191,15 @@ KL_FILLS = [(INF, INF, INF, INF, "replace", False), (-1e4, F32_MIN, -2.0, -3.0, 
 @pytest.mark.parametrize("split_k", ["1", "2"])
 @pytest.mark.parametrize("fills", KL_FILLS, ids=["hide", "fills", "zero_hidden"])
 def test_attention_kl_forward_becomes_its_kernel_launches(fills, split_k):
-    q1, k1, q2, k2 = (torch.empty(2, h, 33, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
-    _check_inlined(torch.ops.fuser.attention_kl.default,
-                   (q1, k1, q2, k2, _mask("bool", 33), 0.25, 0.2, "bottom_right", "bool_drop", True,
-                    f"split_k={split_k};backward=two_kernel", *fills))
+    # 300 keys: several key tiles, so split_k=2 splits them (then a merge kernel runs)
+    q1, k1, q2, k2 = (torch.empty(2, h, 300, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    gm = _check_inlined(torch.ops.fuser.attention_kl.default,
+                        (q1, k1, q2, k2, _mask("bool", 300), 0.25, 0.2, "bottom_right", "bool_drop", True,
+                         f"split_k={split_k};backward=two_kernel", *fills))
+    merges = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)
+              and "merge" in torch._higher_order_ops.triton_kernel_wrap.kernel_side_table.get_kernel(
+                  n.kwargs["kernel_idx"]).fn.__name__]
+    assert len(merges) == (split_k == "2"), gm.code
 
 
 @pytest.mark.parametrize("mode", ["two_kernel", "atomic_dq"])
@@ -233,6 +277,7 @@ def _check_inlined_symbolic(fn, fakes, env, mode):
     assert any(isinstance(d, torch.fx.Node) for grid in grids for dims in grid for d in dims), grids
     assert not env.guards, [str(g.expr) for g in env.guards]
     assert not env.replacements, env.replacements
+    _analysed_as_older_torch(gm)
     return gm
 
 
