@@ -1225,8 +1225,9 @@ def inline_into_inductor(op, impl: Callable[..., Any]) -> None:
 #: names torch has had for it (``identify_accessed_tensors``; before, ``identify_mutated_tensors``)
 ACCESS_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 #: :func:`access_analysis_stats`: calls of Inductor's analysis for fuser's kernels, answers from
-#: the memo, seconds spent in the analyses that ran, and which functions were wrapped
-_access_stats: dict = {"calls": 0, "memo": 0, "run_s": 0.0, "wrapped": []}
+#: the memo, seconds spent in the analyses that ran, which functions were wrapped, and the
+#: kernels whose analysis failed (torch then assumes they write every tensor they take)
+_access_stats: dict = {"calls": 0, "memo": 0, "run_s": 0.0, "wrapped": [], "failed": []}
 _access_memo: dict = {}
 _our_kernels: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -1235,7 +1236,8 @@ def access_analysis_stats() -> dict:
     """A copy of the counters of :func:`_memoize_access_analysis`: ``calls`` (Inductor asked
     about one of fuser's kernels), ``memo`` (answered from the memo), ``run_s`` (seconds in the
     analyses that ran), ``wrapped`` (the torch functions wrapped; empty: none, so every call ran
-    torch's analysis as it is)."""
+    torch's analysis as it is), ``failed`` (names of fuser's kernels torch's analysis could not
+    analyse: a fuser bug, warned about once per kernel)."""
     return {k: list(v) if isinstance(v, list) else v for k, v in _access_stats.items()}
 
 
@@ -1286,6 +1288,48 @@ def _access_key(kernel, kwargs, tma_descriptor_metadata):
     return (id(kernel), configs, tuple(items))
 
 
+class _AnalysisFailures(logging.Handler):
+    """Collects, while open, torch's log record saying its access analysis of a kernel failed
+    ("Encountered an exception in identify_accessed_tensors, assuming every input is mutated";
+    torch catches the exception itself and answers that every tensor argument is written)."""
+
+    def __init__(self, logger: logging.Logger):
+        super().__init__(logging.WARNING)
+        self.logger = logger  # the module's ``log`` (torch 2.13: "torch._dynamo")
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "assuming every input is mutated" in msg:
+            exc = record.exc_info[1] if record.exc_info else None
+            self.messages.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}" if exc else msg)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        return False
+
+
+def _analysis_failed(kernel, why: str) -> None:
+    """Torch's access analysis failed for fuser's ``kernel``: Inductor then copies every tensor
+    the kernel takes (the fused op's inputs included) before each launch and skips CUDA graphs
+    for the graph ("mutated inputs"). The values stay right; the time does not. Warns once per
+    kernel (a fuser bug to report) and lists it in :func:`access_analysis_stats`."""
+    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
+    if name in _access_stats["failed"]:
+        return
+    _access_stats["failed"].append(name)
+    import warnings
+
+    warnings.warn(f"fuser: torch's analysis of which arguments kernel {name} writes failed ({why}); Inductor "
+                  f"will copy the fused op's inputs before every call and run the graph without CUDA graphs. "
+                  f"Results are unaffected; this is a fuser bug (torch {torch.__version__}), please report it",
+                  RuntimeWarning, stacklevel=2)
+
+
 def _memoize_access_analysis() -> None:
     """Wraps Inductor's access analysis of user-defined Triton kernels (:data:`ACCESS_ANALYSES`)
     with a memo for fuser's kernels (those launched through :class:`_TracedLaunch`); other
@@ -1325,8 +1369,11 @@ def _memoize_access_analysis() -> None:
                 _access_stats["memo"] += 1
                 return copy.deepcopy(hit[1])
             t0 = time.perf_counter()
-            got = _real(kernel, kwargs, tma_descriptor_metadata)
+            with _AnalysisFailures(getattr(tkw, "log", None) or logging.getLogger(tkw.__name__)) as failures:
+                got = _real(kernel, kwargs, tma_descriptor_metadata)
             _access_stats["run_s"] += time.perf_counter() - t0
+            if failures.messages:
+                _analysis_failed(base, failures.messages[0])
             _access_memo[key] = (base, got)
             return copy.deepcopy(got)
 

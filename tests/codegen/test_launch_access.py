@@ -39,11 +39,19 @@ def _not_ours(X, Y, BLOCK: tl.constexpr):
     tl.store(Y + i, tl.load(X + i))
 
 
+@triton.jit
+def _impure_asm(X, Y, BLOCK: tl.constexpr):
+    """Y = X through inline assembly not marked pure: torch's analysis cannot tell what it writes."""
+    i = tl.arange(0, BLOCK)
+    y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tl.load(X + i)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(Y + i, y)
+
+
 @pytest.fixture
 def memo(monkeypatch):
     """A fresh memo and counters; the wrapped analysis (the name this torch has)."""
     monkeypatch.setattr(launch, "_access_memo", {})
-    monkeypatch.setattr(launch, "_access_stats", dict(launch._access_stats, calls=0, memo=0, run_s=0.0))
+    monkeypatch.setattr(launch, "_access_stats", dict(launch._access_stats, calls=0, memo=0, run_s=0.0, failed=[]))
     launch._memoize_access_analysis()
     names = [n for n in launch.ACCESS_ANALYSES if getattr(getattr(tkw, n, None), "_fuser_memo", False)]
     assert names, "torch's access analysis was not wrapped (its name or parameters changed?)"
@@ -122,3 +130,26 @@ def test_a_traced_fused_op_is_the_same_graph_with_the_memo(memo, monkeypatch):
     gm3, _, _ = _trace(op, args)
     assert launch.access_analysis_stats()["calls"] == calls
     assert [w for _, w in _kernel_launches(gm3)] == [w for _, w in launches]
+
+
+def test_a_kernel_torch_cannot_analyse_is_reported(memo):
+    """Where torch's analysis fails (it catches the error and answers that every tensor argument
+    is written: Inductor then copies the fused op's inputs each call and skips CUDA graphs), the
+    memo warns once for that kernel, naming it, and lists it; the answer is torch's."""
+    launch._TracedLaunch(_impure_asm)
+    mode = FakeTensorMode()
+    with mode:
+        x, y = torch.empty(16, dtype=torch.int32, device=GPU), torch.empty(16, dtype=torch.int32, device=GPU)
+    with pytest.warns(RuntimeWarning, match="kernel _impure_asm writes failed.*copy the fused op's inputs"):
+        answer = memo(_impure_asm, {"X": x, "Y": y, "BLOCK": 16}, {})
+    assert _names(answer) == ["X", "Y"]
+    assert launch.access_analysis_stats()["failed"] == ["_impure_asm"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mode:
+            y2 = torch.empty(32, dtype=torch.int32, device=GPU)
+        launch._access_memo.clear()  # torch's analysis runs again: no second warning
+        memo(_impure_asm, {"X": x, "Y": y2, "BLOCK": 16}, {})
+    assert launch.access_analysis_stats()["failed"] == ["_impure_asm"]
