@@ -230,47 +230,47 @@ class AttentionPattern(Pattern):
         return Rejection(self.name, why, location(sm), sm.name)
 
     @staticmethod
-    def _leaves_graph(p: fx.Node, view: GraphView) -> bool:
-        """Whether P, through casts/dropout, is only read by the graph's output."""
-        x = p
+    def _through_p(p: fx.Node, view: GraphView):
+        """Follow P through casts/dropout (ops of ``P_THROUGH`` reading it as their first
+        argument) while it has exactly one reader: (the last node reached, the nodes passed, the
+        readers of the last node)."""
+        passed, x = [], p
         while True:
             readers = view.readers(x)
-            if len(readers) != 1:
-                return False
-            r = readers[0]
-            if r.op == "output":
-                return True
-            c = view.canon(r)
-            if c is None or c.op not in P_THROUGH or c.args[0] is not x:
-                return False
-            if c.op == "dropout" and c.attrs["training"] is not False and c.attrs["p"] != 0:
-                return False  # an active dropout: not fused in one graph either
-            x = r
+            if len(readers) == 1:
+                c = view.canon(readers[0])
+                if c is not None and c.op in P_THROUGH and c.args[0] is x:
+                    passed.append(readers[0])
+                    x = readers[0]
+                    continue
+            return x, passed, readers
+
+    @classmethod
+    def _leaves_graph(cls, p: fx.Node, view: GraphView) -> bool:
+        """Whether P, through casts/dropout, is only read by the graph's output (an active
+        dropout on the way: no, it is not fused in one graph either)."""
+        _, passed, readers = cls._through_p(p, view)
+        active = any(view.canon(n).op == "dropout" and view.canon(n).attrs["training"] is not False
+                     and view.canon(n).attrs["p"] != 0 for n in passed)
+        return len(readers) == 1 and readers[0].op == "output" and not active
 
     def _consumer(self, p: fx.Node, view: GraphView):
         """Follow P through casts/dropout to the P V matmul: (pv node, nodes passed), None if
         P feeds no matmul as its left operand, or a reason string if P is also used elsewhere."""
-        passed = []
-        x = p
-        while True:
-            readers = view.readers(x)
-            if len(readers) != 1:
-                if any(view.op(r) == "matmul" and view.canon(r).args[0] is x for r in readers):
-                    names = ", ".join(f"'{r.name}' ({location(r)})" for r in readers)
-                    return (
-                        f"the attention weights P ('{x.name}') are also used outside the attention "
-                        f"(readers: {names}); fusing would need P materialised"
-                    )
-                return None
-            r = readers[0]
-            c = view.canon(r)
-            if c is not None and c.op in P_THROUGH and c.args[0] is x:
-                passed.append(r)
-                x = r
-                continue
-            if c is not None and c.op == "matmul" and c.args[0] is x and c.attrs.get("pa") is None:
-                return r, passed
+        x, passed, readers = self._through_p(p, view)
+        if len(readers) != 1:
+            if any(view.op(r) == "matmul" and view.canon(r).args[0] is x for r in readers):
+                names = ", ".join(f"'{r.name}' ({location(r)})" for r in readers)
+                return (
+                    f"the attention weights P ('{x.name}') are also used outside the attention "
+                    f"(readers: {names}); fusing would need P materialised"
+                )
             return None
+        r = readers[0]
+        c = view.canon(r)
+        if c is not None and c.op == "matmul" and c.args[0] is x and c.attrs.get("pa") is None:
+            return r, passed
+        return None
 
     def _analyze(self, b, anchor: fx.Node, pv: fx.Node, p_nodes: list, ctx: MatchContext) -> Match:
         view = ctx.view
