@@ -11,7 +11,7 @@ Partitioning", Alg. 1 and 2) in base 2; see ``codegen/attention.py``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -118,10 +118,42 @@ GRAPH_CUT = (
 )
 
 
+def _softmax_input(sm: fx.Node, view: GraphView) -> Any:
+    """``x`` of a softmax over the last dim, ``sm``: the ``softmax`` op's input, or that of one
+    written by hand, ``exp(x - amax(x)) / sum(...)`` or ``exp(x) / sum(...)``; None for another
+    node (a ``div`` that is no softmax)."""
+    c = view.canon(sm)
+    if c is None:
+        return None
+    if c.op == "softmax":
+        return c.args[0]
+    if c.op != "div" or len(c.args) < 2:
+        return None
+    e, total = c.args[0], c.args[1]
+    if not (isinstance(e, fx.Node) and view.op(e) == "exp" and isinstance(total, fx.Node)
+            and view.op(total) == "sum" and view.canon(total).args[0] is e):
+        return None
+    x = view.canon(e).args[0]
+    if isinstance(x, fx.Node) and view.op(x) == "sub":
+        s, m = view.canon(x).args[:2]
+        if isinstance(m, fx.Node) and view.op(m) == "amax" and view.canon(m).args[0] is s:
+            return s
+    return x
+
+
+def _scores_like(v: Any, x: torch.Tensor) -> bool:
+    """Whether tensor ``v`` could hold the scores ``x`` is computed from: as many elements and the
+    same last dim (the key axis), at least 3-D (batched q kᵀ), possibly reshaped (``[B, H, N, N]``
+    scores read as ``[B·H, N, N]``)."""
+    return (isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape[-1] == x.shape[-1]
+            and v.numel() == x.numel())
+
+
 def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optional[fx.Node]:
-    """The graph input of the softmax input ``x``'s shape that ``x`` is computed from (the
-    scores, computed in another graph), when no scores-shaped matmul lies between them (a mask's
-    own outer product does not count); else None. Walks back at most ``depth`` ops."""
+    """The scores-like graph input (:func:`_scores_like`) that the softmax input ``x`` is
+    computed from (the scores, computed in another graph), when no scores-sized matmul lies
+    between them (a mask's own outer product does not count); else None. Walks back at most
+    ``depth`` ops."""
     frontier, seen, found = [x], set(), None
     for _ in range(depth):
         nxt = []
@@ -130,11 +162,10 @@ def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optiona
                 continue
             seen.add(n)
             if n.op == "placeholder":
-                v = val(n)
-                if found is None and isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape == val(x).shape:
+                if found is None and _scores_like(val(n), val(x)):
                     found = n
                 continue
-            if view.op(n) in ("matmul", "sdpa") and getattr(val(n), "shape", None) == val(x).shape:
+            if view.op(n) in ("matmul", "sdpa") and _scores_like(val(n), val(x)):
                 return None
             nxt.extend(a for a in n.all_input_nodes if is_tensor(a))
         frontier = nxt
@@ -208,7 +239,7 @@ class AttentionPattern(Pattern):
             except Decline as exc:
                 first_decline = first_decline or Rejection(self.name, str(exc), location(anchor), anchor.name)
         cut = ctx.cuts.before if ctx.cuts is not None else None
-        if first_decline is None and cut and view.op(anchor) == "softmax":
+        if first_decline is None and cut and view.op(anchor) in ("softmax", "div"):
             return self._cut_before_softmax(anchor, view, cut)
         return first_decline
 
@@ -216,9 +247,11 @@ class AttentionPattern(Pattern):
         """``softmax(x) @ v`` where ``x`` is a graph input of a graph that begins at a cut
         (``cut``, :mod:`fuser.cuts`): the scores were computed in the graph before. A near-miss,
         so that explain() says why."""
+        x = _softmax_input(sm, view)
+        if not isinstance(x, fx.Node) or not is_tensor(x):
+            return None
         consumer = self._consumer(sm, view)
-        x = view.canon(sm).args[0]
-        if not isinstance(consumer, tuple) or not isinstance(x, fx.Node) or not is_tensor(x):
+        if not isinstance(consumer, tuple):
             return None
         inp = _scores_from_outside(x, view)
         if inp is None:
