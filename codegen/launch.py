@@ -1291,7 +1291,10 @@ def _access_key(kernel, kwargs, tma_descriptor_metadata):
 class _AnalysisFailures(logging.Handler):
     """Collects, while open, torch's log record saying its access analysis of a kernel failed
     ("Encountered an exception in identify_accessed_tensors, assuming every input is mutated";
-    torch catches the exception itself and answers that every tensor argument is written)."""
+    torch catches the exception itself and answers that every tensor argument is written).
+    Best effort: it sees the record only where torch logs it, so with the ``torch._dynamo``
+    logger set above WARNING (``TORCH_LOGS="-dynamo"``, ``logging.disable``) nothing is
+    reported; the answer itself is torch's either way."""
 
     def __init__(self, logger: logging.Logger):
         super().__init__(logging.WARNING)
@@ -1299,10 +1302,14 @@ class _AnalysisFailures(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "assuming every input is mutated" in msg:
-            exc = record.exc_info[1] if record.exc_info else None
-            self.messages.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}" if exc else msg)
+        try:  # never raise into torch's own fallback
+            msg = record.getMessage()
+            if "assuming every input is mutated" in msg:
+                exc = record.exc_info[1] if record.exc_info else None
+                last = (str(exc).strip().splitlines() or [""])[-1] if exc is not None else ""
+                self.messages.append(f"{type(exc).__name__}: {last}" if exc is not None else msg)
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
 
     def __enter__(self):
         self.logger.addHandler(self)
@@ -1313,14 +1320,20 @@ class _AnalysisFailures(logging.Handler):
         return False
 
 
+#: the kernels :func:`_analysis_failed` warned about
+_analysis_warned: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _analysis_failed(kernel, why: str) -> None:
     """Torch's access analysis failed for fuser's ``kernel``: Inductor then copies every tensor
     the kernel takes (the fused op's inputs included) before each launch and skips CUDA graphs
     for the graph ("mutated inputs"). The values stay right; the time does not. Warns once per
-    kernel (a fuser bug to report) and lists it in :func:`access_analysis_stats`."""
+    kernel (each rendered variant; a fuser bug to report) and lists its name in
+    :func:`access_analysis_stats`."""
     name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
-    if name in _access_stats["failed"]:
+    if kernel in _analysis_warned:  # each rendered variant once (variants share a function name)
         return
+    _analysis_warned.add(kernel)
     _access_stats["failed"].append(name)
     import warnings
 

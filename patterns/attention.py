@@ -25,7 +25,7 @@ from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection, ma
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 from .masks import FLOATS, Decline, describe_mask, rounds_below
-from .scores import _same_dims, analyze_scores, analyze_sdpa, check_softmax, describe_scale, kv_heads, softmax_rule, within
+from .scores import _LAST_KEEPDIM, _same_dims, analyze_scores, analyze_sdpa, check_softmax, describe_scale, kv_heads, softmax_rule, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
@@ -126,34 +126,46 @@ def _softmax_input(sm: fx.Node, view: GraphView) -> Any:
     if c is None:
         return None
     if c.op == "softmax":
-        return c.args[0]
+        return c.args[0] if c.attrs["dim"] == ndim(c.args[0]) - 1 else None
     if c.op != "div" or len(c.args) < 2:
         return None
     e, total = c.args[0], c.args[1]
     if not (isinstance(e, fx.Node) and view.op(e) == "exp" and isinstance(total, fx.Node)
-            and view.op(total) == "sum" and view.canon(total).args[0] is e):
+            and view.op(total) == "sum" and view.canon(total).args[0] is e and _LAST_KEEPDIM(view.canon(total))):
         return None
     x = view.canon(e).args[0]
     if isinstance(x, fx.Node) and view.op(x) == "sub":
         s, m = view.canon(x).args[:2]
-        if isinstance(m, fx.Node) and view.op(m) == "amax" and view.canon(m).args[0] is s:
+        if (isinstance(m, fx.Node) and view.op(m) == "amax" and view.canon(m).args[0] is s
+                and _LAST_KEEPDIM(view.canon(m))):
             return s
     return x
 
 
+def _active_dropout(c) -> bool:
+    """Whether canonical op ``c`` is a dropout that drops (training, p ≠ 0)."""
+    return c is not None and c.op == "dropout" and c.attrs["training"] is not False and c.attrs["p"] != 0
+
+
+def _scores_sized(v: Any, x: torch.Tensor) -> bool:
+    """Whether tensor ``v`` has as many elements as the scores ``x`` and the same last dim (the
+    key axis): ``x`` may be ``v`` reshaped (``[B, H, N, N]`` read as ``[B·H, N, N]``)."""
+    # sizes may be symbolic (unbacked too): equal only where provably so
+    return (isinstance(v, torch.Tensor) and v.dim() >= 1
+            and _same_dims((v.shape[-1], v.numel()), (x.shape[-1], x.numel())))
+
+
 def _scores_like(v: Any, x: torch.Tensor) -> bool:
-    """Whether tensor ``v`` could hold the scores ``x`` is computed from: as many elements and the
-    same last dim (the key axis), at least 3-D (batched q kᵀ), possibly reshaped (``[B, H, N, N]``
-    scores read as ``[B·H, N, N]``)."""
-    return (isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape[-1] == x.shape[-1]
-            and v.numel() == x.numel())
+    """Whether graph input ``v`` could hold the scores ``x`` is computed from: at least 3-D
+    (batched q kᵀ) and :func:`_scores_sized`."""
+    return isinstance(v, torch.Tensor) and v.dim() >= 3 and _scores_sized(v, x)
 
 
 def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optional[fx.Node]:
     """The scores-like graph input (:func:`_scores_like`) that the softmax input ``x`` is
-    computed from (the scores, computed in another graph), when no scores-sized matmul lies
-    between them (a mask's own outer product does not count); else None. Walks back at most
-    ``depth`` ops."""
+    computed from (the scores, computed in another graph), when no scores-sized matmul
+    (:func:`_scores_sized`) lies between them (a mask's own outer product does not count); else
+    None. Walks back at most ``depth`` ops."""
     frontier, seen, found = [x], set(), None
     for _ in range(depth):
         nxt = []
@@ -165,8 +177,8 @@ def _scores_from_outside(x: fx.Node, view: GraphView, depth: int = 8) -> Optiona
                 if found is None and _scores_like(val(n), val(x)):
                     found = n
                 continue
-            if view.op(n) in ("matmul", "sdpa") and _scores_like(val(n), val(x)):
-                return None
+            if view.op(n) in ("matmul", "sdpa") and _scores_sized(val(n), val(x)):
+                return None  # the scores' matmul is in this graph (2-D q kᵀ too): no cut between
             nxt.extend(a for a in n.all_input_nodes if is_tensor(a))
         frontier = nxt
     return found if not frontier else None
@@ -248,11 +260,15 @@ class AttentionPattern(Pattern):
         (``cut``, :mod:`fuser.cuts`): the scores were computed in the graph before. A near-miss,
         so that explain() says why."""
         x = _softmax_input(sm, view)
-        if not isinstance(x, fx.Node) or not is_tensor(x):
-            return None
+        if not isinstance(x, fx.Node) or not is_tensor(x) or val(x).dim() < 3:
+            return None  # a 2-D softmax (a classifier's logits) is no batched attention
         consumer = self._consumer(sm, view)
         if not isinstance(consumer, tuple):
             return None
+        if any(_active_dropout(view.canon(n)) for n in consumer[1]):
+            return None  # not fused in one graph either
+        if ndim(view.canon(consumer[0]).args[1]) < 3:
+            return None  # P times a 2-D matrix (an embedding table): a classifier, not P V
         inp = _scores_from_outside(x, view)
         if inp is None:
             return None
@@ -283,8 +299,7 @@ class AttentionPattern(Pattern):
         """Whether P, through casts/dropout, is only read by the graph's output (an active
         dropout on the way: no, it is not fused in one graph either)."""
         _, passed, readers = cls._through_p(p, view)
-        active = any(view.canon(n).op == "dropout" and view.canon(n).attrs["training"] is not False
-                     and view.canon(n).attrs["p"] != 0 for n in passed)
+        active = any(_active_dropout(view.canon(n)) for n in passed)
         return len(readers) == 1 and readers[0].op == "output" and not active
 
     def _consumer(self, p: fx.Node, view: GraphView):

@@ -52,6 +52,7 @@ def memo(monkeypatch):
     """A fresh memo and counters; the wrapped analysis (the name this torch has)."""
     monkeypatch.setattr(launch, "_access_memo", {})
     monkeypatch.setattr(launch, "_access_stats", dict(launch._access_stats, calls=0, memo=0, run_s=0.0, failed=[]))
+    monkeypatch.setattr(launch, "_analysis_warned", __import__("weakref").WeakSet())
     launch._memoize_access_analysis()
     names = [n for n in launch.ACCESS_ANALYSES if getattr(getattr(tkw, n, None), "_fuser_memo", False)]
     assert names, "torch's access analysis was not wrapped (its name or parameters changed?)"
@@ -153,3 +154,22 @@ def test_a_kernel_torch_cannot_analyse_is_reported(memo):
         launch._access_memo.clear()  # torch's analysis runs again: no second warning
         memo(_impure_asm, {"X": x, "Y": y2, "BLOCK": 16}, {})
     assert launch.access_analysis_stats()["failed"] == ["_impure_asm"]
+
+
+def test_the_failure_log_handler_never_raises_into_torchs_fallback():
+    """torch logs its analysis failure from inside its own ``except``: an exception without a
+    message (a bare ``assert``) or a record without one must not make the handler raise there."""
+    import logging
+
+    logger = logging.getLogger("fuser.test_analysis_failures")
+    with launch._AnalysisFailures(logger) as failures:
+        try:
+            raise AssertionError()
+        except AssertionError:
+            logger.warning("Encountered an exception in identify_accessed_tensors, assuming every input is mutated",
+                           exc_info=True)
+        logger.warning("Encountered an exception in identify_mutated_tensors, assuming every input is mutated")
+        logger.warning("something else")
+    assert failures.messages == ["AssertionError: ", "Encountered an exception in identify_mutated_tensors, "
+                                 "assuming every input is mutated"]
+    assert failures not in logger.handlers
