@@ -1330,10 +1330,10 @@ def _analysis_failed(kernel, why: str) -> None:
     for the graph ("mutated inputs"). The values stay right; the time does not. Warns once per
     kernel (each rendered variant; a fuser bug to report) and lists its name in
     :func:`access_analysis_stats`."""
-    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
     if kernel in _analysis_warned:  # each rendered variant once (variants share a function name)
         return
     _analysis_warned.add(kernel)
+    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
     _access_stats["failed"].append(name)
     import warnings
 
@@ -1360,6 +1360,7 @@ def _memoize_access_analysis() -> None:
         from torch._higher_order_ops import triton_kernel_wrap as tkw
     except ImportError:
         return
+    torch_log = getattr(tkw, "log", None) or logging.getLogger(tkw.__name__)  # where it logs a failure
     for name in ACCESS_ANALYSES:
         real = getattr(tkw, name, None)
         if real is None or getattr(real, "_fuser_memo", False):
@@ -1382,7 +1383,7 @@ def _memoize_access_analysis() -> None:
                 _access_stats["memo"] += 1
                 return copy.deepcopy(hit[1])
             t0 = time.perf_counter()
-            with _AnalysisFailures(getattr(tkw, "log", None) or logging.getLogger(tkw.__name__)) as failures:
+            with _AnalysisFailures(torch_log) as failures:
                 got = _real(kernel, kwargs, tma_descriptor_metadata)
             _access_stats["run_s"] += time.perf_counter() - t0
             if failures.messages:

@@ -19,19 +19,21 @@ import torch.fx as fx
 from fuser.codegen import predicate
 from fuser.graph import GraphView, dtype, is_tensor, location, ndim, permuted, shape, val
 from fuser.names import user_name
-from fuser.matcher import match
+from fuser.matcher import Var, match
 from fuser.pattern import Candidate, Match, MatchContext, Pattern, Rejection, match_device
 
 from . import attention_ops  # noqa: F401  (registers torch.ops.fuser.attention and its backward)
 from .attention_reference import CAUSAL_MODES, MASK_KINDS, causal_offset, reference  # noqa: F401
 from .masks import FLOATS, Decline, describe_mask, rounds_below
-from .scores import _LAST_KEEPDIM, _same_dims, analyze_scores, analyze_sdpa, check_softmax, describe_scale, kv_heads, softmax_rule, within
+from .scores import _same_dims, analyze_scores, analyze_sdpa, check_softmax, describe_scale, kv_heads, softmax_rule, within
 
 # --------------------------------------------------------------------------------------------
 # Spelling: rules as data (see fuser/matcher.py and patterns/scores.py)
 # --------------------------------------------------------------------------------------------
 
 SOFTMAX = softmax_rule()
+# a softmax of anything (scores from another graph, for explain()'s graph-cut report)
+SOFTMAX_OF_ANY = softmax_rule(scores=Var("S"))
 # Between P and the P V matmul: casts, contiguous, dropout (checked: eval or p = 0).
 P_THROUGH = frozenset({"cast", "identity", "dropout"})
 
@@ -120,26 +122,15 @@ GRAPH_CUT = (
 
 def _softmax_input(sm: fx.Node, view: GraphView) -> Any:
     """``x`` of a softmax over the last dim, ``sm``: the ``softmax`` op's input, or that of one
-    written by hand, ``exp(x - amax(x)) / sum(...)`` or ``exp(x) / sum(...)``; None for another
-    node (a ``div`` that is no softmax)."""
+    written by hand (:data:`SOFTMAX_OF_ANY`); None for another node (a ``div`` that is no
+    softmax)."""
+    b = next(iter(match(SOFTMAX_OF_ANY, sm, view)), None)
+    if b is None:
+        return None
     c = view.canon(sm)
-    if c is None:
+    if c.op == "softmax" and c.attrs["dim"] != ndim(c.args[0]) - 1:
         return None
-    if c.op == "softmax":
-        return c.args[0] if c.attrs["dim"] == ndim(c.args[0]) - 1 else None
-    if c.op != "div" or len(c.args) < 2:
-        return None
-    e, total = c.args[0], c.args[1]
-    if not (isinstance(e, fx.Node) and view.op(e) == "exp" and isinstance(total, fx.Node)
-            and view.op(total) == "sum" and view.canon(total).args[0] is e and _LAST_KEEPDIM(view.canon(total))):
-        return None
-    x = view.canon(e).args[0]
-    if isinstance(x, fx.Node) and view.op(x) == "sub":
-        s, m = view.canon(x).args[:2]
-        if (isinstance(m, fx.Node) and view.op(m) == "amax" and view.canon(m).args[0] is s
-                and _LAST_KEEPDIM(view.canon(m))):
-            return s
-    return x
+    return b["S"]
 
 
 def _active_dropout(c) -> bool:
@@ -329,10 +320,8 @@ class AttentionPattern(Pattern):
             check_softmax(sm, rank)
         for n in p_nodes:
             c = view.canon(n)
-            if c.op == "dropout":
-                p, training = c.attrs["p"], c.attrs["training"]
-                if training is not False and p != 0:
-                    raise Decline(f"dropout on the attention weights is active (p={p}, training); not fused")
+            if _active_dropout(c):
+                raise Decline(f"dropout on the attention weights is active (p={c.attrs['p']}, training); not fused")
             if c.op == "cast" and c.attrs["dtype"] not in FLOATS:
                 raise Decline(f"P is cast to {c.attrs['dtype']}")
             if c.op == "cast" and rounds_below(c.attrs["dtype"], sc.compute_dtype):

@@ -71,10 +71,12 @@ def check_softmax(sm, rank: int) -> None:
                       "in float32")
 
 
-def softmax_rule(tag: str = "") -> Rule:
-    """A softmax over the last dim of :func:`scores_rule`: ``softmax`` (any spelling) or by hand
-    ``exp(S - amax(S)) / sum(...)`` (also without the max). Binds ``softmax<tag>``."""
-    scores = scores_rule(tag)
+def softmax_rule(tag: str = "", scores: Optional[Rule] = None) -> Rule:
+    """A softmax over the last dim of :func:`scores_rule` (or of ``scores``, a rule that binds
+    ``S<tag>``): ``softmax`` (any spelling) or by hand ``exp(S - amax(S)) / sum(...)`` (also
+    without the max). Binds ``softmax<tag>``; the ``softmax`` op's dim is checked later
+    (:func:`check_softmax`)."""
+    scores = scores_rule(tag) if scores is None else scores
     e = Alt(
         Op("exp", Op("sub", scores, Op("amax", Same(f"S{tag}"), through={"detach"}, check=_LAST_KEEPDIM)), name=f"e{tag}"),
         Op("exp", scores, name=f"e{tag}"),
