@@ -78,7 +78,8 @@ Limits:
 - Scores are formed in float32: a finite fill added to a score (``"add"``, an additive mask)
   swallows the score where float32 cannot hold both (``s + finfo.min == finfo.min``, as in
   float32 eager; float64 keeps ``s`` beside fills up to about ``2^53·|s|``).
-- ``B * Hq`` (and ``B * Hkv``) must stay below 65536 (the second grid axis).
+- ``B * Hq`` (and ``B * Hkv``) are the grids' second axis; above CUDA's 65535 a launch is split into
+  slices of rows (``launch.jit_call``, ``ROW_BASE``).
 """
 
 from __future__ import annotations

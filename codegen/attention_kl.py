@@ -75,7 +75,8 @@ Limits:
 - Rows whose every entry is ``-inf`` on side 1 give L = 0 and zero gradient (eager: NaN).
 - Fills under which side 1 keeps mass where side 2's score is ~1e38 lower (e.g. a moderate fill
   on one side, ``finfo.min`` on the other) have a KL of ~1e38: the kernels saturate (float32).
-- ``B·H`` (and ``B·Hkv``) must stay below 65536 (the second grid axis).
+- ``B·H`` (and ``B·Hkv``) are the grids' second axis; above CUDA's 65535 a launch is split into slices
+  of rows (``launch.jit_call``, ``ROW_BASE``).
 """
 
 from __future__ import annotations

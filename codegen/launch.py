@@ -1433,6 +1433,56 @@ class _TracedLaunch:
                     f"compute in float64 or fail to compile. Please report it.")
 
 
+#: CUDA's largest grid size along a launch's second (and third) axis, ``gridDim.y``. Templates put
+#: the rows a kernel runs over (batch × heads, N = B·H) on that axis; :func:`jit_call` splits a
+#: launch with more rows into several (:class:`_RowLaunch`). Module-level so that tests can lower
+#: it and run the split launches in the interpreter, which has no such limit.
+MAX_GRID_ROWS = 65535
+
+#: The runtime argument of a kernel whose grid axis 1 is its rows: the first row of this launch
+#: (the kernel's row is ``tl.program_id(1) + ROW_BASE``). :func:`jit_call` passes it; the launch
+#: code of a template never does.
+ROW_BASE = "ROW_BASE"
+
+
+def _takes_row_base(kernel) -> bool:
+    flag = getattr(kernel, "_fuser_row_base", None)
+    if flag is None:
+        flag = ROW_BASE in getattr(kernel, "arg_names", ())
+        try:
+            kernel._fuser_row_base = flag
+        except AttributeError:  # not a JITFunction (a stand-in): ask again next time
+            pass
+    return flag
+
+
+class _RowLaunch:
+    """``launcher[grid](*args, **meta)`` for a kernel that takes :data:`ROW_BASE`: one launch
+    with ``ROW_BASE=0`` when ``grid[1]`` (the rows) fits CUDA's :data:`MAX_GRID_ROWS`, else one
+    launch per slice of at most that many rows, in order, each with its first row as
+    ``ROW_BASE`` (so B·H above 65535 runs instead of failing with CUDA's "invalid argument").
+    ``launcher`` is the kernel, its traced stand-in or the dry run's (:func:`jit_call`)."""
+
+    __slots__ = ("launcher",)
+
+    def __init__(self, launcher) -> None:
+        self.launcher = launcher
+
+    def __getitem__(self, grid):
+        rows = grid[1] if len(grid) > 1 else 1
+        launcher = self.launcher
+        if rows <= MAX_GRID_ROWS:
+            run = launcher[grid]
+            return lambda *args, **kwargs: run(*args, ROW_BASE=0, **kwargs)
+
+        def launch(*args, **kwargs):
+            for base in range(0, rows, MAX_GRID_ROWS):
+                sliced = (grid[0], min(MAX_GRID_ROWS, rows - base), *grid[2:])
+                launcher[sliced](*args, ROW_BASE=base, **kwargs)
+
+        return launch
+
+
 def jit_call(kernel):
     """What a template launches ``kernel`` (a ``@triton.jit`` function) through:
     ``jit_call(kernel)[grid](*args, **meta)``.
@@ -1448,13 +1498,20 @@ def jit_call(kernel):
 
     Inside :func:`check_fit`'s dry run (:func:`launch_first_fitting`): a stand-in that checks
     the launch's shared memory against the device's instead of making or recording it.
+
+    Rows: a kernel whose grid axis 1 runs over rows (batch × heads) takes a runtime argument
+    :data:`ROW_BASE` and reads its row as ``tl.program_id(1) + ROW_BASE``; through
+    :class:`_RowLaunch` a launch with more rows than CUDA's grid allows (:data:`MAX_GRID_ROWS`)
+    becomes one launch per slice of rows (any of the three modes above).
     """
     check = getattr(_dry, "check", None)
     if check is not None:  # a dry run of launch_first_fitting: check the launch, do not make it
-        return _DryLaunch(kernel, *check)
-    if not tracing():
-        return kernel
-    return _TracedLaunch(kernel)
+        launcher = _DryLaunch(kernel, *check)
+    elif not tracing():
+        launcher = kernel
+    else:
+        launcher = _TracedLaunch(kernel)
+    return _RowLaunch(launcher) if _takes_row_base(kernel) else launcher
 
 
 @contextlib.contextmanager

@@ -216,9 +216,17 @@ def _symbolic_sizes(q, v, time_dims, t0, steps) -> Optional[str]:
     """Why a KDA op's call with symbolic sizes keeps the opaque op, or None: symbolic lead dims
     (batch, heads) are traced into the kernels' grids, strides and workspaces without a guard;
     K, V and the length must be static (a symbolic length specialised a size in the saved
-    workspaces' shapes when tried; a matched loop unrolls its steps, so its length is static)."""
+    workspaces' shapes when tried; a matched loop unrolls its steps, so its length is static).
+
+    The rows (value rows, ``N = B·HV``) are one grid axis of every kernel, and a launch holds at
+    most ``launch.MAX_GRID_ROWS``: the traced kernels launch once, so the call guards ``N ≤
+    MAX_GRID_ROWS`` (the one guard such a trace adds); beyond it Dynamo compiles again and that
+    graph keeps the opaque op, which launches the rows in slices (``launch.jit_call``)."""
     if not all(isinstance(d, int) for d in (q.shape[-1], v.shape[-1], q.shape[time_dims[0]], t0, steps)):
         return "a symbolic K, V or length"
+    rows = math.prod(_lead(v, time_dims[2]))
+    if not rows <= launch.MAX_GRID_ROWS:  # symbolic: a guard
+        return f"{rows} value rows, more than one launch grid holds ({launch.MAX_GRID_ROWS})"
     return None
 
 

@@ -399,7 +399,7 @@ def test_descriptor_kernels_compile_for_sm90(desc, causal, cfg):
     out = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
     lse = torch.empty(b, h, n)
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, INPUT_PRECISION="ieee",
-              DEFER_SCALE=True, num_warps=w, num_stages=stages)
+              DEFER_SCALE=True, ROW_BASE=0, num_warps=w, num_stages=stages)
     if desc == "host":
         (tq, q_nh), (tk, k_nh), (to, o_nh) = mod._descriptor(q, bm), mod._descriptor(q, bn), mod._descriptor(out, bm)
         assert (q_nh, k_nh, o_nh) == (False, False, True)

@@ -248,12 +248,12 @@ def test_new_length_does_not_recompile():
         q, k, v = _qkv(32, 1, 2, 2, n_q, n_k, 32, 32)
         _check(q, k, v, causal="bottom_right")
     assert len(render.rendered_kernels()) == before
-    # compiled kernels: the lengths and the causal offset are never specialised (no divisibility
-    # or ==1 specialisation: one compile per dtype and config)
+    # compiled kernels: the lengths, the causal offset and the first row (ROW_BASE) are never
+    # specialised (no divisibility or ==1 specialisation: one compile per dtype and config)
     kern = h2o.colsum_kernel(causal=True, mask_kind="bool_keep", mask_row_broadcast=False, interpret=False)
     fn = launch.kernel_module(kern, False).h2o_colsum_kernel
     nospec = {p.name for p in fn.params if p.do_not_specialize}
-    assert nospec == {"N_Q", "N_K", "CAUSAL_OFFSET"}
+    assert nospec == {"N_Q", "N_K", "CAUSAL_OFFSET", "ROW_BASE"}
 
 
 def test_rejects_unsupported():
@@ -887,7 +887,7 @@ def test_plan_kernels_render_and_do_not_specialize_lengths():
                     assert ("V_head" in src) == need_out
                     fn = launch.kernel_module(kern, False).h2o_fwd_kernel
                     nospec = {p.name for p in fn.params if p.do_not_specialize}
-                    assert nospec == {"N_Q", "N_K", "CAUSAL_OFFSET"} | ({"N_SLOTS"} if ranges else set())
+                    assert nospec == {"N_Q", "N_K", "CAUSAL_OFFSET", "ROW_BASE"} | ({"N_SLOTS"} if ranges else set())
             for ranges in (1, 2):
                 kern = h2o.colsum_kernel(causal=causal, mask_kind=kind, mask_row_broadcast=False, interpret=False,
                                          cache_ranges=ranges)
