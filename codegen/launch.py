@@ -1116,6 +1116,47 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+_size_guards = threading.local()
+
+
+@contextlib.contextmanager
+def without_size_guards() -> Iterator[None]:
+    """Within: :func:`at_most` decides from the sizes' value ranges alone and adds no guard
+    (``fuser.export``'s check of an exported program: an AOTInductor package has no recompile to
+    fall back on, so a size its graph might not serve must be ruled out by the dims' bounds)."""
+    old = getattr(_size_guards, "off", False)
+    _size_guards.off = True
+    try:
+        yield
+    finally:
+        _size_guards.off = old
+
+
+def at_most(size, limit: int) -> bool:
+    """Whether ``size <= limit`` holds for every value ``size`` takes in the graph being traced.
+
+    An ``int`` is compared. A ``SymInt`` (dynamic shapes): true where its value range proves it
+    (the dims' bounds, e.g. ``mark_dynamic(x, 0, max=...)`` or an export ``Dim(max=...)``); false
+    where a bound given by the user allows a larger value (a guard would contradict the bound:
+    Dynamo refuses such a compile) or inside :func:`without_size_guards`; otherwise, for a
+    dim unbounded above, decided with a guard — the graph then serves the sizes that pass it, and
+    past it Dynamo compiles again, where this returns false.
+    """
+    if isinstance(size, int):
+        return size <= limit
+    import sympy
+
+    node = size.node
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    if isinstance(upper, (int, sympy.Integer)):
+        if int(upper) <= limit:
+            return True
+        return False  # bounded by the user above the limit: no guard
+    if getattr(_size_guards, "off", False):
+        return False
+    return bool(size <= limit)  # unbounded: a guard
+
+
 #: Per fused op (``"fuser::kda"``): the rule that lets a call with symbolic sizes hand its
 #: kernels to Inductor (:func:`fused_op`'s ``symbolic``). Ops not here keep the opaque op then.
 _SYMBOLIC_RULES: dict[str, Callable[[tuple, dict], "str | None"]] = {}

@@ -94,15 +94,18 @@ def _check_inlinable(gm: torch.fx.GraphModule) -> None:
                    f"{'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an AOTInductor "
                    f"package (on the CPU they need Python and Triton's interpreter). Export on CUDA tensors"),
         "symbolic sizes": ("has symbolic sizes (dynamic_shapes) its kernels or launch configs are chosen from "
-                           "(only KDA's chunk plan serves a symbolic batch and heads, with static length, K and V); "
-                           "export without dynamic_shapes, one package per shape"),
+                           "(only KDA's chunk plan serves a symbolic batch and heads, with static length, K and V, "
+                           f"and a batch bounded so that batch × value heads ≤ {launch.MAX_GRID_ROWS}, one "
+                           "launch grid's rows: Dim(..., max=...)); export without dynamic_shapes, one package "
+                           "per shape"),
         "opaque ops": "is kept opaque by FUSER_OPAQUE_OPS=1, which an AOTInductor package cannot run. Unset it",
     }
     for n in gm.graph.nodes:
         if n.op != "call_function" or getattr(n.target, "namespace", None) != "fuser":
             continue
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-        why = launch.stays_opaque(args, kwargs, n.target)
+        with launch.without_size_guards():
+            why = launch.stays_opaque(args, kwargs, n.target)
         if why is not None:
             raise FuserOptionError(f"fuser.export(for_aoti=True): {n.target} {fixes[why]}, or keep the program "
                                    f"in Python (for_aoti=False, ep.module()).")

@@ -219,14 +219,15 @@ def _symbolic_sizes(q, v, time_dims, t0, steps) -> Optional[str]:
     workspaces' shapes when tried; a matched loop unrolls its steps, so its length is static).
 
     The rows (value rows, ``N = B·HV``) are one grid axis of every kernel, and a launch holds at
-    most ``launch.MAX_GRID_ROWS``: the traced kernels launch once, so the call guards ``N ≤
-    MAX_GRID_ROWS`` (the one guard such a trace adds); beyond it Dynamo compiles again and that
-    graph keeps the opaque op, which launches the rows in slices (``launch.jit_call``)."""
+    most ``launch.MAX_GRID_ROWS``: the traced kernels launch once, so the rows must be at most that
+    for every size the graph serves (``launch.at_most``: from the dims' bounds, or for a dim
+    unbounded above with a guard, the one such a trace adds; past it Dynamo compiles again and that
+    graph keeps the opaque op, which launches the rows in slices through ``launch.jit_call``)."""
     if not all(isinstance(d, int) for d in (q.shape[-1], v.shape[-1], q.shape[time_dims[0]], t0, steps)):
         return "a symbolic K, V or length"
     rows = math.prod(_lead(v, time_dims[2]))
-    if not rows <= launch.MAX_GRID_ROWS:  # symbolic: a guard
-        return f"{rows} value rows, more than one launch grid holds ({launch.MAX_GRID_ROWS})"
+    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
+        return f"{rows} value rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
     return None
 
 

@@ -11,6 +11,7 @@ real limit (B·H = 65600).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -132,17 +133,51 @@ def test_attention_forward_and_backward_in_row_slices_with_more_kv_rows(small_gr
     _check(causal_gqa, (q, k, v), (0, 1, 2), plan="attention.impl=fuser", pattern="attention")
 
 
+def test_attention_atomic_dq_in_row_slices(small_grid):
+    q, k, v = (_rand(2, 3, 21, 16, grad=True, seed=s) for s in (23, 24, 25))
+    _check(causal_gqa, (q, k, v), (0, 1, 2), plan="attention.impl=fuser,attention.backward=atomic_dq",
+           pattern="attention")
+
+
+def masked(q, k, v, mask):
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return torch.softmax(s + mask, -1) @ v
+
+
+def test_attention_with_a_data_mask_in_row_slices(small_grid):
+    # an additive mask given as data: its rows are tested on the device (attention_mask_rows_kernel)
+    q, k, v = (_rand(2, 3, 33, 16, grad=True, seed=s) for s in (26, 27, 28))
+    n = 33
+    mask = torch.zeros(2, 1, n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    _check(masked, (q, k, v, mask), (0, 1, 2), plan="attention.impl=fuser", pattern="attention")
+
+
 def attention_kl(q1, k1, q2, k2):
     s1 = q1 @ k1.transpose(-2, -1) * q1.shape[-1] ** -0.5
     s2 = q2 @ k2.transpose(-2, -1) * q2.shape[-1] ** -0.5
     return F.kl_div(F.log_softmax(s2, -1), F.log_softmax(s1, -1), reduction="none", log_target=True).sum(-1).mean()
 
 
+def attention_kl_gqa(q1, k1, q2, k2):
+    k1, k2 = k1.repeat_interleave(q1.shape[1] // k1.shape[1], 1), k2.repeat_interleave(q2.shape[1] // k2.shape[1], 1)
+    return attention_kl(q1, k1, q2, k2)
+
+
 @pytest.mark.parametrize("split", ["1", "2"])
-def test_attention_kl_forward_and_backward_in_row_slices(small_grid, split):
+@pytest.mark.parametrize("bwd", ["two_kernel", "atomic_dq"])
+def test_attention_kl_forward_and_backward_in_row_slices(small_grid, split, bwd):
     q1, k1 = _rand(2, 3, 40, 16, seed=7), _rand(2, 3, 40, 16, seed=8)
     q2, k2 = _rand(2, 3, 40, 8, grad=True, seed=9), _rand(2, 3, 40, 8, grad=True, seed=10)
-    _check(attention_kl, (q1, k1, q2, k2), (2, 3), plan=f"attention_kl.split_k={split}", pattern="attention_kl")
+    _check(attention_kl, (q1, k1, q2, k2), (2, 3), plan=f"attention_kl.split_k={split},attention_kl.backward={bwd}",
+           pattern="attention_kl")
+
+
+def test_attention_kl_both_sides_trained_with_grouped_kv_in_row_slices(small_grid):
+    # teacher gradients too (the side-1 kernels); 6 query rows over 2 kv rows per side
+    q1, q2 = _rand(2, 3, 29, 16, grad=True, seed=19), _rand(2, 3, 29, 8, grad=True, seed=20)
+    k1, k2 = _rand(2, 1, 29, 16, grad=True, seed=21), _rand(2, 1, 29, 8, grad=True, seed=22)
+    _check(attention_kl_gqa, (q1, k1, q2, k2), (0, 1, 2, 3), plan="attention_kl.backward=two_kernel",
+           pattern="attention_kl")
 
 
 def h2o(q, k, v):
@@ -153,10 +188,11 @@ def h2o(q, k, v):
     return p @ v, p.sum(-2)
 
 
-def test_h2o_in_row_slices(small_grid):
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel", "diag_cache"])
+def test_h2o_in_row_slices(small_grid, plan):
     q, k, v = (_rand(2, 3, 33, 16, seed=s) for s in (11, 12, 13))
     with torch.no_grad():
-        _check(h2o, (q, k, v), (), plan="h2o.impl=fuser", pattern="h2o")
+        _check(h2o, (q, k, v), (), plan=f"h2o.impl=fuser,h2o.plan={plan}", pattern="h2o")
 
 
 def _kda_inputs(b, h, t, kd, vd, grad):
@@ -174,15 +210,72 @@ def test_kda_forward_and_backward_in_row_slices(small_grid, plan):
     _check(blog_loop, args, (0, 1, 2, 3, 4), plan=plan, pattern="kda", tol=2e-4)
 
 
-def test_the_symbolic_kda_rule_keeps_the_opaque_op_past_the_grid(small_grid):
-    # traced with symbolic lead dims, the chunk plan hands its kernels to Inductor only while the
-    # rows fit one launch (a guard); past it the opaque op slices them (the tests above)
+def gqa_loop(q, k, v, g, beta):
+    """KDA with grouped value heads: q, k (and the gate) shared by 3 value heads each."""
+    hv = v.shape[1]
+    q, k, g = (x.repeat_interleave(hv // x.shape[1], 1) for x in (q, k, g))
+    return blog_loop(q, k, v, g, beta)
+
+
+@pytest.mark.parametrize("plan", ["kda.plan=recurrent", "kda.plan=chunk"])
+def test_kda_grouped_value_heads_in_row_slices(small_grid, plan):
+    q, k, _, g, _ = _kda_inputs(2, 1, 9, 16, 24, grad=True)
+    _, _, v, _, beta = _kda_inputs(2, 3, 9, 16, 24, grad=True)
+    _check(gqa_loop, (q, k, v, g, beta), (0, 1, 2, 3, 4), plan=plan, pattern="kda", tol=2e-4)
+
+
+def _symbolic_rows(upper=None):
+    """A fake [B, 9, 3, 24] value tensor (B=2 at trace time, symbolic; ``upper``: its bound)
+    and the shape environment it lives in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv, StatelessSymbolicContext,
+                                                       StrictMinMaxConstraint)
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv()
+    bound = None if upper is None else StrictMinMaxConstraint(vr=ValueRanges(2, upper), warn_only=False)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3,
+                                   constraint_sizes=[bound, None, None, None])
+    mode = FakeTensorMode(shape_env=env)
+    v = mode.from_tensor(torch.empty(2, 9, 3, 24), symbolic_context=ctx)
+    q = mode.from_tensor(torch.empty(2, 9, 3, 16), symbolic_context=ctx)
+    return env, q, v
+
+
+def test_the_symbolic_kda_rule_inlines_only_rows_that_fit_one_grid(small_grid, monkeypatch):
+    # 3 value heads per batch entry, 4 rows a grid: the batch may be 1 at most
     from fuser.patterns import kda_ops
 
-    v = torch.empty(2, 9, 3, 24)  # [B, T, HV, V]: 6 value rows
-    q = torch.empty(2, 9, 3, 16)
-    assert "value rows" in kda_ops._symbolic_sizes(q, v, [1, 1, 1, 1, 1], 0, 9)
-    assert kda_ops._symbolic_sizes(q[:1], v[:1], [1, 1, 1, 1, 1], 0, 9) is None
+    def rule(q, v):
+        return kda_ops._symbolic_sizes(q, v, [1, 1, 1, 1, 1], 0, 9)
+
+    # concrete sizes: 6 rows do not fit, 3 do
+    assert "value rows" in rule(torch.empty(2, 9, 3, 16), torch.empty(2, 9, 3, 24))
+    assert rule(torch.empty(1, 9, 3, 16), torch.empty(1, 9, 3, 24)) is None
+    # a dim unbounded above (torch.compile's dynamic dims) and B >= 2: 3·B > 4 is proven, no guard
+    env, q, v = _symbolic_rows()
+    assert "value rows" in rule(q, v) and not env.guards
+    # with 7 rows a grid, 3·B <= 7 holds at B=2 but not for every B: decided with a guard, the only one
+    monkeypatch.setattr(launch, "MAX_GRID_ROWS", 7)
+    env, q, v = _symbolic_rows()
+    assert rule(q, v) is None
+    assert [re.sub(r"s\d+", "B", str(g.expr)) for g in env.guards] == ["3*B <= 7"]
+    # a bound the user gave: no guard (it would contradict the bound), decided from the range
+    env, q, v = _symbolic_rows(upper=100)
+    assert "value rows" in rule(q, v) and not env.guards
+    # inside fuser.export's check (no recompile to fall back on): no guard either
+    env, q, v = _symbolic_rows()
+    with launch.without_size_guards():
+        assert "value rows" in rule(q, v)
+    assert not env.guards
+
+
+def test_at_most_proves_from_bounds_and_guards_only_unbounded_dims():
+    assert launch.at_most(5, 5) and not launch.at_most(6, 5)
+    env, _, v = _symbolic_rows(upper=1000)
+    assert launch.at_most(v.shape[0], 1000) and not launch.at_most(v.shape[0], 999) and not env.guards
+    env, _, v = _symbolic_rows()
+    assert launch.at_most(v.shape[0] * 3, 65535) and len(env.guards) == 1
 
 
 @pytest.mark.gpu

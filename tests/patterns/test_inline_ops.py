@@ -184,6 +184,24 @@ def test_attention_backward_becomes_its_kernel_launches(causal, mask_kind, mask,
                     f"backward={mode};autotune=0", [True, True, True], *fills))
 
 
+def test_more_rows_than_a_grid_holds_become_one_launch_per_slice(monkeypatch):
+    # B·Hq = 8 rows, 3 a grid (CUDA's 65535, lowered): the traced forward records three launches of
+    # the same kernel, ROW_BASE 0, 3, 6, each with a grid of at most 3 rows
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    monkeypatch.setattr(launch, "MAX_GRID_ROWS", 3)
+    q, k, v = _qkv()
+    gm = _check_inlined(torch.ops.fuser.attention.default,
+                        (q, k, v, None, 0.25, "top_left", "none", True, ATTN_PLAN, INF, INF, "replace", "", [], INF,
+                         "replace"))
+    calls = []
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper_functional" in str(n.target):
+            const = kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])
+            calls.append((n.kwargs["grid"][0][1], const.get("ROW_BASE", n.kwargs["kwargs"].get("ROW_BASE"))))
+    assert calls == [(3, 0), (3, 3), (2, 6)], calls
+
+
 KL_FILLS = [(INF, INF, INF, INF, "replace", False), (-1e4, F32_MIN, -2.0, -3.0, "add", False),
             (-1e4, F32_MIN, -2.0, -3.0, "add", True)]
 
