@@ -11,7 +11,9 @@ real limit (B·H = 65600).
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -22,19 +24,8 @@ import triton.language as tl
 from fuser import report
 from fuser.codegen import launch
 
-
-
-def blog_loop(q, k, v, g, beta):
-    """The kernel blogs' KDA loop ([B, H, T, K], o by index writes, the final state returned)."""
-    b, h, t_len, kd = q.shape
-    s = q.new_zeros(b, h, kd, v.shape[-1])
-    o = torch.empty_like(v)
-    for t in range(t_len):
-        s = s * g[:, :, t][..., None].exp()
-        v_hat = (k[:, :, t][..., None] * s).sum(-2)
-        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, :, t][..., None] * k[:, :, t], v[:, :, t] - v_hat)
-        o[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t] * kd ** -0.5, s)
-    return o, s
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patterns"))
+from test_kda import blog_loop  # noqa: E402  (the kernel blogs' loop: [B, H, T, K], o by index writes)
 
 
 def _mark_rows(Out, N_COLS, ROW_BASE):
