@@ -171,6 +171,24 @@ def _size_terms(size: Any, sources: dict) -> Optional[list]:
     return out
 
 
+def _opaque_launch(nodes) -> str:
+    """Why the fused ops among ``nodes`` (just emitted) will launch their kernels from Python on
+    every call instead of from Inductor's generated wrapper: ``codegen.launch.stays_opaque`` on the
+    values the nodes carry (``"symbolic sizes"``, ``"opaque ops"``), or ``""``. CPU tensors
+    (``"device"``: the interpreter runs every kernel) count as ``""``: explain() says so already.
+    On symbolic sizes an op's rule may add the guard its trace would add anyway (``launch.at_most``)."""
+    from .codegen import launch
+
+    for n in nodes:
+        if n.op != "call_function" or not launch.is_fused_op(n.target):
+            continue
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+        why = launch.stays_opaque(args, kwargs, n.target)
+        if why and why != "device":
+            return why
+    return ""
+
+
 def _emit_size(terms: list, sources: dict, graph: fx.Graph) -> Any:
     """Graph nodes (or an int) computing the sum :func:`_size_terms` gave."""
     total: Any = 0
@@ -467,6 +485,7 @@ def _apply(gm: fx.GraphModule, example_inputs: Optional[Sequence[Any]], options:
                     continue
                 new = _protect_saved(m, new, view, gm.graph, before)
                 _replace(m, new, gm.graph)
+                m.launch = _opaque_launch([n for n in gm.graph.nodes if n not in before])
             replaced.update({m.outputs[name]: node for name, node in new.items()})
             erased |= m.region
         except Exception as exc:  # a bug in a pattern must not break the user's model

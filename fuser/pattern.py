@@ -80,6 +80,10 @@ class Match:
         sharding: for a match whose inputs are sharded DTensors, which local shard shapes it was
             planned on (its estimates are per rank; ``fuser.distributed.planning_note``), shown
             by ``explain``; ``""`` otherwise.
+        launch: why the emitted op will launch its kernels from Python on every call instead of
+            from Inductor's generated wrapper (``codegen.launch.stays_opaque``: ``"symbolic
+            sizes"``, ``"opaque ops"``), shown by ``explain``; ``""`` when Inductor launches them
+            (or on CPU tensors, where the interpreter runs them).
     """
 
     pattern: str
@@ -98,6 +102,7 @@ class Match:
     protected: list = dataclasses.field(default_factory=list)
     outputs: dict = dataclasses.field(default_factory=dict)
     sharding: str = ""
+    launch: str = ""
 
     def __post_init__(self) -> None:
         if not self.outputs:

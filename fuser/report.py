@@ -244,6 +244,8 @@ class Report:
             lines += _wrap("      why: ", m.reason, 11)
             if m.sharding:
                 lines += _wrap("      per rank: ", m.sharding, 16)
+            if getattr(m, "launch", ""):
+                lines += _wrap("      launch: ", OPAQUE_LAUNCH_NOTES.get(m.launch, m.launch), 14)
             lines += _wrap("      recognised: ", ", ".join(f"{k}={v}" for k, v in m.summary.items()), 18)
             for c in m.alternatives:
                 mark = "*" if c is m.plan else " "
@@ -270,6 +272,20 @@ class Report:
             f"{left} left to Inductor/SDPA by the planner, "
             f"{_plural(len(self.rejected), 'near-miss', 'near-misses')}"
         )
+
+
+#: What ``explain`` says of a match whose op launches its kernels from Python (``Match.launch``).
+OPAQUE_LAUNCH_NOTES = {
+    "symbolic sizes": (
+        "its kernels are launched from Python on every call (an opaque op), not from Inductor's wrapper: "
+        "the sizes are symbolic (dynamic shapes: dynamic=True, mark_dynamic, or a recompile after a size "
+        "changed) and this op chooses its kernels or launch configs from them. That costs host time on "
+        "every call, forward and backward (an attention-KL training step at N=1024 ran 0.41-0.50x "
+        "Inductor's so, benchmarks/results/attention_kl_small_n.md); where it matters, compile with "
+        "static sizes (dynamic=False) or mode=\"reduce-overhead\" (CUDA graphs)"),
+    "opaque ops": ("its kernels are launched from Python on every call (an opaque op): FUSER_OPAQUE_OPS=1 "
+                   "is set"),
+}
 
 
 def next_graph_index() -> int:

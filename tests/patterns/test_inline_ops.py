@@ -485,3 +485,37 @@ def test_kernels_still_compile_after_the_interpreter_ran():
     q = torch.randn(1, 2, 20, 16)
     kernels.forward(q, q, q, scale=0.25, causal="top_left", mask=None, mask_kind="none", need_lse=True)
     test_attention_forward_becomes_its_kernel_launch("top_left", "none", None, ATTN_VARIANTS[1][3], True)
+
+
+
+@pytest.mark.parametrize("case", ["static", "dynamic", "opaque_ops"])
+def test_explain_says_when_a_fused_op_launches_from_python(case, monkeypatch):
+    # an emitted op with symbolic sizes whose kernels are chosen from the sizes (here the split-K
+    # KL forward) stays an opaque op: the match says so (explain's "launch:" line); with static
+    # sizes Inductor launches its kernels and it says nothing
+    from torch import fx
+
+    from fuser import passes, report
+    from fuser.pattern import Match
+
+    if case == "opaque_ops":
+        monkeypatch.setattr(launch, "INLINE_INTO_INDUCTOR", False)
+    q1, k1, q2, k2 = (torch.empty(3, h, 37, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    if case == "dynamic":
+        _, mode, fakes = _symbolic_fakes((q1, k1, q2, k2), (0, 2))  # a symbolic batch and length
+    else:
+        mode = FakeTensorMode()
+        fakes = [_fake_like(mode, x) for x in (q1, k1, q2, k2)]
+    graph = fx.Graph()
+    inputs = []
+    for i, f in enumerate(fakes):
+        inputs.append(graph.placeholder(f"x{i}"))
+        inputs[-1].meta["val"] = f
+    node = graph.call_function(torch.ops.fuser.attention_kl.default,
+                               (*inputs, None, 0.25, 0.2, "none", "none", True, "split_k=2;backward=two_kernel",
+                                *KL_FILLS[0]))
+    why = passes._opaque_launch([*inputs, node])
+    assert why == {"static": "", "dynamic": "symbolic sizes", "opaque_ops": "opaque ops"}[case]
+    m = Match("attention_kl", node, frozenset([node]), {}, {}, "x.py:1", launch=why)
+    text = str(report.Report(matches=[m], graphs=1))
+    assert ("launch: its kernels are launched from Python on every call" in text) == (case != "static"), text
