@@ -183,7 +183,11 @@ def _opaque_launch(nodes) -> str:
         if n.op != "call_function" or not launch.is_fused_op(n.target):
             continue
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-        why = launch.stays_opaque(args, kwargs, n.target)
+        try:
+            why = launch.stays_opaque(args, kwargs, n.target)
+        except Exception as exc:  # noqa: BLE001 - a report line must never decline the match
+            log.debug("fuser: could not tell how %s will be launched: %r", n.target, exc)
+            return ""
         if why and why != "device":
             return why
     return ""
