@@ -232,15 +232,21 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @contextlib.contextmanager
-def poison_outputs(value: float = float("nan")) -> Iterator[None]:
-    """Within this context, :func:`empty` fills new outputs with ``value`` (tests use NaN),
-    so any element a kernel fails to write shows up in the result."""
-    old = getattr(_poison, "value", None)
-    _poison.value = value
+def _set_in_thread(holder: threading.local, name: str, value: Any, default: Any = None) -> Iterator[None]:
+    """Within: ``holder.name`` is ``value`` on this thread; its previous value (``default``
+    when unset) is restored on exit. The contexts below are such settings."""
+    old = getattr(holder, name, default)
+    setattr(holder, name, value)
     try:
         yield
     finally:
-        _poison.value = old
+        setattr(holder, name, old)
+
+
+def poison_outputs(value: float = float("nan")):
+    """Within this context, :func:`empty` fills new outputs with ``value`` (tests use NaN),
+    so any element a kernel fails to write shows up in the result."""
+    return _set_in_thread(_poison, "value", value)
 
 
 _POISON_ENV = os.environ.get("FUSER_POISON_OUTPUTS", "0") == "1"  # read once: empty() is on the hot path
@@ -879,10 +885,9 @@ def check_fit(run: Callable[[dict], Any], config: dict, *, need: Callable | None
     """
     need = need or (lambda *a: shared_memory_need(*a))
     limit = limit or (lambda device: shared_memory_limit(device))
-    old = getattr(_dry, "check", None)
-    _dry.check = (need, limit)
     try:
-        run(config)
+        with _set_in_thread(_dry, "check", (need, limit)):
+            run(config)
     except _Unchecked:
         return Fit(True, False)
     except _TooLarge as e:
@@ -890,8 +895,6 @@ def check_fit(run: Callable[[dict], Any], config: dict, *, need: Callable | None
     except Exception as exc:  # noqa: BLE001 - inconclusive: the real run raises it again
         log.debug("fuser: dry run of config %s raised %s: %s", config, type(exc).__name__, exc)
         return Fit(True, False)
-    finally:
-        _dry.check = old
     return Fit(True, True)
 
 
@@ -1004,20 +1007,14 @@ def prefetching_now() -> bool:
     return getattr(_prefetch, "on", False)
 
 
-@contextlib.contextmanager
-def prefetching() -> Iterator[None]:
+def prefetching():
     """Within: the fit checks of :func:`launch_first_fitting` start their kernels' compiles
     (:func:`compiled_shared_memory`, in the background) for its first :data:`PREFETCH_CONFIGS`
     configs (the one remembered for its key, when there is one) and check, run, record and
     remember nothing. :func:`prefetch_compiles` traces a fused op's call so: the traced run that
     follows (AOTAutograd's, for Inductor) then finds its compiles done or under way, all started
     together instead of one after another as it meets them."""
-    old = prefetching_now()
-    _prefetch.on = True
-    try:
-        yield
-    finally:
-        _prefetch.on = old
+    return _set_in_thread(_prefetch, "on", True, False)
 
 
 def prefetch_compiles(op, args: Sequence[Any], kwargs: dict, *, grad: bool) -> bool:
@@ -1119,17 +1116,11 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
 _size_guards = threading.local()
 
 
-@contextlib.contextmanager
-def without_size_guards() -> Iterator[None]:
+def without_size_guards():
     """Within: :func:`at_most` decides from the sizes' value ranges alone and adds no guard
     (``fuser.export``'s check of an exported program: an AOTInductor package has no recompile to
     fall back on, so a size its graph might not serve must be ruled out by the dims' bounds)."""
-    old = getattr(_size_guards, "off", False)
-    _size_guards.off = True
-    try:
-        yield
-    finally:
-        _size_guards.off = old
+    return _set_in_thread(_size_guards, "off", True, False)
 
 
 def at_most(size, limit: int) -> bool:
@@ -1148,10 +1139,8 @@ def at_most(size, limit: int) -> bool:
 
     node = size.node
     upper = node.shape_env.bound_sympy(node.expr).upper
-    if isinstance(upper, (int, sympy.Integer)):
-        if int(upper) <= limit:
-            return True
-        return False  # bounded by the user above the limit: no guard
+    if isinstance(upper, (int, sympy.Integer)):  # bounded: decided by the bound, never a guard
+        return int(upper) <= limit
     if getattr(_size_guards, "off", False):
         return False
     return bool(size <= limit)  # unbounded: a guard

@@ -244,7 +244,7 @@ class Report:
             lines += _wrap("      why: ", m.reason, 11)
             if m.sharding:
                 lines += _wrap("      per rank: ", m.sharding, 16)
-            if getattr(m, "launch", ""):
+            if m.launch:
                 lines += _wrap("      launch: ", OPAQUE_LAUNCH_NOTES.get(m.launch, m.launch), 14)
             lines += _wrap("      recognised: ", ", ".join(f"{k}={v}" for k, v in m.summary.items()), 18)
             for c in m.alternatives:
