@@ -1491,6 +1491,8 @@ class _RowLaunch:
     with ``ROW_BASE=0`` when ``grid[1]`` (the rows) fits CUDA's :data:`MAX_GRID_ROWS`, else one
     launch per slice of at most that many rows, in order, each with its first row as
     ``ROW_BASE`` (so B·H above 65535 runs instead of failing with CUDA's "invalid argument").
+    Symbolic rows (dynamic shapes) cannot be sliced: one launch, never a guard here; an op traced
+    with symbolic sizes must rule out larger row counts in its ``symbolic`` rule (:func:`at_most`).
     ``launcher`` is the kernel, its traced stand-in or the dry run's (:func:`jit_call`)."""
 
     __slots__ = ("launcher",)
@@ -1501,7 +1503,9 @@ class _RowLaunch:
     def __getitem__(self, grid):
         rows = grid[1] if len(grid) > 1 else 1
         launcher = self.launcher
-        if rows <= MAX_GRID_ROWS:
+        # symbolic rows (an op traced with dynamic shapes): one launch, which its symbolic rule
+        # (fused_op's ``symbolic``) made sure fits, with launch.at_most on its largest row count
+        if not isinstance(rows, int) or rows <= MAX_GRID_ROWS:
             run = launcher[grid]
             return lambda *args, **kwargs: run(*args, ROW_BASE=0, **kwargs)
 

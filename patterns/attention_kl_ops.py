@@ -44,7 +44,45 @@ def _empty_stat(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-@launch.fused_op("fuser::attention_kl")
+def _symbolic_rows(q1: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> Optional[str]:
+    """Why launches with these (symbolic) sizes cannot be traced once for every size, or None:
+    the head dims must be static (they pick the kernels' configs), and the rows (B·H, B·Hkv:
+    one grid axis) must fit one launch grid for every size (``launch.at_most``)."""
+    if not all(isinstance(d, int) for d in (q1.shape[-1], k2.shape[-1], q1.shape[1], k1.shape[1], k2.shape[1])):
+        return "a symbolic head dim or head count"
+    rows = q1.shape[0] * q1.shape[1]
+    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
+        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
+    return None
+
+
+def _symbolic_forward(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule (``launch.fused_op``) of :func:`attention_kl`: the one-pass forward
+    (``split_k=1``: its launch config depends on the head dims only) with no mask tensor (causal
+    or none) serves a symbolic batch and symbolic lengths without a guard beyond
+    :func:`_symbolic_rows`'s; a split over the keys is sized from the lengths and keeps the
+    opaque op. Checked by tests/patterns/test_inline_ops.py (the guards a trace adds)."""
+    q1, k1, k2, mask, plan = args[0], args[1], args[3], args[4], args[10]
+    if parse_plan(plan).get("split_k", "1") != "1":
+        return "a split over the keys, sized from the lengths"
+    if mask is not None:
+        return "a mask tensor"
+    return _symbolic_rows(q1, k1, k2)
+
+
+def _symbolic_backward(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule of :func:`attention_kl_backward`: the two-kernel backward (configs
+    from the head dims; the atomic-dQ backward of 16-bit inputs splits its launches by B and H)
+    with no mask tensor, as :func:`_symbolic_forward`."""
+    q1, k1, k2, mask, plan = args[1], args[2], args[4], args[8], args[13]
+    if parse_plan(plan).get("backward", "two_kernel") != "two_kernel":
+        return "the atomic-dQ backward, split by batch and heads"
+    if mask is not None:
+        return "a mask tensor"
+    return _symbolic_rows(q1, k1, k2)
+
+
+@launch.fused_op("fuser::attention_kl", symbolic=_symbolic_forward)
 def attention_kl(
     q1: torch.Tensor,
     k1: torch.Tensor,
@@ -95,7 +133,7 @@ def _attention_kl_fake(q1, k1, q2, k2, mask, scale1, scale2, causal, mask_kind, 
     return rows, kernels.alloc_stats(q1, p1 > 0, p1), kernels.alloc_stats(q1, p2 > 0, p2), kernels.alloc_stats(q1)
 
 
-@launch.fused_op("fuser::attention_kl_backward")
+@launch.fused_op("fuser::attention_kl_backward", symbolic=_symbolic_backward)
 def attention_kl_backward(
     g: torch.Tensor,
     q1: torch.Tensor,

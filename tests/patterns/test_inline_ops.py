@@ -343,6 +343,54 @@ def test_kda_save_and_its_backward_inline_with_symbolic_sizes(k):
     _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
 
 
+#: attention-KL with a symbolic batch and length (dims 0 and 2 of [B, H, N, D]; B=3, N=37: sizes
+#: no other dim has, so duck sizing gives each its own symbol)
+KL_SYM_DIMS = (0, 2)
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("teacher_grad", [False, True], ids=["frozen_teacher", "both_sides"])
+def test_attention_kl_forward_and_backward_inline_with_symbolic_sizes(causal, teacher_grad):
+    # dynamic shapes (a batch or a length that changed between calls): the one-pass forward and the
+    # two-kernel backward serve every size, so the ops are inlined with symbolic grids and strides
+    q1, k1, q2, k2 = (torch.empty(3, h, 37, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    g = torch.empty(3, 4, 37)
+    env, mode, fakes = _symbolic_fakes((q1, k1, q2, k2, g), KL_SYM_DIMS)
+    needs = [teacher_grad, teacher_grad, True, True]
+
+    def fwd_bwd(q1, k1, q2, k2, g):
+        rows, lse1, lse2, delta = torch.ops.fuser.attention_kl(q1, k1, q2, k2, None, 0.25, 0.2, causal, "none", True,
+                                                               KL_PLAN, *KL_FILLS[0])
+        grads = torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, None, 0.25, 0.2, causal,
+                                                      "none", KL_PLAN, needs, *KL_FILLS[0])
+        return (rows, *grads)
+
+    _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
+
+
+@pytest.mark.parametrize("why", ["split_k", "atomic_dq", "mask"])
+def test_attention_kl_variants_sized_from_the_lengths_stay_opaque_with_symbolic_sizes(why):
+    q1, k1, q2, k2 = (torch.empty(3, h, 37, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    env, mode, fakes = _symbolic_fakes((q1, k1, q2, k2), KL_SYM_DIMS)
+    plan = {"split_k": "split_k=2;backward=two_kernel", "atomic_dq": "split_k=1;backward=atomic_dq"}.get(why, KL_PLAN)
+    mask = why == "mask"
+
+    def fwd(q1, k1, q2, k2):
+        m = torch.ones(q1.shape[2], k1.shape[2], dtype=torch.bool, device=q1.device) if mask else None
+        out = torch.ops.fuser.attention_kl(q1, k1, q2, k2, m, 0.25, 0.2, "none", "bool_keep" if mask else "none",
+                                           True, plan, *KL_FILLS[0])
+        if why != "atomic_dq":
+            return out
+        return torch.ops.fuser.attention_kl_backward(out[0], q1, k1, q2, k2, *out[1:], None, 0.25, 0.2, "none", "none",
+                                                     plan, [False, False, True, True], *KL_FILLS[0])
+
+    with mode:
+        gm = make_fx(dispatch_functionalize(fwd), tracing_mode="symbolic")(*fakes)
+    targets = _targets(gm)
+    opaque = "fuser.attention_kl_backward.default" if why == "atomic_dq" else "fuser.attention_kl.default"
+    assert opaque in targets, targets
+
+
 @pytest.mark.parametrize("plan", ["plan=recurrent", "plan=parallel"])
 def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_sizes(plan):
     q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(40, 2, 32, 48))
