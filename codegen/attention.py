@@ -702,7 +702,9 @@ def hidden_tiles_skippable(q: torch.Tensor, k: torch.Tensor, *, scale: float, ca
     every tile is visited. The norms are rounded float32: the bound carries a 1e-3 relative
     margin. Costs one read of q and k (a few small reductions).
     """
-    if causal_offset < 0 or not causal_fill < 0:
+    # a symbolic offset (dynamic shapes) that may be negative: visit every tile (exact) rather
+    # than guard on the lengths
+    if not launch.proven(causal_offset >= 0) or not causal_fill < 0:
         return torch.zeros((), dtype=torch.int32, device=q.device)
     reach = (2.0 if causal_fill_mode == "add" else 1.0) * _score_bound(q, k, scale) + SKIP_MARGIN_BASE2
     return (reach < -float(causal_fill) * LOG2E).to(torch.int32)
@@ -791,7 +793,7 @@ def mask_tiles_skippable(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *
     m = mask[:rows_b, :rows_h]
     stats = launch.empty((rows_b * rows_h, 5, n_q), torch.float32, q.device)
     with launch.launching(launch.interpreted(q.device)):
-        module.launch_rows(m, stats, offset=int(offset), config=MASK_ROWS_CONFIG)
+        module.launch_rows(m, stats, offset=offset, config=MASK_ROWS_CONFIG)  # a SymInt stays symbolic
     above, below, above_hidden, below_hidden, below_min = (x.double() for x in stats.unbind(1))
     free_below = ((below <= 0) & (below_min >= 0) & (below_hidden == 0)).all()
     bound = _score_bound(q, k, scale).double()

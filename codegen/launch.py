@@ -1123,6 +1123,19 @@ def without_size_guards():
     return _set_in_thread(_size_guards, "off", True, False)
 
 
+def proven(cond) -> bool:
+    """Whether a condition on sizes holds for every size the graph being traced serves, without
+    adding a guard: a ``bool`` as it is; a ``SymBool`` (dynamic shapes) only where the shape
+    environment proves it from the dims' ranges and relations (``statically_known_true``), else
+    false. For choices where "false" is always safe (e.g. visiting every tile instead of skipping
+    some): an unproven case takes the general path rather than specialising the trace."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(cond))
+
+
 def at_most(size, limit: int) -> bool:
     """Whether ``size <= limit`` holds for every value ``size`` takes in the graph being traced.
 

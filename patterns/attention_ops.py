@@ -135,7 +135,38 @@ def tuned_backward(dout, q, k, v, out, lse, mask, scale, causal, mask_kind, need
     return best.pop("bwd_mode"), best
 
 
-@launch.fused_op("fuser::attention")
+def _symbolic_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: str) -> Optional[str]:
+    """Why an attention op's call with symbolic sizes (dynamic shapes: a batch or a length that
+    changed between calls) keeps the opaque op, or None: its kernels and launch configs are
+    chosen from the dtype, the head dims and the variant, never from B or N (a symbolic length
+    takes the long-sequence config tables, :func:`codegen.attention.short_causal`), so the
+    launches traced once serve every batch and length. Not so for autotuning (keyed and timed
+    per length bucket), symbolic head dims (the config tables' keys) or head counts (the GQA
+    grouping ``Hq % Hkv``), nor rows (B·Hq, one grid axis) that may exceed one launch grid
+    (:func:`codegen.launch.at_most`). Checked by tests/patterns/test_inline_ops.py: no guard,
+    no specialised size, for every variant with a symbolic batch and symbolic lengths."""
+    p = parse_plan(plan)
+    if p.get("autotune") == "1" or p.get("backward") == "autotune":
+        return "autotuning, timed per length"
+    if not all(isinstance(d, int) for d in (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])):
+        return "a symbolic head dim or head count"
+    rows = q.shape[0] * q.shape[1]
+    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
+        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
+    return None
+
+
+def _symbolic_forward(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule (``launch.fused_op``) of :func:`attention`: :func:`_symbolic_sizes`."""
+    return _symbolic_sizes(args[0], args[1], args[2], args[8])
+
+
+def _symbolic_backward(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule of :func:`attention_backward`: :func:`_symbolic_sizes`."""
+    return _symbolic_sizes(args[1], args[2], args[3], args[10])
+
+
+@launch.fused_op("fuser::attention", symbolic=_symbolic_forward)
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -176,7 +207,7 @@ def _attention_fake(q, k, v, mask, scale, causal, mask_kind, need_lse, plan, mas
     return out, kernels.alloc_lse(q, two_part)
 
 
-@launch.fused_op("fuser::attention_backward")
+@launch.fused_op("fuser::attention_backward", symbolic=_symbolic_backward)
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -294,3 +294,46 @@ def causal_gqa_cuda(q, k, v):
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+def _cuda_kda(b):
+    return [x.detach().cuda().requires_grad_() for x in _kda_inputs(b, 3, 9, 16, 24, grad=False)]
+
+
+def _cuda_kl(b):
+    return [_rand(b, 3, 37, 16, seed=s).cuda().requires_grad_(s > 2) for s in (1, 2, 3, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["kda", "attention_kl"])
+def test_a_dynamic_batch_past_the_rows_guard_compiles_again_and_launches_in_slices(monkeypatch, case):
+    # 7 rows a grid, 3 heads: batch 2 (6 rows) is traced with symbolic rows and its kernels are
+    # inlined behind the guard 3*B <= 7; batch 3 (9 rows) fails the guard, Dynamo compiles again,
+    # and that graph keeps the opaque op, which launches its rows in slices of 7
+    monkeypatch.setattr(launch, "MAX_GRID_ROWS", 7)
+    fn, make, plan = {"kda": (blog_loop, _cuda_kda, "kda.plan=chunk"),
+                      "attention_kl": (attention_kl, _cuda_kl, "attention_kl.split_k=1,attention_kl.backward=two_kernel")}[case]
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="fuser", options={"fuser.plan": plan})
+    launches = []
+    for b in (2, 3):
+        args = make(b)
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        with report.collecting() as rep:
+            got = f(*args)
+        launches += [m.launch for m in rep.fused]
+        got = got if isinstance(got, tuple) else (got,)
+        ref_in = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
+        want = fn(*ref_in)
+        want = want if isinstance(want, tuple) else (want,)
+        for a, w in zip(got, want):
+            assert _rel(a, w) < 2e-3
+        trained = [i for i, a in enumerate(args) if a.requires_grad]
+        douts = [torch.randn_like(w) for w in want]
+        g = torch.autograd.grad(got, [args[i] for i in trained], [d.to(x.dtype) for d, x in zip(douts, got)])
+        gw = torch.autograd.grad(want, [ref_in[i] for i in trained], douts)
+        for a, w in zip(g, gw):
+            assert _rel(a, w) < 2e-2
+    # the first graph inlined (no launch note), the second (rows past the guard) is opaque
+    assert launches == ["", "symbolic sizes"], launches

@@ -112,3 +112,74 @@ def test_autotune_times_candidates_and_caches_winners(tmp_path, monkeypatch):
     tuned = json.loads((tmp_path / "autotune.json").read_text())
     assert any(key.startswith("attention.fwd|") for key in tuned) and any(key.startswith("attention.bwd|") for key in tuned)
     assert any("bwd_mode" in cfg for key, cfg in tuned.items() if key.startswith("attention.bwd|"))
+
+
+DYN_VARIANTS = {
+    # KV cache and prefill: bottom-right causal with transformers' finite fill added (finfo.min),
+    # no mask tensor: the tile-skipping flag depends on Nk - Nq, which may be negative
+    "bottom_right_fill": ("bottom_right", "none", None, (-math.inf, torch.finfo(torch.float32).min, "add")),
+    # a padding mask [B, 1, 1, Nk] (bool, keep) at top-left causal
+    "padding_causal": ("top_left", "bool_keep", "bool", (-math.inf, -math.inf, "replace")),
+    # an additive [B, 1, Nq, Nk] mask: the mask-skipping flag tested at diagonal Nk - Nq
+    "additive": ("none", "additive", "float", (-math.inf, -math.inf, "replace")),
+}
+
+
+@pytest.mark.parametrize("variant", list(DYN_VARIANTS))
+def test_dynamic_lengths_launch_the_kernels_from_inductor(variant):
+    # lengths marked dynamic (as after a recompile for a new length): the op's forward and backward
+    # are traced with symbolic Nq, Nk and batch, launched by Inductor's wrapper (no opaque fuser op
+    # left), and lengths with Nq < Nk, Nq = Nk and Nq > Nk all match float64 from one graph
+    import unittest.mock
+
+    from torch._dynamo.utils import counters
+
+    from fuser.patterns.attention_reference import reference
+
+    causal, mask_kind, mask_of, (mask_fill, causal_fill, causal_fill_mode) = DYN_VARIANTS[variant]
+    plan = "backward=two_kernel;autotune=0"
+    fills = (mask_fill, causal_fill, causal_fill_mode, "", [], -math.inf, "replace")
+
+    def attn(q, k, v, mask):
+        return torch.ops.fuser.attention(q, k, v, mask, 0.125, causal, mask_kind, True, plan, *fills)[0]
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    real = torch._inductor.compile_fx.compile_fx_inner
+
+    def spy(gm, *args, **kwargs):
+        graphs.append(gm)
+        return real(gm, *args, **kwargs)
+
+    f = torch.compile(attn, backend="fuser")
+    with unittest.mock.patch.object(torch._inductor.compile_fx, "compile_fx_inner", spy):
+        for step, (b, nq, nk) in enumerate(((2, 100, 300), (3, 257, 257), (2, 300, 120), (4, 1000, 1700))):
+            torch.manual_seed(step)
+            q = torch.randn(b, 4, nq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(b, 2, nk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            mask = None
+            if mask_of == "bool":
+                mask = torch.rand(b, 1, 1, nk, device="cuda") > 0.2
+                mask[..., 0] = True  # every row keeps key 0 at top-left causal
+            elif mask_of == "float":
+                mask = torch.where(torch.rand(b, 1, nq, nk, device="cuda") > 0.3, 0.0, -1e4)
+            if step == 0:
+                for t, dims in ((q, (0, 2)), (k, (0, 2)), (v, (0, 2)), (mask, (0, 2, 3) if mask_of == "float" else (0, 3))):
+                    if t is not None:
+                        for d in dims:
+                            torch._dynamo.mark_dynamic(t, d)
+            out = f(q, k, v, mask)
+            g = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            ref, _ = reference(*ref_in, scale=0.125, causal=causal, mask=mask, mask_kind=mask_kind,
+                               mask_fill=mask_fill, causal_fill=causal_fill, causal_fill_mode=causal_fill_mode)
+            assert not torch.isnan(out).any() and _rel(out, ref) < 1e-2, (variant, b, nq, nk)
+            for a, r in zip(grads, torch.autograd.grad(ref, ref_in, g.double())):
+                assert not torch.isnan(a).any() and _rel(a, r) < 2e-2, (variant, b, nq, nk)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert not any(t.startswith("fuser.") for t in targets), targets
+    assert any("triton_kernel_wrapper" in t for t in targets), targets
+    assert counters["stats"]["unique_graphs"] <= 1, dict(counters["stats"])

@@ -268,15 +268,17 @@ def test_kda_backward_becomes_its_kernel_launches(h0):
 def _symbolic_fakes(tensors, dynamic_dims):
     """Fake GPU tensors whose dims ``dynamic_dims`` are symbolic (duck-sized, as Dynamo marks a
     dim that changed between calls: equal sizes share a symbol), the rest static; with their
-    shape environment: ``(env, mode, fakes)``."""
+    shape environment: ``(env, mode, fakes)``. ``dynamic_dims``: one tuple of dims for every
+    tensor, or a list of tuples, one per tensor."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     fakes = []
-    for x in tensors:
+    for i, x in enumerate(tensors):
         if x is None:
             fakes.append(None)
             continue
-        dims = [DimDynamic.DUCK if d in dynamic_dims else DimDynamic.STATIC for d in range(x.dim())]
+        mine = dynamic_dims[i] if isinstance(dynamic_dims, list) else dynamic_dims
+        dims = [DimDynamic.DUCK if d in mine else DimDynamic.STATIC for d in range(x.dim())]
         fakes.append(mode.from_tensor(torch.empty(x.shape, dtype=x.dtype, device=GPU),
                                       symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
     return env, mode, fakes
@@ -391,6 +393,72 @@ def test_attention_kl_variants_sized_from_the_lengths_stay_opaque_with_symbolic_
     assert opaque in targets, targets
 
 
+#: attention with a symbolic batch and symbolic lengths (dims 0 and 2 of [B, H, N, D]; B=3, Nq and
+#: Nk 37/53 in both orders: sizes no other dim has, so each is its own symbol; a mask's batch and
+#: length dims symbolic too); the variants of ATTN_VARIANTS and those whose skipping flags depend on
+#: Nk - Nq (a finite causal fill at the bottom-right diagonal; a data mask's skipping offset)
+ATTN_SYM_VARIANTS = ATTN_VARIANTS + [
+    ("bottom_right", "none", None, (INF, F32_MIN, "add", "", [], INF, "replace")),
+    ("top_left", "none", None, (INF, -1e4, "replace", "", [], INF, "replace")),
+    ("bottom_right", "additive", "float4", (INF, INF, "replace", "", [], INF, "replace")),
+]
+ATTN_SYM_IDS = ATTN_IDS + ["bottom_right_fill", "top_left_fill", "full_additive"]
+
+
+def _attention_symbolic(nq, nk, mask_kind_of_tensor, head_dim_dynamic=False, heads_dynamic=False):
+    """(env, mode, fakes): q [3, 6, Nq, 32], k and v [3, 2, Nk, 32], the mask (None, "bool"
+    [3, 1, 1, Nk], "float" [3, 1, Nq, Nk], "float4" [3, 6, Nq, Nk]) and dout, as fake GPU tensors
+    with the batch and the lengths symbolic (also the head dim or the head counts if asked)."""
+    q, do = (torch.empty(3, 6, nq, 32, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.empty(3, 2, nk, 32, dtype=torch.float16) for _ in range(2))
+    mask = {None: None, "bool": torch.zeros(3, 1, 1, nk, dtype=torch.bool), "float": torch.zeros(3, 1, nq, nk),
+            "float4": torch.zeros(3, 6, nq, nk)}[mask_kind_of_tensor]
+    dims = (0, 2) + ((3,) if head_dim_dynamic else ()) + ((1,) if heads_dynamic else ())
+    mask_dims = (0,) + tuple(d for d in (2, 3) if mask is not None and mask.shape[d] > 1)
+    return _symbolic_fakes((q, k, v, mask, do), [dims, dims, dims, mask_dims, dims])
+
+
+@pytest.mark.parametrize("nq,nk", [(37, 53), (53, 37)])
+@pytest.mark.parametrize("mode", ["two_kernel", "atomic_dq"])
+@pytest.mark.parametrize("causal,mask_kind,mask,fills", ATTN_SYM_VARIANTS, ids=ATTN_SYM_IDS)
+def test_attention_forward_and_backward_inline_with_symbolic_sizes(causal, mask_kind, mask, fills, mode, nq, nk):
+    # dynamic shapes (a batch or a length that changed between calls): the kernels and configs
+    # depend on the dtype, head dims and variant only, so the ops are inlined with symbolic grids,
+    # strides and offsets (Nk - Nq), without a guard beyond the rows'
+    env, fmode, fakes = _attention_symbolic(nq, nk, mask)
+    plan = f"backward={mode};autotune=0"
+
+    def fwd_bwd(q, k, v, m, do):
+        out, lse = torch.ops.fuser.attention(q, k, v, m, 0.25, causal, mask_kind, True, plan, *fills)
+        return (out, *torch.ops.fuser.attention_backward(do, q, k, v, out, lse, m, 0.25, causal, mask_kind, plan,
+                                                          [True, True, True], *fills))
+
+    _check_inlined_symbolic(fwd_bwd, fakes, env, fmode)
+
+
+@pytest.mark.parametrize("why", ["autotune", "backward_autotune", "head_dim", "heads"])
+def test_attention_choices_sized_from_symbolic_sizes_stay_opaque(why):
+    # autotuning times each length bucket; head dims key the config tables; head counts the GQA
+    # grouping: with these symbolic the op stays opaque (its kernels chosen when it runs)
+    env, fmode, fakes = _attention_symbolic(37, 53, None, head_dim_dynamic=why == "head_dim",
+                                            heads_dynamic=why == "heads")
+    plan = {"autotune": "backward=two_kernel;autotune=1", "backward_autotune": "backward=autotune;autotune=0"}.get(
+        why, ATTN_PLAN)
+    args = (0.25, "none", "none", True, plan, INF, INF, "replace", "", [], INF, "replace")
+
+    def fwd_bwd(q, k, v, m, do):
+        out, lse = torch.ops.fuser.attention(q, k, v, None, *args)
+        return (out, *torch.ops.fuser.attention_backward(do, q, k, v, out, lse, None, 0.25, "none", "none", plan,
+                                                          [True, True, True], *args[5:]))
+
+    with fmode:
+        gm = make_fx(dispatch_functionalize(fwd_bwd), tracing_mode="symbolic")(*fakes)
+    targets = _targets(gm)
+    assert "fuser.attention.default" in targets and "fuser.attention_backward.default" in targets, targets
+    assert not any("triton_kernel_wrapper" in t for t in targets), targets
+    assert not env.replacements, env.replacements
+
+
 @pytest.mark.parametrize("plan", ["plan=recurrent", "plan=parallel"])
 def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_sizes(plan):
     q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(40, 2, 32, 48))
@@ -402,7 +470,7 @@ def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_size
                      tracing_mode="symbolic")(*fakes)
     assert "fuser.kda.default" in _targets(gm)
     assert launch.stays_opaque((*fakes, *rest), {}, "fuser::kda") == "symbolic sizes"
-    assert launch.stays_opaque((*fakes, *rest), {}, "fuser::attention") == "symbolic sizes"
+    assert launch.stays_opaque((*fakes, *rest), {}, "fuser::h2o") == "symbolic sizes"  # no rule
 
 
 def test_kda_with_a_symbolic_length_stays_opaque():
@@ -499,18 +567,6 @@ def test_autotuning_while_traced_takes_the_cached_winner_or_the_default(monkeypa
     with FakeTensorMode():
         assert launch.autotune("k-traced", [{"a": 1}, {"a": 2}], ran.append) == {"a": 2}
     launch._tune_mem.pop("k-traced")
-
-
-def test_symbolic_sizes_keep_the_opaque_op():
-    # dynamic shapes: the bodies pick configs from sizes, which would specialise the graph to one
-    # size; the opaque op serves every size (its kernels are chosen when it runs)
-    q, k, v = (torch.empty(x.shape, dtype=x.dtype, device=GPU) for x in _qkv())
-    args = (None, 0.25, "none", "none", True, ATTN_PLAN, INF, INF, "replace", "", [], INF, "replace")
-    gm = make_fx(dispatch_functionalize(lambda q, k, v: torch.ops.fuser.attention(q, k, v, *args)),
-                 tracing_mode="symbolic")(q, k, v)
-    targets = _targets(gm)
-    assert "fuser.attention.default" in targets
-    assert not any("triton_kernel_wrapper" in t for t in targets)
 
 
 def test_stand_ins_for_autotuning_keep_sizes_strides_and_dtypes():
