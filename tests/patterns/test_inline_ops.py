@@ -350,21 +350,27 @@ def test_kda_save_and_its_backward_inline_with_symbolic_sizes(k):
 KL_SYM_DIMS = (0, 2)
 
 
-@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("causal,fills", [("none", 0), ("top_left", 0), ("bottom_right", 0), ("top_left", 1),
+                                          ("bottom_right", 2)])
+@pytest.mark.parametrize("nk", [37, 53, 29])
 @pytest.mark.parametrize("teacher_grad", [False, True], ids=["frozen_teacher", "both_sides"])
-def test_attention_kl_forward_and_backward_inline_with_symbolic_sizes(causal, teacher_grad):
+def test_attention_kl_forward_and_backward_inline_with_symbolic_sizes(causal, fills, nk, teacher_grad):
     # dynamic shapes (a batch or a length that changed between calls): the one-pass forward and the
-    # two-kernel backward serve every size, so the ops are inlined with symbolic grids and strides
-    q1, k1, q2, k2 = (torch.empty(3, h, 37, d, dtype=torch.float16) for h, d in ((4, 16), (1, 16), (4, 24), (2, 24)))
+    # two-kernel backward serve every size, so the ops are inlined with symbolic grids and strides;
+    # Nq = 37 and Nk its own symbol (or the same), finite causal fills (added, or replacing with
+    # hidden entries zeroed)
+    fills = [KL_FILLS[0], (INF, INF, -2.0, -3.0, "add", False), (INF, INF, -2.0, -3.0, "replace", True)][fills]
+    q1, q2 = torch.empty(3, 4, 37, 16, dtype=torch.float16), torch.empty(3, 4, 37, 24, dtype=torch.float16)
+    k1, k2 = torch.empty(3, 1, nk, 16, dtype=torch.float16), torch.empty(3, 2, nk, 24, dtype=torch.float16)
     g = torch.empty(3, 4, 37)
     env, mode, fakes = _symbolic_fakes((q1, k1, q2, k2, g), KL_SYM_DIMS)
     needs = [teacher_grad, teacher_grad, True, True]
 
     def fwd_bwd(q1, k1, q2, k2, g):
         rows, lse1, lse2, delta = torch.ops.fuser.attention_kl(q1, k1, q2, k2, None, 0.25, 0.2, causal, "none", True,
-                                                               KL_PLAN, *KL_FILLS[0])
+                                                               KL_PLAN, *fills)
         grads = torch.ops.fuser.attention_kl_backward(g, q1, k1, q2, k2, lse1, lse2, delta, None, 0.25, 0.2, causal,
-                                                      "none", KL_PLAN, needs, *KL_FILLS[0])
+                                                      "none", KL_PLAN, needs, *fills)
         return (rows, *grads)
 
     _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
