@@ -360,10 +360,11 @@ def column_pass_config(*, head_dim: int, dtype: torch.dtype, device, n: int) -> 
     return _short_first(candidate_configs(head_dim=head_dim, dtype=dtype, device=device), None, n)[0]
 
 
-def _short_first(configs: list[dict], given: Optional[dict], n: int) -> list[dict]:
+def _short_first(configs: list[dict], given: Optional[dict], n: Optional[int]) -> list[dict]:
     """Put the short-sequence column-pass config first when no config was given, the sequences
-    are short (``n <= SHORT_N``) and the device's table has 128-wide tiles first (sm90)."""
-    if given or n > SHORT_N or configs[0]["BLOCK_N"] < 128:
+    are short (``n <= SHORT_N``; ``n`` None: unknown, a symbolic length under dynamic shapes,
+    taken as long) and the device's table has 128-wide tiles first (sm90)."""
+    if given or not isinstance(n, int) or n > SHORT_N or configs[0]["BLOCK_N"] < 128:
         return configs
     short = launch.check_config(dict(_SHORT))
     return [short] + [c for c in configs if c != short]
@@ -700,14 +701,15 @@ def alloc_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def empty_rows_possible(causal, mask_kind: str, mask_fill: float = NEG_INF, causal_fill_kind: str = "hide",
                         n_q: Optional[int] = None, n_k: Optional[int] = None) -> bool:
     """Whether a query row can have no visible key (every score ``-inf``): a ``-inf`` causal mask
-    aligned bottom-right with ``Nq > Nk`` (any sizes when ``n_q``/``n_k`` are None), or a data
-    mask hiding with ``-inf`` (a boolean mask without a finite ``mask_fill``, an additive mask).
-    ``causal_fill_kind``: ``"hide"`` or a finite fill's kind (:func:`variants.causal_fill_kind`)."""
+    aligned bottom-right with ``Nq > Nk`` (any sizes when ``n_q``/``n_k`` are None, or symbolic
+    sizes whose ``Nk >= Nq`` is not proven: no guard), or a data mask hiding with ``-inf`` (a
+    boolean mask without a finite ``mask_fill``, an additive mask). ``causal_fill_kind``:
+    ``"hide"`` or a finite fill's kind (:func:`variants.causal_fill_kind`)."""
     if mask_kind == "additive" or (mask_kind in ("bool_keep", "bool_drop") and mask_fill == NEG_INF):
         return True
     if causal_fill_kind != "hide" or causal != "bottom_right":
         return False
-    return n_q is None or n_k is None or variants.causal_offset(causal, n_q, n_k) < 0
+    return n_q is None or n_k is None or not launch.proven(variants.causal_offset(causal, n_q, n_k) >= 0)
 
 
 def _nan_where_empty_rows(score: torch.Tensor, stats: torch.Tensor, two_part: bool) -> None:
@@ -955,7 +957,7 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
                                        need_lse=True, config=fwd_config, mask_fill=mask_fill, causal_fill=causal_fill,
                                        causal_fill_mode=fill_k, skip_hidden=skip.get("skip_hidden"))
         fill_args.update(causal_fill=variants.fill_base2(causal_fill), **skip)
-        configs = _short_first(_configs(config, q), config, max(n_q, n_k))
+        configs = _short_first(_configs(config, q), config, attention.context_length(n_q, n_k))
     else:
         if need_out:
             # kernel 0: the attention forward, for its statistics and out
@@ -965,7 +967,7 @@ def _two_kernel(q, k, v, scale, causal, mask, mask_kind, need_out, config, fwd_c
             # kernel 0 without out: the statistics-only row pass (no V loads, no P V dots)
             out, stats = _stats_pass(q, k, v, scale, causal, mask4, mask_kind, row, False,
                                      attention._configs(fwd_config, q, v, causal, "fwd"), mask_fill=mask_fill)
-        configs = _short_first(_configs(config, q), config, max(n_q, n_k))
+        configs = _short_first(_configs(config, q), config, attention.context_length(n_q, n_k))
     score = alloc_score(q, k)
     kernel, module = _colsum_module(variants.is_causal(causal), mask_kind, row, interpret, ranges, fill_k, bool(mfill))
     args = [q, k, stats, score]

@@ -6,7 +6,8 @@ treat it as one op with known output shapes; it neither mutates nor aliases its 
 body and Inductor launches the H2O kernels itself (their launches recorded with
 ``torch.library.wrap_triton``; diag_cache's workspace and layout tables, one_kernel's zeroed
 score, allocated in the compiled graph per call); on CPU tensors (Triton's interpreter) and
-with dynamic shapes it stays an opaque op that launches its kernels from Python. It has no autograd formula: the pattern declines regions whose outputs need
+with dynamic shapes where its rule (:func:`_symbolic_sizes`) says so it stays an opaque op that
+launches its kernels from Python. It has no autograd formula: the pattern declines regions whose outputs need
 gradients (H2O scores keys during inference). The kernels are in ``codegen/h2o.py``.
 
 ``torch.ops.fuser.h2o(q, k, v, mask, scale, causal, mask_kind, need_out, plan, causal_fill,
@@ -136,7 +137,34 @@ def tuned_plan(q, k, v, mask, scale: float, causal: str, mask_kind: str, need_ou
     return _fit(q, k, causal, best["plan"], best["diagonals"], best["cache"])
 
 
-@launch.fused_op("fuser::h2o")
+def _symbolic_sizes(args, kwargs) -> Optional[str]:
+    """The ``symbolic`` rule (``launch.fused_op``) of :func:`h2o`: why a call with symbolic sizes
+    (dynamic shapes: a KV cache that grows between decode steps, a changed batch) keeps the opaque
+    op, or None. two_kernel and one_kernel choose their kernels and configs from the dtype, the
+    head dims and the variant (a symbolic length takes the long-sequence configs,
+    ``codegen.h2o._short_first``; where ``Nk >= Nq`` is not proven the empty-row pass runs), so
+    launches traced once serve every batch and length; a finite causal fill runs two_kernel.
+    Not so for diag_cache (its tables and workspace sized from the block diagonals), autotuning
+    (timed per length bucket), symbolic head dims or head counts, or rows (B·Hq) that may exceed
+    one launch grid (``launch.at_most``). Checked by tests/patterns/test_inline_h2o.py."""
+    q, k, causal, plan, causal_fill = args[0], args[1], args[5], args[8], args[9]
+    kind = parse_plan(plan)["plan"]
+    if not (causal != "none" and causal_fill != NEG_INF):  # else two_kernel, whatever the plan
+        if kind == "autotune":
+            return "autotuning, timed per length"
+        if kind == "diag_cache":
+            return "diag_cache's tables, sized from the lengths"
+    if not all(isinstance(d, int) for d in (q.shape[1], k.shape[1], q.shape[-1])):
+        return "a symbolic head dim or head count"
+    if args[2] is not None and not isinstance(args[2].shape[-1], int):
+        return "a symbolic head dim"
+    rows = q.shape[0] * q.shape[1]
+    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
+        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
+    return None
+
+
+@launch.fused_op("fuser::h2o", symbolic=_symbolic_sizes)
 def h2o(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -27,7 +27,8 @@ from fuser.codegen import launch
 from fuser.patterns import h2o_ops
 
 # the fake-H100 fixture and the tracing helpers of the other fused ops' inlining tests
-from test_inline_ops import GPU, _an_h100, _check_inlined, _fake_like, _targets  # noqa: F401
+from test_inline_ops import (GPU, _an_h100, _check_inlined, _check_inlined_symbolic, _fake_like,  # noqa: F401
+                             _symbolic_fakes, _targets)
 
 INF = float("-inf")
 F32_MIN = torch.finfo(torch.float32).min
@@ -254,3 +255,95 @@ def test_h2o_region_is_launched_by_inductor_on_the_gpu(plan):
     ref_out, ref_score = _h2o_region(q, k, v, pad)
     torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(score, ref_score, atol=2e-3, rtol=2e-3)
+
+
+def _h2o_symbolic(nq, nk, causal, mask_kind, mask, mask_fill, plan, causal_fill=INF, need_out=True, dims=(0, 2)):
+    """(env, mode, fakes, fn): the h2o op on fake GPU tensors whose batch and lengths are symbolic
+    (``dims`` of q, k, v; a mask's batch and length dims too), q [3, 4, Nq, 16], k [3, 2, Nk, 16],
+    v [3, 2, Nk, 24]."""
+    q = torch.empty(3, 4, nq, 16, dtype=torch.float16)
+    k, v = torch.empty(3, 2, nk, 16, dtype=torch.float16), torch.empty(3, 2, nk, 24, dtype=torch.float16)
+    m = None
+    if mask is not None:
+        dtype = torch.float32 if mask_kind == "additive" else torch.bool
+        m = torch.zeros((3, 1, 1, nk) if mask == "row" else (3, 4, nq, nk), dtype=dtype)
+    qdims = tuple(d for d in dims if d != 2 or nq > 1)  # Nq = 1 (decode) stays static, as Dynamo keeps it
+    mdims = (0,) + tuple(d for d in (2, 3) if m is not None and m.shape[d] > 1)
+    env, mode, fakes = _symbolic_fakes((q, k, v, m), [qdims, dims, dims, mdims])
+
+    def fn(q, k, v, m):
+        return torch.ops.fuser.h2o(q, k, v, m, 0.25, causal, mask_kind, need_out, plan, causal_fill, "add", mask_fill)
+
+    return env, mode, fakes, fn
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 150), (37, 150), (150, 37), (150, 150)], ids=["decode", "nq<nk", "nq>nk", "nq=nk"])
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel"])
+@pytest.mark.parametrize("causal,mask_kind,mask,mask_fill", VARIANTS, ids=VARIANT_IDS)
+def test_h2o_inlines_with_symbolic_sizes(plan, causal, mask_kind, mask, mask_fill, nq, nk):
+    # dynamic shapes (a KV cache growing between decode steps, a changed batch): two_kernel and
+    # one_kernel choose kernels and configs from the head dims and the variant only, so the op is
+    # inlined with symbolic grids, strides and offsets, without a guard beyond the rows'
+    env, mode, fakes, fn = _h2o_symbolic(nq, nk, causal, mask_kind, mask, mask_fill, PLANS[plan],
+                                         need_out=plan == "two_kernel")
+    _check_inlined_symbolic(fn, fakes, env, mode)
+
+
+@pytest.mark.parametrize("nq,nk", [(37, 150), (150, 37)])
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("plan", ["two_kernel", "diag_balanced"])
+def test_h2o_finite_causal_fill_inlines_with_symbolic_sizes(plan, causal, nq, nk):
+    # a finite causal fill runs two_kernel whatever the plan says (its skip flag and empty-row
+    # pass decided without a guard on Nk - Nq)
+    env, mode, fakes, fn = _h2o_symbolic(nq, nk, causal, "none", None, INF, PLANS[plan], causal_fill=F32_MIN)
+    _check_inlined_symbolic(fn, fakes, env, mode)
+
+
+@pytest.mark.parametrize("why", ["diag_cache", "autotune", "head_dim", "heads"])
+def test_h2o_choices_sized_from_symbolic_sizes_stay_opaque(why):
+    plan = {"diag_cache": PLANS["diag_causal"], "autotune": AUTOTUNE}.get(why, PLANS["two_kernel"])
+    dims = (0, 2) + ((3,) if why == "head_dim" else ()) + ((1,) if why == "heads" else ())
+    env, mode, fakes, fn = _h2o_symbolic(150, 150, "top_left", "none", None, INF, plan, dims=dims)
+    with mode:
+        gm = make_fx(dispatch_functionalize(fn), tracing_mode="symbolic")(*fakes)
+    targets = _targets(gm)
+    assert "fuser.h2o.default" in targets and not any("triton_kernel_wrapper" in t for t in targets), targets
+    assert not env.replacements, env.replacements
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel"])
+def test_h2o_with_dynamic_lengths_is_launched_by_inductor_on_the_gpu(plan):
+    # the length marked dynamic (a new prompt length after a recompile): one graph whose kernels
+    # Inductor launches serves lengths 256, 300 and 1000, each matching eager
+    import unittest.mock
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    real = torch._inductor.compile_fx.compile_fx_inner
+
+    def spy(gm, *args, **kwargs):
+        graphs.append(gm)
+        return real(gm, *args, **kwargs)
+
+    compiled = torch.compile(_h2o_region, backend="fuser", options={"fuser.plan": f"h2o.plan={plan}"})
+    with unittest.mock.patch.object(torch._inductor.compile_fx, "compile_fx_inner", spy), torch.no_grad():
+        for step, n in enumerate((256, 300, 1000)):
+            torch.manual_seed(step)
+            q, k, v = (torch.randn(2, 4, n, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+            pad = torch.ones(2, n, dtype=torch.bool, device="cuda")
+            pad[1, n - 37:] = False
+            if step == 0:
+                for t, d in ((q, 2), (k, 2), (v, 2), (pad, 1)):
+                    torch._dynamo.mark_dynamic(t, d)
+            out, score = compiled(q, k, v, pad)
+            ref_out, ref_score = _h2o_region(*(x.double() if x.is_floating_point() else x for x in (q, k, v)), pad)
+            torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(score.double(), ref_score, atol=2e-3, rtol=2e-3)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert not any(t.startswith("fuser.") for t in targets), targets
+    assert any("triton_kernel_wrapper" in t for t in targets), targets
+    assert counters["stats"]["unique_graphs"] <= 1, dict(counters["stats"])
