@@ -129,7 +129,8 @@ DYN_VARIANTS = {
 def test_dynamic_lengths_launch_the_kernels_from_inductor(variant):
     # lengths marked dynamic (as after a recompile for a new length): the op's forward and backward
     # are traced with symbolic Nq, Nk and batch, launched by Inductor's wrapper (no opaque fuser op
-    # left), and lengths with Nq < Nk, Nq = Nk and Nq > Nk all match float64 from one graph
+    # left), and lengths with Nq < Nk, Nq = Nk and Nq > Nk all match float64 from one graph; traced
+    # at multiples of 16 and run at lengths that are not (a length's divisibility must not be baked in)
     import unittest.mock
 
     from torch._dynamo.utils import counters
@@ -154,7 +155,7 @@ def test_dynamic_lengths_launch_the_kernels_from_inductor(variant):
 
     f = torch.compile(attn, backend="fuser")
     with unittest.mock.patch.object(torch._inductor.compile_fx, "compile_fx_inner", spy):
-        for step, (b, nq, nk) in enumerate(((2, 100, 300), (3, 257, 257), (2, 300, 120), (4, 1000, 1700))):
+        for step, (b, nq, nk) in enumerate(((2, 128, 256), (3, 257, 257), (2, 300, 120), (4, 1000, 1700))):
             torch.manual_seed(step)
             q = torch.randn(b, 4, nq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             k, v = (torch.randn(b, 2, nk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
