@@ -1159,6 +1159,20 @@ def at_most(size, limit: int) -> bool:
     return bool(size <= limit)  # unbounded: a guard
 
 
+def symbolic_launch_fits(static: Sequence, rows, what: str = "a symbolic head dim or head count") -> str | None:
+    """The part every op's ``symbolic`` rule (:func:`fused_op`) shares: why launches traced with
+    these symbolic sizes would not serve every size, or None. ``static``: the sizes the op's
+    kernels or configs are chosen from (head dims, head counts, ...), which must be ints (a
+    symbolic one gives ``what``); ``rows``: the largest grid-axis-1 extent of its launches
+    (B·H), which must fit one launch grid for every size (:func:`at_most`: from the dims' bounds,
+    or one guard for a dim unbounded above), since a traced launch cannot be sliced."""
+    if not all(isinstance(d, int) for d in static):
+        return what
+    if not at_most(rows, MAX_GRID_ROWS):
+        return f"{rows} rows may exceed what one launch grid holds ({MAX_GRID_ROWS})"
+    return None
+
+
 #: Per fused op (``"fuser::kda"``): the rule that lets a call with symbolic sizes hand its
 #: kernels to Inductor (:func:`fused_op`'s ``symbolic``). Ops not here keep the opaque op then.
 _SYMBOLIC_RULES: dict[str, Callable[[tuple, dict], "str | None"]] = {}

@@ -48,12 +48,8 @@ def _symbolic_rows(q1: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> Opti
     """Why launches with these (symbolic) sizes cannot be traced once for every size, or None:
     the head dims must be static (they pick the kernels' configs), and the rows (B·H, B·Hkv:
     one grid axis) must fit one launch grid for every size (``launch.at_most``)."""
-    if not all(isinstance(d, int) for d in (q1.shape[-1], k2.shape[-1], q1.shape[1], k1.shape[1], k2.shape[1])):
-        return "a symbolic head dim or head count"
-    rows = q1.shape[0] * q1.shape[1]
-    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
-        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
-    return None
+    return launch.symbolic_launch_fits((q1.shape[-1], k2.shape[-1], q1.shape[1], k1.shape[1], k2.shape[1]),
+                                       q1.shape[0] * q1.shape[1])
 
 
 def _symbolic_forward(args, kwargs) -> Optional[str]:

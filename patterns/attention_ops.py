@@ -148,12 +148,7 @@ def _symbolic_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: str
     p = parse_plan(plan)
     if p.get("autotune") == "1" or p.get("backward") == "autotune":
         return "autotuning, timed per length"
-    if not all(isinstance(d, int) for d in (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])):
-        return "a symbolic head dim or head count"
-    rows = q.shape[0] * q.shape[1]
-    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
-        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
-    return None
+    return launch.symbolic_launch_fits((q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]), q.shape[0] * q.shape[1])
 
 
 def _symbolic_forward(args, kwargs) -> Optional[str]:

@@ -154,14 +154,8 @@ def _symbolic_sizes(args, kwargs) -> Optional[str]:
             return "autotuning, timed per length"
         if kind == "diag_cache":
             return "diag_cache's tables, sized from the lengths"
-    if not all(isinstance(d, int) for d in (q.shape[1], k.shape[1], q.shape[-1])):
-        return "a symbolic head dim or head count"
-    if args[2] is not None and not isinstance(args[2].shape[-1], int):
-        return "a symbolic head dim"
-    rows = q.shape[0] * q.shape[1]
-    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
-        return f"{rows} rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
-    return None
+    dv = args[2].shape[-1] if args[2] is not None else 0
+    return launch.symbolic_launch_fits((q.shape[1], k.shape[1], q.shape[-1], dv), q.shape[0] * q.shape[1])
 
 
 @launch.fused_op("fuser::h2o", symbolic=_symbolic_sizes)

@@ -223,12 +223,8 @@ def _symbolic_sizes(q, v, time_dims, t0, steps) -> Optional[str]:
     for every size the graph serves (``launch.at_most``: from the dims' bounds, or for a dim
     unbounded above with a guard, the one such a trace adds; past it Dynamo compiles again and that
     graph keeps the opaque op, which launches the rows in slices through ``launch.jit_call``)."""
-    if not all(isinstance(d, int) for d in (q.shape[-1], v.shape[-1], q.shape[time_dims[0]], t0, steps)):
-        return "a symbolic K, V or length"
-    rows = math.prod(_lead(v, time_dims[2]))
-    if not launch.at_most(rows, launch.MAX_GRID_ROWS):
-        return f"{rows} value rows may exceed what one launch grid holds ({launch.MAX_GRID_ROWS})"
-    return None
+    return launch.symbolic_launch_fits((q.shape[-1], v.shape[-1], q.shape[time_dims[0]], t0, steps),
+                                       math.prod(_lead(v, time_dims[2])), "a symbolic K, V or length")
 
 
 def _symbolic_forward(args, kwargs) -> Optional[str]:
