@@ -229,11 +229,13 @@ def _symbolic_sizes(q, v, time_dims, t0, steps) -> Optional[str]:
 
 def _symbolic_forward(args, kwargs) -> Optional[str]:
     """The ``symbolic`` rule (``launch.fused_op``) of :func:`kda` and :func:`kda_save`: the chunk
-    plan's body, with symbolic lead dims (:func:`_symbolic_sizes`; its configs depend on K and V
-    only). The recurrent and parallel plans choose configs and blocks from N, V and T, and keep
-    the opaque op. Both checked by tests/patterns/test_inline_ops.py (no guard while traced)."""
+    plan's body and the recurrent kernel, with symbolic lead dims (:func:`_symbolic_sizes`; their
+    configs depend on K, V and the dtype; the recurrent table orders its candidates by the row
+    count only when that is an int). The parallel plan chooses its blocks and splits from N, V
+    and T, and keeps the opaque op. Both checked by tests/patterns/test_inline_ops.py (no guard
+    while traced)."""
     q, v, time_dims, t0, steps, plan = args[0], args[2], args[6], args[7], args[8], _parsed_plan(args[15])["plan"]
-    if plan != "chunk":
+    if plan not in ("chunk", "recurrent"):
         return f"plan {plan} chooses its kernels from the sizes"
     return _symbolic_sizes(q, v, time_dims, t0, steps)
 

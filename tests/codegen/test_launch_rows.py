@@ -305,13 +305,14 @@ def _cuda_kl(b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["kda", "attention_kl"])
+@pytest.mark.parametrize("case", ["kda", "kda_recurrent", "attention_kl"])
 def test_a_dynamic_batch_past_the_rows_guard_compiles_again_and_launches_in_slices(monkeypatch, case):
     # 7 rows a grid, 3 heads: batch 2 (6 rows) is traced with symbolic rows and its kernels are
     # inlined behind the guard 3*B <= 7; batch 3 (9 rows) fails the guard, Dynamo compiles again,
     # and that graph keeps the opaque op, which launches its rows in slices of 7
     monkeypatch.setattr(launch, "MAX_GRID_ROWS", 7)
     fn, make, plan = {"kda": (blog_loop, _cuda_kda, "kda.plan=chunk"),
+                      "kda_recurrent": (blog_loop, _cuda_kda, "kda.plan=recurrent"),
                       "attention_kl": (attention_kl, _cuda_kl, "attention_kl.split_k=1,attention_kl.backward=two_kernel")}[case]
     torch._dynamo.reset()
     f = torch.compile(fn, backend="fuser", options={"fuser.plan": plan})

@@ -330,6 +330,25 @@ def test_kda_chunk_forward_and_backward_inline_with_symbolic_sizes(h0, t0, scala
     _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
 
 
+@pytest.mark.parametrize("t,k,v", [(8, 32, 48), (8, 2048, 64), (5, 256, 1000)], ids=["registers", "streamed", "wide"])
+@pytest.mark.parametrize("h0,want_state", [(False, False), (True, True)], ids=["stateless", "states"])
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
+def test_kda_recurrent_forward_inlines_with_a_symbolic_batch(t, k, v, h0, want_state, scalar_gate):
+    # a batch that changed between calls (serving): the recurrent kernel's config comes from K, V
+    # and the dtype (the row count orders the candidates only when it is an int), so the op is
+    # inlined with a symbolic number of value rows
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
+    state = torch.empty(3, 2, k, v) if h0 else None
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state), KDA_SYM_DIMS)
+    rest = ([1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
+            "plan=recurrent")
+
+    def fwd(q, k, v, g, beta, h0):
+        return torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest)
+
+    _check_inlined_symbolic(fwd, fakes, env, mode)
+
+
 @pytest.mark.parametrize("k", [32, 128], ids=["states_recomputed", "states_kept"])
 def test_kda_save_and_its_backward_inline_with_symbolic_sizes(k):
     q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(100, 2, k, 48))
@@ -465,7 +484,7 @@ def test_attention_choices_sized_from_symbolic_sizes_stay_opaque(why):
     assert not env.replacements, env.replacements
 
 
-@pytest.mark.parametrize("plan", ["plan=recurrent", "plan=parallel"])
+@pytest.mark.parametrize("plan", ["plan=parallel"])
 def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_sizes(plan):
     q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(40, 2, 32, 48))
     env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta), KDA_SYM_DIMS)
