@@ -336,5 +336,7 @@ def test_a_dynamic_batch_past_the_rows_guard_compiles_again_and_launches_in_slic
         gw = torch.autograd.grad(want, [ref_in[i] for i in trained], douts)
         for a, w in zip(g, gw):
             assert _rel(a, w) < 2e-2
-    # the first graph inlined (no launch note), the second (rows past the guard) is opaque
-    assert launches == ["", "symbolic sizes"], launches
+    # the first graph inlined with symbolic rows (no launch note); batch 3 failed its guard and
+    # compiled again: opaque with symbolic sizes (sliced when it runs), or with static sizes
+    # inlined as one traced launch per slice
+    assert len(launches) == 2 and launches[0] == "" and launches[1] in ("", "symbolic sizes"), launches
