@@ -279,10 +279,13 @@ OPAQUE_LAUNCH_NOTES = {
     "symbolic sizes": (
         "its kernels are launched from Python on every call (an opaque op), not from Inductor's wrapper: "
         "the sizes are symbolic (dynamic shapes: dynamic=True, mark_dynamic, or a recompile after a size "
-        "changed) and this op chooses its kernels or launch configs from them. That costs host time on "
-        "every call, forward and backward (an attention-KL training step at N=1024 ran 0.41-0.50x "
-        "Inductor's so, benchmarks/results/attention_kl_small_n.md); where it matters, compile with "
-        "static sizes (dynamic=False) or mode=\"reduce-overhead\" (CUDA graphs)"),
+        "changed) and this op, as planned, chooses its kernels or launch configs from them (autotuning, "
+        "H2O's diag_cache, attention-KL's split-K, atomic-dQ or masked variants, KDA's parallel plan, a "
+        "symbolic head dim or head count). That costs host time on every call, forward and backward (an "
+        "attention-KL training step at N=1024 ran 0.41-0.50x Inductor's so, against 1.23-1.36x with its "
+        "kernels launched by Inductor, benchmarks/results/attention_kl_small_n.md); where it matters, "
+        "compile with static sizes (dynamic=False), pick a plan that serves every size, or use "
+        "mode=\"reduce-overhead\" (CUDA graphs)"),
     "opaque ops": ("its kernels are launched from Python on every call (an opaque op): FUSER_OPAQUE_OPS=1 "
                    "is set"),
 }
