@@ -44,10 +44,15 @@ def _empty_stat(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-def _symbolic_rows(q1: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> Optional[str]:
-    """Why launches with these (symbolic) sizes cannot be traced once for every size, or None:
-    the head dims must be static (they pick the kernels' configs), and the rows (B·H, B·Hkv:
-    one grid axis) must fit one launch grid for every size (``launch.at_most``)."""
+def _symbolic_sizes(q1, k1, k2, mask, plan: str, key: str, serves: str, why: str) -> Optional[str]:
+    """Why an attention-KL op's call with symbolic sizes keeps the opaque op, or None: the plan's
+    ``key`` must be ``serves`` (else ``why``), no mask tensor, static head dims and head counts
+    (they pick the kernels' configs), and rows (B·H) that fit one launch grid for every size
+    (``launch.symbolic_launch_fits``)."""
+    if parse_plan(plan).get(key, serves) != serves:
+        return why
+    if mask is not None:
+        return "a mask tensor"
     return launch.symbolic_launch_fits((q1.shape[-1], k2.shape[-1], q1.shape[1], k1.shape[1], k2.shape[1]),
                                        q1.shape[0] * q1.shape[1])
 
@@ -55,27 +60,19 @@ def _symbolic_rows(q1: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> Opti
 def _symbolic_forward(args, kwargs) -> Optional[str]:
     """The ``symbolic`` rule (``launch.fused_op``) of :func:`attention_kl`: the one-pass forward
     (``split_k=1``: its launch config depends on the head dims only) with no mask tensor (causal
-    or none) serves a symbolic batch and symbolic lengths without a guard beyond
-    :func:`_symbolic_rows`'s; a split over the keys is sized from the lengths and keeps the
-    opaque op. Checked by tests/patterns/test_inline_ops.py (the guards a trace adds)."""
-    q1, k1, k2, mask, plan = args[0], args[1], args[3], args[4], args[10]
-    if parse_plan(plan).get("split_k", "1") != "1":
-        return "a split over the keys, sized from the lengths"
-    if mask is not None:
-        return "a mask tensor"
-    return _symbolic_rows(q1, k1, k2)
+    or none) serves a symbolic batch and symbolic lengths without a guard beyond the rows'; a
+    split over the keys is sized from the lengths and keeps the opaque op. Checked by
+    tests/patterns/test_inline_ops.py (the guards a trace adds)."""
+    return _symbolic_sizes(args[0], args[1], args[3], args[4], args[10], "split_k", "1",
+                           "a split over the keys, sized from the lengths")
 
 
 def _symbolic_backward(args, kwargs) -> Optional[str]:
     """The ``symbolic`` rule of :func:`attention_kl_backward`: the two-kernel backward (configs
     from the head dims; the atomic-dQ backward of 16-bit inputs splits its launches by B and H)
     with no mask tensor, as :func:`_symbolic_forward`."""
-    q1, k1, k2, mask, plan = args[1], args[2], args[4], args[8], args[13]
-    if parse_plan(plan).get("backward", "two_kernel") != "two_kernel":
-        return "the atomic-dQ backward, split by batch and heads"
-    if mask is not None:
-        return "a mask tensor"
-    return _symbolic_rows(q1, k1, k2)
+    return _symbolic_sizes(args[1], args[2], args[4], args[8], args[13], "backward", "two_kernel",
+                           "the atomic-dQ backward, split by batch and heads")
 
 
 @launch.fused_op("fuser::attention_kl", symbolic=_symbolic_forward)
