@@ -389,10 +389,9 @@ def local_shape(value: Any) -> tuple:
 def _same_sizes(a: Sequence, b: Sequence) -> bool:
     if len(a) != len(b):
         return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from .codegen import launch
 
-    return all(x == y if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y))
-               for x, y in zip(a, b))
+    return all(launch.proven(x == y) for x, y in zip(a, b))
 
 
 def local_value(value: Any) -> Any:

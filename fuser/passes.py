@@ -897,11 +897,9 @@ def _mismatch(new: fx.Node, root: fx.Node) -> Optional[str]:
 
 
 def _same_size(x: Any, y: Any) -> bool:
-    if isinstance(x, int) and isinstance(y, int):
-        return x == y
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from .codegen import launch
 
-    return bool(statically_known_true(x == y))
+    return launch.proven(x == y)
 
 
 def _as_outputs(m: Match, emitted: Any) -> dict:

@@ -163,17 +163,9 @@ def same_shape(a: Any, b: Any) -> bool:
     without adding guards."""
     if a is None or b is None or len(a) != len(b):
         return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from ..codegen import launch
 
-    for x, y in zip(a, b):
-        if x is y:
-            continue
-        if isinstance(x, int) and isinstance(y, int):
-            if x != y:
-                return False
-        elif not statically_known_true(x == y):
-            return False
-    return True
+    return all(x is y or launch.proven(x == y) for x, y in zip(a, b))
 
 
 def _nn(roles: tuple) -> tuple:

@@ -316,12 +316,11 @@ def within(x: Any, lo: int, hi: int) -> bool:
 
 
 def _same_dims(a: tuple, b: tuple) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from ..codegen import launch
 
     if len(a) != len(b):
         return False
-    return all((x == y) if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y))
-               for x, y in zip(a, b))
+    return all(launch.proven(x == y) for x, y in zip(a, b))
 
 
 def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bool = False) -> Scores:
