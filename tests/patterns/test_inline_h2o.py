@@ -344,3 +344,52 @@ def test_h2o_with_dynamic_lengths_is_launched_by_inductor_on_the_gpu(plan):
     want = {"two_kernel": ["attention_fwd_kernel", "h2o_colsum_kernel"], "one_kernel": ["h2o_fwd_kernel"]}[plan]
     assert all(f"def {name}" in code for name in want), code
     assert counters["stats"]["unique_graphs"] <= 1, dict(counters["stats"])
+
+
+def _h2o_bottom_right_region(q, k, v):
+    # bottom-right causal (a chunk of Nq new queries against Nk cached keys): with Nq > Nk the first
+    # Nq - Nk rows see no key, so eager's softmax gives NaN there and the column sums of that (b, h)
+    # are NaN too
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")).float(), dim=-1)
+    return p.to(q.dtype) @ v, p.sum(dim=-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["two_kernel", "one_kernel"])
+def test_h2o_bottom_right_with_dynamic_lengths_and_empty_rows_on_the_gpu(plan):
+    # Nq and Nk each their own symbol: whether Nk >= Nq (no empty row) is not known when tracing, so
+    # the empty-row pass must run and give eager's NaN scores where Nq > Nk, and the exact scores
+    # elsewhere; an empty row's out row is 0 where eager's is NaN (README, Limits)
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_h2o_bottom_right_region, backend="fuser",
+                             options={"fuser.plan": f"h2o.plan={plan}"})
+    codes = []
+    with torch.no_grad():
+        for step, (n_q, n_k) in enumerate(((128, 256), (300, 120), (77, 1000), (200, 200))):
+            torch.manual_seed(step)
+            q = torch.randn(2, 4, n_q, 64, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(2, 4, n_k, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+            if step == 0:
+                torch._dynamo.mark_dynamic(q, 2)
+                for t in (k, v):
+                    torch._dynamo.mark_dynamic(t, 2)
+                (out, score), got = run_and_get_code(compiled, q, k, v)
+                codes += got
+            else:
+                out, score = compiled(q, k, v)
+            ref_out, ref_score = _h2o_bottom_right_region(*(x.double() for x in (q, k, v)))
+            assert score.isnan().any().item() == (n_q > n_k)
+            empty = ref_out.isnan().any(-1, keepdim=True)
+            assert empty.sum().item() == 2 * 4 * max(n_q - n_k, 0)
+            torch.testing.assert_close(out.double(), ref_out.double().masked_fill(empty, 0), atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(score.double(), ref_score.double(), atol=2e-3, rtol=2e-3, equal_nan=True)
+    code = "\n".join(codes)
+    assert "torch.ops.fuser" not in code, code
+    assert counters["stats"]["unique_graphs"] <= 1, dict(counters["stats"])
