@@ -48,6 +48,17 @@ CONFIGS = {
     "steps2 vtiles4 stages3": {"GRAM_STEPS": 2, "V_TILES": 4, "num_stages": 3},
     "solve bvs64": {"BLOCK_VS": 64},
     "steps1 bvs64 vtiles4 stages3": {"GRAM_STEPS": 1, "BLOCK_VS": 64, "V_TILES": 4, "num_stages": 3},
+    # the one-launch kernel (T <= 16, no h0): key block BLOCK_KF, value block BLOCK_VF, warps
+    "fused kf64 vf64": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 64},
+    "fused kf64 vf32": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 32},
+    "fused kf64 vf128": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 128},
+    "fused kf32 vf64": {"FUSED": True, "BLOCK_KF": 32, "BLOCK_VF": 64},
+    "fused kf128 vf64": {"FUSED": True, "BLOCK_KF": 128, "BLOCK_VF": 64},
+    "fused kf128 vf128 w8": {"FUSED": True, "BLOCK_KF": 128, "BLOCK_VF": 128, "WARPS_FUSED": 8},
+    "fused kf64 vf64 w8": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 64, "WARPS_FUSED": 8},
+    "fused kf64 vf32 w2": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 32, "WARPS_FUSED": 2},
+    "fused kf64 vf64 stages1": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 64, "num_stages": 1},
+    "fused kf64 vf64 stages3": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 64, "num_stages": 3},
 }
 
 #: Default shapes (N, T, K, V): the kernel blogs' four (B=1, H=2, T=8), then more heads and T=16.

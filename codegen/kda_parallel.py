@@ -87,6 +87,13 @@ TILE_MAX = 16384
 
 _PRECISIONS = ("ieee", "tf32x3")
 
+#: The fused kernel's Gram matrices go through token 0 as a reference (module docstring, "One
+#: launch"): exact while every ``|H_t| = |sum_{0 < j <= t} g_j|`` of a row stays within this, so
+#: that both factors ``e^{±H}`` are normal float32 numbers (``e^{-60}`` ≈ 8.8e-27, ``e^{60}`` ≈
+#: 1.1e26, with room for ``|q|·|k|·K`` below float32's 3.4e38); a row past it recomputes its Gram
+#: matrices pairwise (exact, slower).
+EXACT_H = 60.0
+
 
 # --------------------------------------------------------------------------------------------
 # Rendering
@@ -106,7 +113,7 @@ def kernel(*, has_h0: bool, store_final: bool, interpret: bool) -> RenderedKerne
     from .kda_chunk import GATE_FLOOR
 
     return render(TEMPLATE, name, has_h0=bool(has_h0), store_final=bool(store_final), interpret=bool(interpret),
-                  gate_floor=GATE_FLOOR)
+                  gate_floor=GATE_FLOOR, exact_h=EXACT_H)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,11 +146,12 @@ def _pads(t_len: int) -> tuple[int, int]:
 
 def _cfg(*, gram_tile=2048, gram_steps=4, reduce_over=8192, block_kp=16, block_vp=64, block_vs=64, block_k=32,
          block_v=128, v_tiles=1, state_dot=False, warps_prep=4, warps_solve=4, warps=4, stages=2,
-         precision="tf32x3", gram_dk=False) -> dict:
+         precision="tf32x3", gram_dk=False, fused=False, block_kf=64, block_vf=64, warps_fused=4) -> dict:
     return {"GRAM_DK": gram_dk, "GRAM_TILE": gram_tile, "GRAM_STEPS": gram_steps, "REDUCE_OVER": reduce_over,
             "BLOCK_KP": block_kp, "BLOCK_VP": block_vp, "BLOCK_VS": block_vs, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "V_TILES": v_tiles, "STATE_DOT": state_dot, "WARPS_PREP": warps_prep, "WARPS_SOLVE": warps_solve,
-            "num_warps": warps, "num_stages": stages, "DOT_PRECISION": precision}
+            "num_warps": warps, "num_stages": stages, "DOT_PRECISION": precision,
+            "FUSED": fused, "BLOCK_KF": block_kf, "BLOCK_VF": block_vf, "WARPS_FUSED": warps_fused}
 
 
 def _pick_block_vs(v_pad: int, t_pad: int, n_rows: Optional[int], top: int) -> int:
@@ -293,22 +301,22 @@ def _pow2(cfg: dict, key: str, lo: int) -> int:
 def _normalise(cfg: dict) -> dict:
     """Check a merged config; raise ValueError naming the fix."""
     _pow2(cfg, "GRAM_TILE", 32)
-    for key in ("BLOCK_KP", "BLOCK_VP", "BLOCK_VS", "BLOCK_K", "BLOCK_V"):
+    for key in ("BLOCK_KP", "BLOCK_VP", "BLOCK_VS", "BLOCK_K", "BLOCK_V", "BLOCK_KF", "BLOCK_VF"):
         _pow2(cfg, key, 16)  # tl.dot operands: every dimension >= 16
     for key in ("GRAM_STEPS", "REDUCE_OVER", "V_TILES"):
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
             raise ValueError(f"config {key} must be an int >= 1, got {cfg.get(key)!r}")
-    for key in ("WARPS_PREP", "WARPS_SOLVE", "num_warps"):
+    for key in ("WARPS_PREP", "WARPS_SOLVE", "WARPS_FUSED", "num_warps"):
         if cfg.get(key) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"config {key} must be a power of two in 1..32, got {cfg.get(key)!r}")
     if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages must be an int >= 1, got {cfg.get('num_stages')!r}")
-    for key in ("STATE_DOT", "GRAM_DK"):
+    for key in ("STATE_DOT", "GRAM_DK", "FUSED"):
         if not isinstance(cfg.get(key), bool):
             raise ValueError(f"config {key} must be a bool, got {cfg.get(key)!r}")
     if cfg.get("DOT_PRECISION") not in _PRECISIONS:
         raise ValueError(f"config DOT_PRECISION must be one of {_PRECISIONS}, got {cfg.get('DOT_PRECISION')!r}")
-    for a, b in (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP")):
+    for a, b in (("BLOCK_K", "BLOCK_V"), ("BLOCK_KP", "BLOCK_VP"), ("BLOCK_KF", "BLOCK_VF")):
         if cfg[a] * cfg[b] > TILE_MAX:
             raise ValueError(f"config tile {a} x {b} = {cfg[a]} x {cfg[b]} exceeds {TILE_MAX} float32 elements: "
                              f"use smaller blocks")
@@ -365,6 +373,12 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
                     SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 2048 // (t_pad * cfg["BLOCK_VS"]))))
         plan["PPART"] = n * split_p * 2 * t_pad * vd
     plan["DELTA"] = n * t * vd if final else 0
+    # the fused kernel where the call allows it (T <= 16: one [16, 16] block; no h0): no workspace;
+    # its pairwise fallback takes [16, 16, BLOCK_KG_F] tiles of GRAM_TILE elements
+    plan["FUSED"] = bool(cfg["FUSED"]) and t_pad == 16 and not has_h0
+    plan["BLOCK_KG_F"] = max(1, min(cfg["GRAM_TILE"] // 256, launch.next_power_of_2(kd)))
+    if plan["FUSED"]:
+        plan["APART"] = plan["DELTA"] = 0
     plan["WORK"] = plan["APART"] + plan["PPART"] + plan["DELTA"]
     return plan
 

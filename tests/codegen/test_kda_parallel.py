@@ -29,6 +29,7 @@ FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per ro
 TILES = {"V_TILES": 3, "BLOCK_V": 16}                  # three value tiles per state program (ragged: V=40)
 DOT_TILES = {"STATE_DOT": True, "V_TILES": 2, "BLOCK_V": 16}
 DK = {"GRAM_DK": True}                                 # the Gram tiles channel-major
+FUSED = {"FUSED": True, "BLOCK_KF": 16, "BLOCK_VF": 16}  # one launch (T <= 16, no h0); ragged key blocks
 
 
 def _check(*args, **kwargs):
@@ -88,7 +89,7 @@ def test_config_variants(config):
 
 
 @pytest.mark.parametrize("layout", ["bthf", "bhtf", "three"])
-@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+@pytest.mark.parametrize("config", [None, DOT, FUSED], ids=["default", "state_dot", "fused"])
 def test_lead_dim_inputs(layout, config):
     # [B, H, T, *] views of FLA's [B, T, H, *] (B = 2: two stride groups, no copy), [B, H, T, *], a
     # three-group lead (copied); GQA (Hv = 2 Hq); T = 11 from t0 = 3 of a longer tensor; K = 12, V = 10
@@ -146,6 +147,9 @@ def test_kernels_for():
     for fn in ("kda_parallel_prep_kernel", "kda_parallel_reduce_kernel", "kda_parallel_solve_kernel",
                "kda_parallel_state_kernel", "launch_kda_parallel"):
         assert f"def {fn}(" in source
+    assert "def kda_parallel_fused_kernel(" not in source  # with h0: the split kernels only
+    assert "def kda_parallel_fused_kernel(" in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU,
+                                                                output_final_state=True)[0].source
     assert "def kda_parallel_state_kernel(" not in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32,
                                                                    device=CPU)[0].source
 
@@ -154,7 +158,7 @@ def test_kernels_for():
 # out=: o preallocated in the caller's layout
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [None, DOT], ids=["default", "state_dot"])
+@pytest.mark.parametrize("config", [None, DOT, FUSED], ids=["default", "state_dot", "fused"])
 def test_out_layouts(config):
     # N = 8 rows as (b, h) = (2, 4): the op's [B, T, H, V] and [B, H, T, V] outputs, the fallback
     q, k, v, g, beta, h0 = _inputs(40, 4, 2, 13, 24, 20, h0=True)
@@ -205,6 +209,80 @@ def test_a_nan_gate_stays_nan(config):
     assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
 
 
+# --------------------------------------------------------------------------------------------
+# The fused kernel (one launch: T <= 16, no h0)
+# --------------------------------------------------------------------------------------------
+
+
+def _fused(kd, vd, n, t, h0=False, config=FUSED):
+    return kp._plan(kp._normalise({**kp._cfg(), **config}), n, t, kd, vd, h0, True)["FUSED"]
+
+
+@pytest.mark.parametrize("t,kd,vd", [(1, 24, 70), (5, 24, 40), (8, 300, 70), (16, 40, 20)])
+def test_fused_matches_reference(t, kd, vd):
+    # grouped value heads; K = 300 and 40: ragged key blocks of 16; V = 70, 20: ragged value blocks;
+    # T = 16: the whole [16, 16] block
+    assert _fused(kd, vd, 2, t)
+    q, k, v, g, beta, _ = _inputs(50 + t, 1, 2, t, kd, vd)
+    o_on, _ = _check(q, k, v, g, beta, None, config=FUSED)
+    o_off, _ = _check(q, k, v, g, beta, None, final=False, config=FUSED)  # no state loop: the same o
+    assert torch.equal(o_on, o_off)
+
+
+@pytest.mark.parametrize("t", [8, 16])
+def test_fused_float16_and_scalar_gate(t):
+    q, k, v, g, beta, _ = _inputs(60 + t, 2, 2, t, 24, 40, dtype=torch.float16)
+    _check(q, k, v, g, beta, None, config=FUSED)
+    q, k, v, g, beta, _ = _inputs(61 + t, 2, 1, t, 24, 40, scalar_gate=True)
+    _check(q, k, v, g, beta, None, scalar_gate=True, config=FUSED)
+
+
+@pytest.mark.parametrize("gate", ["mild", "strong", "past_exact_h"])
+def test_fused_raw_keys_and_strong_decay(gate):
+    # raw keys (|o| grows); gates near -30 (|H| far past EXACT_H: the row's Gram matrices are
+    # recomputed pairwise), or every gate -EXACT_H / 9.5 (|H| just past EXACT_H at T = 11, just
+    # below at T = 10: both paths on one boundary)
+    for t in (10, 11):
+        q, k, v, g, beta, _ = _inputs(70 + t, 1, 2, t, 24, 40, l2=False, strong_decay=gate == "strong")
+        if gate == "past_exact_h":
+            g = torch.full_like(g, -kp.EXACT_H / 9.5)
+            assert (g[:, 1:].sum(1).abs().max() > kp.EXACT_H) == (t == 11)
+        _check(q, k, v, g, beta, None, config=FUSED)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
+def test_fused_gates_are_floored_and_nan_stays_nan(scalar):
+    from fuser.codegen.kda_chunk import GATE_FLOOR
+
+    q, k, v, g, beta, _ = _inputs(80, 2, 1, 15, 24, 20, scalar_gate=scalar)
+    g[:, 4] = float("-inf")
+    g[:, 9] = -1e30
+    g[0, 12] = -250.0
+    with launch.poison_outputs():
+        o, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True, scalar_gate=scalar, config=FUSED)
+    ro, rs = _reference(q, k, v, g.clamp_min(GATE_FLOOR), beta, 0.5, None, scalar)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
+    # a NaN gate: its row NaN from that token on (one block: maybe before it too), the other row exact
+    q, k, v, g, beta, _ = _inputs(81, 2, 1, 15, 24, 20)
+    g[1, 11, 3] = float("nan")
+    o, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True, config=FUSED)
+    ro, rs = _reference(q, k, v, g, beta, 0.5, None, False)
+    assert o[1, 11:].isnan().all() and s[1].isnan().any()
+    assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
+
+
+def test_fused_only_where_the_call_allows_it():
+    # FUSED asks for one launch; with h0 or past 16 tokens the split kernels run (and are exact)
+    assert _fused(24, 40, 2, 16) and not _fused(24, 40, 2, 17) and not _fused(24, 40, 2, 8, h0=True)
+    assert not _fused(24, 40, 2, 8, config={})
+    plan = kp._plan(kp._normalise({**kp._cfg(), **FUSED}), 2, 8, 24, 40, False, True)
+    assert plan["WORK"] == 0  # no workspace
+    q, k, v, g, beta, h0 = _inputs(82, 1, 2, 20, 24, 40, h0=True)
+    _check(q, k, v, g, beta, None, config=FUSED)
+    _check(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], h0, config=FUSED)
+
+
 def _bad(**change):
     q, k, v, g, beta, _ = _inputs(9, 2, 2, 5, 24, 40)
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, scale=0.5, scalar_gate=False, config=None,
@@ -234,6 +312,10 @@ def _bad(**change):
     (dict(config={"VARIANT": "registers"}), r"unknown config keys \['VARIANT'\]"),
     (dict(config={"num_warps": 3}), r"num_warps"),
     (dict(config={"V_TILES": 0}), r"V_TILES must be an int >= 1"),
+    (dict(config={"FUSED": "yes"}), r"FUSED must be a bool"),
+    (dict(config={"BLOCK_KF": 24}), r"BLOCK_KF must be a power of two >= 16"),
+    (dict(config={"BLOCK_KF": 128, "BLOCK_VF": 256}), r"BLOCK_KF x BLOCK_VF = 128 x 256 exceeds 16384"),
+    (dict(config={"WARPS_FUSED": 3}), r"WARPS_FUSED"),
 ])
 def test_bad_inputs(change, match):
     kw = _bad(**change)
@@ -309,6 +391,49 @@ def test_gpu_lengths_and_configs(config, t):
     _check(q, k, v, g, beta, h0, scale=300 ** -0.5, config=config)
 
 
+GPU_FUSED = [{"FUSED": True, "BLOCK_KF": kf, "BLOCK_VF": vf, "WARPS_FUSED": w}
+             for kf, vf, w in ((64, 64, 4), (32, 128, 4), (128, 32, 8), (16, 16, 2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_FUSED, ids=["kf64_vf64", "kf32_vf128", "kf128_vf32_w8", "kf16_vf16_w2"])
+@pytest.mark.parametrize("gates", ["mild", "strong", "past_exact_h", "scalar", "bf16"])
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_gpu_fused(config, gates, t):
+    # the one-launch kernel compiled: libdevice's exp on the factors, the double-float scan, the
+    # pairwise fallback past EXACT_H; K = 300, V = 200 ragged in every block size
+    dtype = torch.bfloat16 if gates == "bf16" else torch.float32
+    q, k, v, g, beta, _ = _inputs(16 + t, 4, 2, t, 300, 200, device=GPU, dtype=dtype, strong_decay=gates == "strong",
+                                  scalar_gate=gates == "scalar")
+    if gates == "past_exact_h":
+        g = torch.full_like(g, -kp.EXACT_H / max(1, t - 1) * 1.01)
+    if dtype == torch.bfloat16:
+        g = g.float()
+    _check(q, k, v, g, beta, None, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar")
+    _check(q, k, v, g, beta, None, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar", final=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_gates_near_exact_h_match_the_eager_loop():
+    # the dot path at |H| up to just below EXACT_H (the factors' exponents as large as they get):
+    # o and the final state as close to float64 as the eager float32 loop's, within 3x
+    t, kd, vd = 16, 128, 256
+    q, k, v, g, beta, _ = _inputs(30, 2, 1, t, kd, vd, device=GPU)
+    g = -(0.9 + 0.1 * torch.rand_like(g)) * 0.98 * kp.EXACT_H / (t - 1)  # |H| of 53-59 at the last token
+    assert g[:, 1:].sum(1).abs().max() < kp.EXACT_H
+    o, s = _check(q, k, v, g, beta, None, scale=kd ** -0.5, config={"FUSED": True})
+    ro, rs = _reference(q, k, v, g, beta, kd ** -0.5, None, False)
+    state = torch.zeros(2, kd, vd, device=GPU)
+    outs = []
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None]
+        state = state + beta[:, i, None, None] * k[:, i, :, None] * (v[:, i] - (k[:, i, :, None] * state).sum(1))[:, None]
+        outs.append(kd ** -0.5 * (q[:, i, :, None] * state).sum(1))
+    eager_o, eager_s = rel_err(torch.stack(outs, 1), ro), rel_err(state, rs)
+    assert rel_err(o, ro) < 3 * eager_o + 1e-6 and rel_err(s, rs) < 3 * eager_s + 1e-7, (
+        rel_err(o, ro), eager_o, rel_err(s, rs), eager_s)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scalar_gate", [False, True])
 def test_gpu_bf16_gva_scalar_gate(scalar_gate):
@@ -368,7 +493,8 @@ def _problems(draw):
                 "GRAM_STEPS": draw(st.sampled_from([1, 2, 8])), "REDUCE_OVER": draw(st.sampled_from([1, 128, 1 << 20])),
                 "BLOCK_VS": draw(st.sampled_from([16, 32])), "BLOCK_K": draw(st.sampled_from([16, 32])),
                 "BLOCK_V": draw(st.sampled_from([16, 32])), "V_TILES": draw(st.sampled_from([1, 3])),
-                "STATE_DOT": draw(st.booleans())},
+                "STATE_DOT": draw(st.booleans()), "FUSED": draw(st.booleans()),
+                "BLOCK_KF": draw(st.sampled_from([16, 64])), "BLOCK_VF": draw(st.sampled_from([16, 32]))},
     )
 
 
