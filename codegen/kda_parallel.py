@@ -40,6 +40,18 @@ kernels evaluate the same WY form chunk by chunk):
    suffix sum ``G_T − G_t`` (default; few registers), or by one ``tl.dot`` (``STATE_DOT``), plus
    ``e^{G_T} S0``; stores float32 rows coalesced along V. The bandwidth-bound part.
 
+**One launch** (config ``FUSED``; only where the call allows it: ``T ≤ 16`` tokens, one ``[16, 16]``
+block, and no initial state; else the kernels above run): ``kda_parallel_fused_kernel``, grid
+``(⌈V / BLOCK_VF⌉, N)``, each program the whole forward of its ``BLOCK_VF`` value columns. It redoes
+the row's Gram matrices as two ``tl.dot`` per ``BLOCK_KF`` key channels, the decay split through
+token 0 as a reference, ``e^{G_r − G_s} = e^{H_r}·e^{−H_s}`` with ``H_t = Σ_{0<j≤t} g_j`` scanned as a
+float32 pair and each factor by a correctly rounded exp (``docs/math.md``, "One chunk in one
+launch": as precise as the pairwise form whatever ``|H|``; exact while ``|H| ≤`` :data:`EXACT_H`, a row
+past it recomputes its Gram matrices pairwise), inverts ``I + diag(β) A_kk`` by the product of
+Neumann factors (``_unit_lower_inverse``, six ``[16, 16]`` IEEE dots), forms ``Δ = Tm V`` and ``O``,
+and writes its columns of the final state ``[BLOCK_KF, BLOCK_VF]`` a step. No workspace, no
+second launch.
+
 Tried and not kept (H100, 2026-12-06, ``benchmarks/results/kda_parallel_one_launch.md``): all four
 kernels fused into one launch, each program summing the Gram matrices over all K itself (commit
 346eccc): 27.8 against 22.9 µs at 256×8192, T=8, and 2-9× slower at K ≥ 1024 or T ≥ 16 — every
