@@ -1136,6 +1136,12 @@ def proven(cond) -> bool:
     return bool(statically_known_true(cond))
 
 
+def same_sizes(a: Sequence, b: Sequence) -> bool:
+    """``a == b`` for two sequences of sizes that may hold SymInts: the same length and every pair
+    :func:`proven` equal (no guard; unproven counts as different)."""
+    return len(a) == len(b) and all(x is y or proven(x == y) for x, y in zip(a, b))
+
+
 def at_most(size, limit: int) -> bool:
     """Whether ``size <= limit`` holds for every value ``size`` takes in the graph being traced.
 

@@ -161,11 +161,11 @@ def _symbolic_scalar(x: fx.Node) -> bool:
 def same_shape(a: Any, b: Any) -> bool:
     """``a == b`` for shapes that may hold SymInts (dynamic shapes): equal only when provably so,
     without adding guards."""
-    if a is None or b is None or len(a) != len(b):
+    if a is None or b is None:
         return False
     from ..codegen import launch
 
-    return all(x is y or launch.proven(x == y) for x, y in zip(a, b))
+    return launch.same_sizes(a, b)
 
 
 def _nn(roles: tuple) -> tuple:

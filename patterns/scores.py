@@ -318,9 +318,7 @@ def within(x: Any, lo: int, hi: int) -> bool:
 def _same_dims(a: tuple, b: tuple) -> bool:
     from ..codegen import launch
 
-    if len(a) != len(b):
-        return False
-    return all(launch.proven(x == y) for x, y in zip(a, b))
+    return launch.same_sizes(a, b)
 
 
 def analyze_scores(b: Bindings, ctx: MatchContext, tag: str = "", predicates: bool = False) -> Scores:

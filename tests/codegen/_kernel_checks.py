@@ -81,6 +81,21 @@ def kda_inputs(seed, nq, group, t, kd, vd, *, dtype=torch.float32, device=CPU, s
     return (*out, None if s0 is None else s0.to(device=device, dtype=dtype))
 
 
+def kda_eager_loop(q, k, v, g, beta, scale, dt):
+    """FLA's naive loop on [N, T, *] (one q/k row per value row): ``(o, final state)``, the state in
+    ``dt``, each step's slices upcast to ``dt`` (the eager loop a user writes, for error baselines)."""
+    n, t, kd = q.shape
+    s = torch.zeros(n, kd, v.shape[-1], dtype=dt, device=q.device)
+    o = torch.empty(n, t, v.shape[-1], dtype=dt, device=q.device)
+    for i in range(t):
+        q_t, k_t, v_t = q[:, i].to(dt), k[:, i].to(dt), v[:, i].to(dt)
+        s = s * g[:, i].to(dt).exp()[..., None]
+        v_hat = (k_t[..., None] * s).sum(-2)
+        s = s + (beta[:, i].to(dt)[:, None] * k_t)[..., None] * (v_t - v_hat)[:, None, :]
+        o[:, i] = (q_t[..., None] * s).sum(-2) * scale
+    return o, s
+
+
 def kda_strided_views(seed, t, h, hv, kd, vd):
     """Fresh inputs in FLA's ``[B, T, H, *]`` layout viewed as ``[H, T, *]`` (B = 1: views, no
     copy): keys with a channel stride of 2, beta ``[T, N]`` transposed, h0 ``[N, V, K]``

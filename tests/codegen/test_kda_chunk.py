@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import sympy
 from _kernel_checks import check_kda_bad_out, check_kda_lead_forward, check_kda_out, check_kda_out_no_tokens, compiled_keys
-from _kernel_checks import rel_err
+from _kernel_checks import kda_eager_loop, rel_err
 import torch
 import torch.nn.functional as F
 
@@ -393,20 +393,6 @@ def _mild_or_softplus(gen, shape, gate):
     return F.logsigmoid(x + 4.0) if gate == "mild" else -F.softplus(x)
 
 
-def _eager_loop(q, k, v, g, beta, scale, dt):
-    """FLA's naive loop on [N, T, *]: the state in ``dt``, each step's slices upcast to ``dt``."""
-    n, t, kd = q.shape
-    s = torch.zeros(n, kd, v.shape[-1], dtype=dt, device=q.device)
-    o = torch.empty(n, t, v.shape[-1], dtype=dt, device=q.device)
-    for i in range(t):
-        q_t, k_t, v_t = q[:, i].to(dt), k[:, i].to(dt), v[:, i].to(dt)
-        s = s * g[:, i].to(dt).exp()[..., None]
-        v_hat = (k_t[..., None] * s).sum(-2)
-        s = s + (beta[:, i].to(dt)[:, None] * k_t)[..., None] * (v_t - v_hat)[:, None, :]
-        o[:, i] = (q_t[..., None] * s).sum(-2) * scale
-    return o, s
-
-
 def _half_inputs_against_eager(dtype, t, gate, device, seed=0, n=4, kd=64, vd=64, out_dtype=None, output_precision=None):
     """(fused o error, eager o error, fused state error, eager state error) against float64, the
     inputs in ``dtype`` (exact in it), the eager loop in float32 with its o rounded to o's dtype
@@ -423,8 +409,8 @@ def _half_inputs_against_eager(dtype, t, gate, device, seed=0, n=4, kd=64, vd=64
     with launch.poison_outputs():
         o, s = kda_chunk.forward(q, k, v, g, beta, scale=scale, output_final_state=True, out_dtype=out_dtype,
                                  output_precision=output_precision)
-    eo, es = _eager_loop(q, k, v, g, beta, scale, torch.float32)
-    wo, ws = _eager_loop(q, k, v, g, beta, scale, torch.float64)
+    eo, es = kda_eager_loop(q, k, v, g, beta, scale, torch.float32)
+    wo, ws = kda_eager_loop(q, k, v, g, beta, scale, torch.float64)
     assert o.dtype == out_dtype and s.dtype == torch.float32
     return rel_err(o, wo), rel_err(eo.to(out_dtype), wo), rel_err(s, ws), rel_err(es, ws)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from _kernel_checks import CPU, check_kda_bad_out, check_kda_forward, check_kda_lead_forward, check_kda_out, compiled_keys
 from _kernel_checks import check_kda_out_no_tokens
-from _kernel_checks import kda_strided_views, rel_err
+from _kernel_checks import kda_eager_loop, kda_strided_views, rel_err
 from _kernel_checks import KDA_TOL as TOL
 from _kernel_checks import kda_inputs as _inputs
 from _kernel_checks import kda_reference_rows as _reference
@@ -423,13 +423,8 @@ def test_gpu_fused_gates_near_exact_h_match_the_eager_loop():
     assert g[:, 1:].sum(1).abs().max() < kp.EXACT_H
     o, s = _check(q, k, v, g, beta, None, scale=kd ** -0.5, config={"FUSED": True})
     ro, rs = _reference(q, k, v, g, beta, kd ** -0.5, None, False)
-    state = torch.zeros(2, kd, vd, device=GPU)
-    outs = []
-    for i in range(t):
-        state = state * g[:, i].exp()[..., None]
-        state = state + beta[:, i, None, None] * k[:, i, :, None] * (v[:, i] - (k[:, i, :, None] * state).sum(1))[:, None]
-        outs.append(kd ** -0.5 * (q[:, i, :, None] * state).sum(1))
-    eager_o, eager_s = rel_err(torch.stack(outs, 1), ro), rel_err(state, rs)
+    eager_o, eager_s = (rel_err(x, ref) for x, ref in zip(kda_eager_loop(q, k, v, g, beta, kd ** -0.5, torch.float32),
+                                                            (ro, rs)))
     assert rel_err(o, ro) < 3 * eager_o + 1e-6 and rel_err(s, rs) < 3 * eager_s + 1e-7, (
         rel_err(o, ro), eager_o, rel_err(s, rs), eager_s)
 
