@@ -237,9 +237,9 @@ def test_fused_float16_and_scalar_gate(t):
     _check(q, k, v, g, beta, None, scalar_gate=True, config=FUSED)
 
 
-@pytest.mark.parametrize("gate", ["mild", "strong", "past_exact_h"])
+@pytest.mark.parametrize("gate", ["mild", "strong", "past_exact_h", "positive"])
 def test_fused_raw_keys_and_strong_decay(gate):
-    # raw keys (|o| grows); gates near -30 (|H| far past EXACT_H: the row's Gram matrices are
+    # raw keys (|o| grows); slightly positive gates; gates near -30 (|H| far past EXACT_H: the row's Gram matrices are
     # recomputed pairwise), or every gate -EXACT_H / 9.5 (|H| just past EXACT_H at T = 11, just
     # below at T = 10: both paths on one boundary)
     for t in (10, 11):
@@ -247,6 +247,8 @@ def test_fused_raw_keys_and_strong_decay(gate):
         if gate == "past_exact_h":
             g = torch.full_like(g, -kp.EXACT_H / 9.5)
             assert (g[:, 1:].sum(1).abs().max() > kp.EXACT_H) == (t == 11)
+        if gate == "positive":  # slightly positive gates (a growing state): e^{H} > 1, e^{-H} < 1
+            g = g.abs() * 0.1
         _check(q, k, v, g, beta, None, config=FUSED)
 
 
