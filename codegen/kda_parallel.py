@@ -287,11 +287,15 @@ def _short_config(base: dict, k_pad: int, v_pad: int, n_rows: Optional[int], tg:
       steps were slower (57.5 → 61.6) and the default four 55.9: kept there.
 
     Longer sequences (``TG`` > 16: the Gram tile grows as ``TG²`` a channel) and 1024 < K < 8192
-    keep ``base`` (NOT MEASURED with these rows)."""
-    if tg > 16 or n_rows is None:
+    keep ``base`` (NOT MEASURED with these rows). With ``n_rows`` None (unknown: a symbolic batch)
+    the choices made from N keep ``base``'s values (BLOCK_VS as :func:`_pick_block_vs` gives it
+    without N, one value tile a state program)."""
+    if tg > 16:
         return None
     if k_pad <= 512:
         out = dict(base, GRAM_STEPS=1)
+        if n_rows is None:
+            return out
         if n_rows * launch.cdiv(v_pad, 64) >= _WANT_PROGRAMS // 2:
             out["BLOCK_VS"] = max(out["BLOCK_VS"], 64)
         state_programs = launch.cdiv(k_pad, out["BLOCK_K"]) * launch.cdiv(launch.cdiv(v_pad, out["BLOCK_V"]), 4)
@@ -449,6 +453,15 @@ def _cached_plan(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final
 def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bool, config: Optional[dict]) -> dict:
     """The checked config's launch plan (:func:`choose_config`, :func:`_plan`), cached per sizes and
     config: a call with the same shapes spends no Python time on tables."""
+    if not isinstance(n, int):
+        # a symbolic row count (dynamic shapes, traced for Inductor): the config from K, V and T
+        # alone, the workspaces sized by expressions in N; no branch on N (the h0 projection's key
+        # split is chosen from N: its calls keep the opaque op, patterns/kda_ops._symbolic_forward)
+        if has_h0:
+            raise ValueError("the parallel KDA kernels with an initial state choose their key split from the "
+                             "row count, which must be an int (not a symbolic size)")
+        base = _candidates(dev, kd, vd, None, t)[0]
+        return _plan(_normalise({**base, **dict(config or {})}), n, t, kd, vd, has_h0, final)
     items = tuple(sorted((config or {}).items()))
     try:
         return _cached_plan(dev, kd, vd, n, t, has_h0, final, items)

@@ -231,11 +231,16 @@ def _symbolic_forward(args, kwargs) -> Optional[str]:
     """The ``symbolic`` rule (``launch.fused_op``) of :func:`kda` and :func:`kda_save`: the chunk
     plan's body and the recurrent kernel, with symbolic lead dims (:func:`_symbolic_sizes`; their
     configs depend on K, V and the dtype; the recurrent table orders its candidates by the row
-    count only when that is an int). The parallel plan chooses its blocks and splits from N, V
-    and T, and keeps the opaque op. Both checked by tests/patterns/test_inline_ops.py (no guard
-    while traced)."""
-    q, v, time_dims, t0, steps, plan = args[0], args[2], args[6], args[7], args[8], _parsed_plan(args[15])["plan"]
-    if plan not in ("chunk", "recurrent"):
+    count only when that is an int), and the parallel plan without an initial state (its config
+    from K, V and T; with a symbolic N, the table's choices made from N keep their general values,
+    ``codegen/kda_parallel._short_config``). With an initial state the parallel plan chooses the
+    h0 projection's key split from N and keeps the opaque op. All checked by
+    tests/patterns/test_inline_ops.py (no guard while traced)."""
+    q, v, h0, time_dims, t0, steps = args[0], args[2], args[5], args[6], args[7], args[8]
+    plan = _parsed_plan(args[15])["plan"]
+    if plan == "parallel" and h0 is not None:
+        return "plan parallel with an initial state chooses its key split from the row count"
+    if plan not in ("chunk", "recurrent", "parallel"):
         return f"plan {plan} chooses its kernels from the sizes"
     return _symbolic_sizes(q, v, time_dims, t0, steps)
 

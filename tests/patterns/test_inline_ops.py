@@ -484,18 +484,56 @@ def test_attention_choices_sized_from_symbolic_sizes_stay_opaque(why):
     assert not env.replacements, env.replacements
 
 
-@pytest.mark.parametrize("plan", ["plan=parallel"])
-def test_kda_plans_that_choose_kernels_from_sizes_stay_opaque_with_symbolic_sizes(plan):
-    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(40, 2, 32, 48))
-    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta), KDA_SYM_DIMS)
-    rest = (None, [1, 1, 1, 1, 1], 0, 40, 32 ** -0.5, False, 1, torch.bfloat16, True, torch.float32,
-            plan)
+def test_kda_parallel_with_an_initial_state_stays_opaque_with_symbolic_sizes():
+    # the h0 projection's key split is chosen from the row count: a symbolic batch keeps the opaque op
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(8, 2, 32, 48))
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, torch.empty(3, 2, 32, 48)), KDA_SYM_DIMS)
+    rest = ([1, 1, 1, 1, 1], 0, 8, 32 ** -0.5, False, 1, torch.bfloat16, True, torch.float32, "plan=parallel")
     with mode:
         gm = make_fx(dispatch_functionalize(lambda *xs: torch.ops.fuser.kda(*xs, *rest)),
                      tracing_mode="symbolic")(*fakes)
     assert "fuser.kda.default" in _targets(gm)
     assert launch.stays_opaque((*fakes, *rest), {}, "fuser::kda") == "symbolic sizes"
     assert launch.stays_opaque((*fakes, *rest), {}, "fuser::an_op_without_a_rule") == "symbolic sizes"
+
+
+@pytest.mark.parametrize("t,k,v", [(8, 32, 48), (16, 256, 1000), (40, 32, 48), (8, 8192, 64)],
+                         ids=["short", "short_wide", "long", "short_large_k"])
+@pytest.mark.parametrize("want_state", [False, True], ids=["output_only", "final_state"])
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state, scalar_gate, fused, monkeypatch):
+    # a batch that changed between calls (serving short sequences): the parallel plan's config
+    # comes from K, V and T (the table's choices made from N keep their general values), its
+    # workspaces are sized by expressions in N; the one-launch kernel (FUSED) as well
+    from fuser.codegen import kda_parallel as kp
+
+    if fused:
+        short = kp._short_config
+        monkeypatch.setattr(kp, "_short_config", lambda base, *a: dict(short(base, *a) or base, FUSED=True))
+    kp._candidates.cache_clear()
+    try:
+        q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
+        env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta), KDA_SYM_DIMS)
+        rest = (None, [1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
+                "plan=parallel")
+
+        def fwd(q, k, v, g, beta):
+            return torch.ops.fuser.kda(q, k, v, g, beta, *rest)
+
+        gm = _check_inlined_symbolic(fwd, fakes, env, mode)
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        kernels = {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
+                   if "triton_kernel_wrapper" in str(n.target)}
+        if fused and t <= 16:
+            assert kernels == {"kda_parallel_fused_kernel"}, kernels
+        else:
+            assert {"kda_parallel_prep_kernel", "kda_parallel_solve_kernel"} <= kernels, kernels
+            assert ("kda_parallel_state_kernel" in kernels) == want_state, kernels
+            assert "kda_parallel_fused_kernel" not in kernels, kernels
+    finally:
+        kp._candidates.cache_clear()
 
 
 def test_kda_with_a_symbolic_length_stays_opaque():

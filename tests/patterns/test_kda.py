@@ -621,6 +621,40 @@ def test_a_dynamic_batch_keeps_the_kernels_inlined_on_gpu(save):
     assert "def kda_chunk_prep_kernel" in kernels and any(k.startswith("def kda_bwd_") for k in kernels), kernels
 
 
+@pytest.mark.gpu
+def test_a_dynamic_batch_keeps_the_parallel_plan_inlined_on_gpu():
+    """Serving short sequences (T=8, no initial state, under no_grad) whose batch changes: the
+    second batch size recompiles with a symbolic batch and the parallel plan's kernels are still
+    launched by Inductor (its config from K, V and T, ``codegen/kda_parallel._resolve``); that one
+    graph serves every later batch size, each equal to eager."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    import fuser
+
+    torch._dynamo.reset()
+    compiled = torch.compile(scalar_gate_loop, backend="fuser", options={"fuser.plan": "kda.plan=parallel"})
+    base = [x.cuda() for x in _inputs("bthk", t=8, k=64, v=200, scalar_gate=True)]
+    codes_at = {}
+    with fuser.report.collecting() as rep, torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        for b in (2, 3, 5, 4):
+            xs = [x[:1].expand(b, *x.shape[1:]).contiguous() for x in base]
+            xs[2] = xs[2] + torch.arange(b, device="cuda").view(b, 1, 1, 1)
+            codes = []
+            with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+                got = compiled(*xs)
+            codes_at[b] = "\n".join(codes)
+            for a, w in zip(got, scalar_gate_loop(*xs)):
+                _close(a, w, 2e-3)
+    assert [m.plan.params["plan"] for m in rep.matches if m.pattern == "kda" and m.fused] == ["parallel", "parallel"]
+    assert codes_at[5] == "" and codes_at[4] == "", "a later batch size recompiled"
+    code = codes_at[3]  # the graph with the symbolic batch
+    opaque = [line.strip() for line in code.splitlines() if "torch.ops.fuser" in line]
+    assert not opaque, opaque[:4]
+    assert "def kda_parallel_" in code
+
+
 def test_kda_layer_example():
     # the example a user copies: a naive KDA layer, one training step with backend="fuser", every
     # gradient compared with eager by the example itself
