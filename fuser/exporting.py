@@ -94,7 +94,8 @@ def _check_inlinable(gm: torch.fx.GraphModule) -> None:
                    f"{'/'.join(sorted(launch.INLINE_DEVICE_TYPES))} tensors become kernels in an AOTInductor "
                    f"package (on the CPU they need Python and Triton's interpreter). Export on CUDA tensors"),
         "symbolic sizes": ("has symbolic sizes (dynamic_shapes) its kernels or launch configs are chosen from "
-                           "(only KDA's chunk plan serves a symbolic batch and heads, with static length, K and V, "
+                           "(KDA's chunk and recurrent plans, and its parallel plan without an initial state, serve a "
+                           "symbolic batch and heads, with static length, K and V, "
                            f"and a batch bounded so that batch × value heads ≤ {launch.MAX_GRID_ROWS}, one "
                            "launch grid's rows: Dim(..., max=...)); export without dynamic_shapes, one package "
                            "per shape"),
