@@ -41,7 +41,7 @@ kernels evaluate the same WY form chunk by chunk):
    ``e^{G_T} S0``; stores float32 rows coalesced along V. The bandwidth-bound part.
 
 **One launch** (config ``FUSED``; only where the call allows it: ``T ≤ 16`` tokens, one ``[16, 16]``
-block, and no initial state; else the kernels above run): ``kda_parallel_fused_kernel``, grid
+block; else the kernels above run): ``kda_parallel_fused_kernel``, grid
 ``(⌈V / BLOCK_VF⌉, N)``, each program the whole forward of its ``BLOCK_VF`` value columns. It redoes
 the row's Gram matrices as two ``tl.dot`` per ``BLOCK_KF`` key channels, the decay split through
 token 0 as a reference, ``e^{G_r − G_s} = e^{H_r}·e^{−H_s}`` with ``H_t = Σ_{0<j≤t} g_j`` scanned as a
@@ -49,8 +49,11 @@ float32 pair and each factor by a correctly rounded exp (``docs/math.md``, "One 
 launch": as precise as the pairwise form whatever ``|H|``; exact while ``|H| ≤`` :data:`EXACT_H`, a row
 past it recomputes its Gram matrices pairwise), inverts ``I + diag(β) A_kk`` by the product of
 Neumann factors (``_unit_lower_inverse``, six ``[16, 16]`` IEEE dots), forms ``Δ = Tm V`` and ``O``,
-and writes its columns of the final state ``[BLOCK_KF, BLOCK_VF]`` a step. No workspace, no
-second launch.
+and writes its columns of the final state ``[BLOCK_KF, BLOCK_VF]`` a step. With ``h0`` the same key
+loop projects the program's columns of ``S0`` (``P_k``, ``P_q``: ``[16, BLOCK_VF]``, two more
+``tl.dot`` a key block; ``Δ = Tm (V − P_k)``, ``O = scale·(P_q + A_qk Δ)``) and the state loop adds
+``e^{G_T} S0`` (each ``S0`` column block read by its own program: no key split to choose, so a
+symbolic batch is served as well, :func:`serves_symbolic_rows`). No workspace, no second launch.
 
 Tried and not kept (H100, 2026-12-06, ``benchmarks/results/kda_parallel_one_launch.md``): all four
 kernels fused into one launch, each program summing the Gram matrices over all K itself (commit
@@ -81,7 +84,7 @@ from .kda_recurrent import check_inputs, finish_out, inputs_rows, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "candidate_configs", "choose_config", "hbm_bytes", "workspace_elements",
+    "forward", "kernel", "kernels_for", "serves_symbolic_rows", "candidate_configs", "choose_config", "hbm_bytes", "workspace_elements",
     "MAX_T", "TEMPLATE",
 ]
 
@@ -379,7 +382,11 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
     plan["SPLIT_BR"] = max(2, min(launch.next_power_of_2(split_g), 8192 // plan["BLOCK_R"]))
     plan["APART"] = n * split_g * 2 * tg * tg
     plan["PPART"] = 0
-    if has_h0:
+    # the fused kernel where the call allows it (T <= 16: one [16, 16] block): no workspace; its
+    # pairwise fallback takes [16, 16, BLOCK_KG_F] tiles of GRAM_TILE elements
+    plan["FUSED"] = bool(cfg["FUSED"]) and t_pad == 16
+    plan["BLOCK_KG_F"] = max(1, min(cfg["GRAM_TILE"] // 256, launch.next_power_of_2(kd)))
+    if has_h0 and not plan["FUSED"]:
         bkp, bvp = cfg["BLOCK_KP"], cfg["BLOCK_VP"]
         nvb = launch.cdiv(vd, bvp)
         split_p = max(1, min(launch.cdiv(_WANT_PROGRAMS, max(1, n * nvb)), launch.cdiv(kd, bkp)))
@@ -389,10 +396,6 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
                     SPLIT_BP=max(2, min(launch.next_power_of_2(split_p), 2048 // (t_pad * cfg["BLOCK_VS"]))))
         plan["PPART"] = n * split_p * 2 * t_pad * vd
     plan["DELTA"] = n * t * vd if final else 0
-    # the fused kernel where the call allows it (T <= 16: one [16, 16] block; no h0): no workspace;
-    # its pairwise fallback takes [16, 16, BLOCK_KG_F] tiles of GRAM_TILE elements
-    plan["FUSED"] = bool(cfg["FUSED"]) and t_pad == 16 and not has_h0
-    plan["BLOCK_KG_F"] = max(1, min(cfg["GRAM_TILE"] // 256, launch.next_power_of_2(kd)))
     if plan["FUSED"]:
         plan["APART"] = plan["DELTA"] = 0
     plan["WORK"] = plan["APART"] + plan["PPART"] + plan["DELTA"]
@@ -455,19 +458,31 @@ def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bo
     config: a call with the same shapes spends no Python time on tables."""
     if not isinstance(n, int):
         # a symbolic row count (dynamic shapes, traced for Inductor): the config from K, V and T
-        # alone, the workspaces sized by expressions in N; no branch on N (the h0 projection's key
-        # split is chosen from N: its calls keep the opaque op, patterns/kda_ops._symbolic_forward)
-        if has_h0:
-            raise ValueError("the parallel KDA kernels with an initial state choose their key split from the "
+        # alone, the workspaces sized by expressions in N; no branch on N (the split kernels'
+        # h0 projection chooses its key split from N: those calls keep the opaque op,
+        # patterns/kda_ops._symbolic_forward through serves_symbolic_rows)
+        cfg = _normalise({**_candidates(dev, kd, vd, None, t)[0], **dict(config or {})})
+        if has_h0 and not _plan(cfg, 1, t, kd, vd, False, final)["FUSED"]:
+            raise ValueError("the split parallel KDA kernels with an initial state choose their key split from the "
                              "row count, which must be an int (not a symbolic size)")
-        base = _candidates(dev, kd, vd, None, t)[0]
-        return _plan(_normalise({**base, **dict(config or {})}), n, t, kd, vd, has_h0, final)
+        return _plan(cfg, n, t, kd, vd, has_h0, final)
     items = tuple(sorted((config or {}).items()))
     try:
         return _cached_plan(dev, kd, vd, n, t, has_h0, final, items)
     except TypeError:  # an unhashable config value: not cached (and checked by _normalise)
         base = _candidates(dev, kd, vd, n, t)[0]
         return _plan(_normalise({**base, **dict(config or {})}), n, t, kd, vd, has_h0, final)
+
+
+def serves_symbolic_rows(*, k_dim: int, v_dim: int, t_len: int, device, initial_state: bool) -> bool:
+    """Whether :func:`forward`'s default kernels for these sizes serve a symbolic row count N
+    (dynamic shapes: traced once for every batch size) without choosing anything from N: always
+    without an initial state, and with one where the call runs the one-launch kernel (the split
+    kernels' h0 projection chooses its key split from N)."""
+    if not initial_state:
+        return True
+    cfg = _candidates(launch.device_kind(device), k_dim, v_dim, None, t_len)[0]
+    return _plan(cfg, 1, t_len, k_dim, v_dim, False, False)["FUSED"]
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):
@@ -486,7 +501,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             config: Optional[dict] = None,
             out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """KDA forward of a short sequence (at most :data:`MAX_T` tokens) as one chunk of the WY form
-    (module docstring): 2 to 4 kernel launches, no pass over the tokens through the state.
+    (module docstring): 1 to 4 kernel launches, no pass over the tokens through the state.
 
     Args:
         q, k: ``[NQ, T, K]``. v: ``[N, T, V]``, ``N = NQ · group``: value row n reads q/k row

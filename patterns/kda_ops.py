@@ -233,13 +233,19 @@ def _symbolic_forward(args, kwargs) -> Optional[str]:
     configs depend on K, V and the dtype; the recurrent table orders its candidates by the row
     count only when that is an int), and the parallel plan without an initial state (its config
     from K, V and T; with a symbolic N, the table's choices made from N keep their general values,
-    ``codegen/kda_parallel._short_config``). With an initial state the parallel plan chooses the
-    h0 projection's key split from N and keeps the opaque op. All checked by
+    ``codegen/kda_parallel._short_config``). With an initial state the parallel plan's split
+    kernels choose the h0 projection's key split from N and keep the opaque op
+    (``kda_parallel.serves_symbolic_rows``: the one-launch kernel does not). All checked by
     tests/patterns/test_inline_ops.py (no guard while traced)."""
     q, v, h0, time_dims, t0, steps = args[0], args[2], args[5], args[6], args[7], args[8]
     plan = _parsed_plan(args[15])["plan"]
-    if plan == "parallel" and h0 is not None:
-        return "plan parallel with an initial state chooses its key split from the row count"
+    if plan == "parallel" and h0 is not None and isinstance(steps, int) and all(
+            isinstance(d, int) for d in (q.shape[-1], v.shape[-1])):
+        from ..codegen import kda_parallel
+
+        if not kda_parallel.serves_symbolic_rows(k_dim=q.shape[-1], v_dim=v.shape[-1], t_len=steps,
+                                                 device=q.device, initial_state=True):
+            return "plan parallel with an initial state chooses its key split from the row count"
     if plan not in ("chunk", "recurrent", "parallel"):
         return f"plan {plan} chooses its kernels from the sizes"
     return _symbolic_sizes(q, v, time_dims, t0, steps)

@@ -29,7 +29,7 @@ FEW_SPLITS = {"GRAM_STEPS": 64}                        # one Gram program per ro
 TILES = {"V_TILES": 3, "BLOCK_V": 16}                  # three value tiles per state program (ragged: V=40)
 DOT_TILES = {"STATE_DOT": True, "V_TILES": 2, "BLOCK_V": 16}
 DK = {"GRAM_DK": True}                                 # the Gram tiles channel-major
-FUSED = {"FUSED": True, "BLOCK_KF": 16, "BLOCK_VF": 16}  # one launch (T <= 16, no h0); ragged key blocks
+FUSED = {"FUSED": True, "BLOCK_KF": 16, "BLOCK_VF": 16}  # one launch (T <= 16); ragged key blocks
 
 
 def _check(*args, **kwargs):
@@ -147,7 +147,7 @@ def test_kernels_for():
     for fn in ("kda_parallel_prep_kernel", "kda_parallel_reduce_kernel", "kda_parallel_solve_kernel",
                "kda_parallel_state_kernel", "launch_kda_parallel"):
         assert f"def {fn}(" in source
-    assert "def kda_parallel_fused_kernel(" not in source  # with h0: the split kernels only
+    assert "def kda_parallel_fused_kernel(" in source  # with h0 as well
     assert "def kda_parallel_fused_kernel(" in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32, device=CPU,
                                                                 output_final_state=True)[0].source
     assert "def kda_parallel_state_kernel(" not in kp.kernels_for(k_dim=24, v_dim=40, dtype=torch.float32,
@@ -219,22 +219,26 @@ def _fused(kd, vd, n, t, h0=False, config=FUSED):
 
 
 @pytest.mark.parametrize("t,kd,vd", [(1, 24, 70), (5, 24, 40), (8, 300, 70), (16, 40, 20)])
-def test_fused_matches_reference(t, kd, vd):
+@pytest.mark.parametrize("h0", [False, True], ids=["zeros", "h0"])
+def test_fused_matches_reference(t, kd, vd, h0):
     # grouped value heads; K = 300 and 40: ragged key blocks of 16; V = 70, 20: ragged value blocks;
-    # T = 16: the whole [16, 16] block
-    assert _fused(kd, vd, 2, t)
-    q, k, v, g, beta, _ = _inputs(50 + t, 1, 2, t, kd, vd)
-    o_on, _ = _check(q, k, v, g, beta, None, config=FUSED)
-    o_off, _ = _check(q, k, v, g, beta, None, final=False, config=FUSED)  # no state loop: the same o
+    # T = 16: the whole [16, 16] block; with h0 its projections in the Gram loop and e^{G_T} S0 in
+    # the state loop
+    assert _fused(kd, vd, 2, t, h0=h0)
+    q, k, v, g, beta, s0 = _inputs(50 + t, 1, 2, t, kd, vd, h0=h0)
+    o_on, _ = _check(q, k, v, g, beta, s0, config=FUSED)
+    o_off, _ = _check(q, k, v, g, beta, s0, final=False, config=FUSED)  # no state loop: the same o
     assert torch.equal(o_on, o_off)
 
 
 @pytest.mark.parametrize("t", [8, 16])
 def test_fused_float16_and_scalar_gate(t):
-    q, k, v, g, beta, _ = _inputs(60 + t, 2, 2, t, 24, 40, dtype=torch.float16)
+    q, k, v, g, beta, h0 = _inputs(60 + t, 2, 2, t, 24, 40, dtype=torch.float16, h0=True)
     _check(q, k, v, g, beta, None, config=FUSED)
-    q, k, v, g, beta, _ = _inputs(61 + t, 2, 1, t, 24, 40, scalar_gate=True)
+    _check(q, k, v, g, beta, h0, config=FUSED)  # a float16 initial state
+    q, k, v, g, beta, h0 = _inputs(61 + t, 2, 1, t, 24, 40, scalar_gate=True, h0=True)
     _check(q, k, v, g, beta, None, scalar_gate=True, config=FUSED)
+    _check(q, k, v, g, beta, h0, scalar_gate=True, config=FUSED)
 
 
 @pytest.mark.parametrize("gate", ["mild", "strong", "past_exact_h", "positive"])
@@ -243,28 +247,30 @@ def test_fused_raw_keys_and_strong_decay(gate):
     # recomputed pairwise), or every gate -EXACT_H / 9.5 (|H| just past EXACT_H at T = 11, just
     # below at T = 10: both paths on one boundary)
     for t in (10, 11):
-        q, k, v, g, beta, _ = _inputs(70 + t, 1, 2, t, 24, 40, l2=False, strong_decay=gate == "strong")
+        q, k, v, g, beta, h0 = _inputs(70 + t, 1, 2, t, 24, 40, l2=False, strong_decay=gate == "strong", h0=True)
         if gate == "past_exact_h":
             g = torch.full_like(g, -kp.EXACT_H / 9.5)
             assert (g[:, 1:].sum(1).abs().max() > kp.EXACT_H) == (t == 11)
         if gate == "positive":  # slightly positive gates (a growing state): e^{H} > 1, e^{-H} < 1
             g = g.abs() * 0.1
-        _check(q, k, v, g, beta, None, config=FUSED)
+        _check(q, k, v, g, beta, None if t == 10 else h0, config=FUSED)
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
 def test_fused_gates_are_floored_and_nan_stays_nan(scalar):
     from fuser.codegen.kda_chunk import GATE_FLOOR
 
-    q, k, v, g, beta, _ = _inputs(80, 2, 1, 15, 24, 20, scalar_gate=scalar)
-    g[:, 4] = float("-inf")
-    g[:, 9] = -1e30
-    g[0, 12] = -250.0
-    with launch.poison_outputs():
-        o, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True, scalar_gate=scalar, config=FUSED)
-    ro, rs = _reference(q, k, v, g.clamp_min(GATE_FLOOR), beta, 0.5, None, scalar)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
+    for with_h0 in (False, True):
+        q, k, v, g, beta, h0 = _inputs(80, 2, 1, 15, 24, 20, scalar_gate=scalar, h0=with_h0)
+        g[:, 4] = float("-inf")
+        g[:, 9] = -1e30
+        g[0, 12] = -250.0
+        with launch.poison_outputs():
+            o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
+                              scalar_gate=scalar, config=FUSED)
+        ro, rs = _reference(q, k, v, g.clamp_min(GATE_FLOOR), beta, 0.5, h0, scalar)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
     # a NaN gate: its row NaN from that token on (one block: maybe before it too), the other row exact
     q, k, v, g, beta, _ = _inputs(81, 2, 1, 15, 24, 20)
     g[1, 11, 3] = float("nan")
@@ -275,14 +281,15 @@ def test_fused_gates_are_floored_and_nan_stays_nan(scalar):
 
 
 def test_fused_only_where_the_call_allows_it():
-    # FUSED asks for one launch; with h0 or past 16 tokens the split kernels run (and are exact)
-    assert _fused(24, 40, 2, 16) and not _fused(24, 40, 2, 17) and not _fused(24, 40, 2, 8, h0=True)
+    # FUSED asks for one launch; past 16 tokens the split kernels run (and are exact)
+    assert _fused(24, 40, 2, 16) and not _fused(24, 40, 2, 17) and _fused(24, 40, 2, 8, h0=True)
     assert not _fused(24, 40, 2, 8, config={})
-    plan = kp._plan(kp._normalise({**kp._cfg(), **FUSED}), 2, 8, 24, 40, False, True)
-    assert plan["WORK"] == 0  # no workspace
+    for h0 in (False, True):
+        plan = kp._plan(kp._normalise({**kp._cfg(), **FUSED}), 2, 8, 24, 40, h0, True)
+        assert plan["WORK"] == 0  # no workspace
     q, k, v, g, beta, h0 = _inputs(82, 1, 2, 20, 24, 40, h0=True)
     _check(q, k, v, g, beta, None, config=FUSED)
-    _check(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], h0, config=FUSED)
+    _check(q, k, v, g, beta, h0, config=FUSED)
 
 
 def _bad(**change):
@@ -399,20 +406,20 @@ GPU_FUSED = [{"FUSED": True, "BLOCK_KF": kf, "BLOCK_VF": vf, "WARPS_FUSED": w}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GPU_FUSED, ids=["kf64_vf64", "kf32_vf128", "kf128_vf32_w8", "kf16_vf16_w2"])
-@pytest.mark.parametrize("gates", ["mild", "strong", "past_exact_h", "scalar", "bf16"])
+@pytest.mark.parametrize("gates", ["mild", "strong", "past_exact_h", "scalar", "bf16", "h0"])
 @pytest.mark.parametrize("t", [1, 8, 16])
 def test_gpu_fused(config, gates, t):
     # the one-launch kernel compiled: libdevice's exp on the factors, the double-float scan, the
-    # pairwise fallback past EXACT_H; K = 300, V = 200 ragged in every block size
+    # pairwise fallback past EXACT_H, an initial state; K = 300, V = 200 ragged in every block size
     dtype = torch.bfloat16 if gates == "bf16" else torch.float32
-    q, k, v, g, beta, _ = _inputs(16 + t, 4, 2, t, 300, 200, device=GPU, dtype=dtype, strong_decay=gates == "strong",
-                                  scalar_gate=gates == "scalar")
+    q, k, v, g, beta, h0 = _inputs(16 + t, 4, 2, t, 300, 200, device=GPU, dtype=dtype, strong_decay=gates == "strong",
+                                   scalar_gate=gates == "scalar", h0=gates == "h0")
     if gates == "past_exact_h":
         g = torch.full_like(g, -kp.EXACT_H / max(1, t - 1) * 1.01)
     if dtype == torch.bfloat16:
         g = g.float()
-    _check(q, k, v, g, beta, None, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar")
-    _check(q, k, v, g, beta, None, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar", final=False)
+    _check(q, k, v, g, beta, h0, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar")
+    _check(q, k, v, g, beta, h0, scale=300 ** -0.5, config=config, scalar_gate=gates == "scalar", final=False)
 
 
 @pytest.mark.gpu

@@ -485,7 +485,8 @@ def test_attention_choices_sized_from_symbolic_sizes_stay_opaque(why):
 
 
 def test_kda_parallel_with_an_initial_state_stays_opaque_with_symbolic_sizes():
-    # the h0 projection's key split is chosen from the row count: a symbolic batch keeps the opaque op
+    # the split kernels' h0 projection chooses its key split from the row count: a symbolic batch
+    # keeps the opaque op (the one-launch kernel's does not: the next test)
     q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(8, 2, 32, 48))
     env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, torch.empty(3, 2, 32, 48)), KDA_SYM_DIMS)
     rest = ([1, 1, 1, 1, 1], 0, 8, 32 ** -0.5, False, 1, torch.bfloat16, True, torch.float32, "plan=parallel")
@@ -501,11 +502,13 @@ def test_kda_parallel_with_an_initial_state_stays_opaque_with_symbolic_sizes():
                          ids=["short", "short_wide", "long", "short_large_k"])
 @pytest.mark.parametrize("want_state", [False, True], ids=["output_only", "final_state"])
 @pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state, scalar_gate, fused, monkeypatch):
+@pytest.mark.parametrize("fused,h0", [(False, False), (True, False), (True, True)],
+                         ids=["split", "fused", "fused_h0"])
+def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state, scalar_gate, fused, h0, monkeypatch):
     # a batch that changed between calls (serving short sequences): the parallel plan's config
     # comes from K, V and T (the table's choices made from N keep their general values), its
-    # workspaces are sized by expressions in N; the one-launch kernel (FUSED) as well
+    # workspaces are sized by expressions in N; the one-launch kernel (FUSED) as well, with an
+    # initial state too (no key split to choose) where T <= 16 (past it: the split kernels, opaque)
     from fuser.codegen import kda_parallel as kp
 
     if fused:
@@ -514,12 +517,17 @@ def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state,
     kp._candidates.cache_clear()
     try:
         q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
-        env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta), KDA_SYM_DIMS)
-        rest = (None, [1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
+        state = torch.empty(3, 2, k, v) if h0 else None
+        env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state), KDA_SYM_DIMS)
+        rest = ([1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
                 "plan=parallel")
 
-        def fwd(q, k, v, g, beta):
-            return torch.ops.fuser.kda(q, k, v, g, beta, *rest)
+        def fwd(q, k, v, g, beta, h0):
+            return torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest)
+
+        if h0 and t > 16:
+            assert launch.stays_opaque((*fakes, *rest), {}, "fuser::kda") == "symbolic sizes"
+            return
 
         gm = _check_inlined_symbolic(fwd, fakes, env, mode)
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
