@@ -97,8 +97,9 @@ def smoke() -> None:
             raise SystemExit(f"{name} differs from the float64 reference: o {eo:.1e}, state {es:.1e}")
 
 
-def measure(shapes, names, budget_s: float) -> list[dict]:
-    """Device µs of the default and of every named config at every shape (until ``budget_s``)."""
+def measure(shapes, names, budget_s: float, h0: bool = False) -> list[dict]:
+    """Device µs of the default and of every named config at every shape (until ``budget_s``);
+    ``h0``: with a float32 initial state ``[N, K, V]`` (randn · 0.1)."""
     import torch
 
     from fuser.codegen import kda_parallel
@@ -111,12 +112,13 @@ def measure(shapes, names, budget_s: float) -> list[dict]:
             print(f"time budget of {budget_s:g} s reached", flush=True)
             break
         q, k, v, g, beta = inputs(n, t, kd, vd)
+        s0 = 0.1 * torch.randn(n, kd, vd, device=q.device) if h0 else None
         default = kda_parallel.choose_config(k_dim=kd, v_dim=vd, dtype=q.dtype, device=q.device, n_rows=n, t_len=t)
         row = {"N": n, "T": t, "K": kd, "V": vd, "default_cfg": default, "us": {}, "err": {}}
         ref = None
         for name in ["default", *names]:
             call = functools.partial(kda_parallel.forward, q, k, v, g, beta, scale=kd ** -0.5, output_final_state=True,
-                                     config=CONFIGS.get(name))
+                                     initial_state=s0, config=CONFIGS.get(name))
             try:
                 o, s = call()
                 if ref is None:
@@ -128,7 +130,7 @@ def measure(shapes, names, budget_s: float) -> list[dict]:
                 row["err"][name] = common.short_error(exc, 120)
         print(json.dumps({k: v for k, v in row.items() if k != "default_cfg"}), flush=True)
         rows.append(row)
-        del q, k, v, g, beta
+        del q, k, v, g, beta, s0
         torch.cuda.empty_cache()
     return rows
 
@@ -139,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", help="N,T,K,V shapes (default: SHAPES)")
     p.add_argument("--configs", nargs="+", help="names of CONFIGS to time (default: all)")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop measuring after this many seconds")
+    p.add_argument("--h0", action="store_true", help="with an initial state (float32 [N, K, V])")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "kda_parallel_configs.md")
     a = p.parse_args(argv)
     if a.smoke:
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
         p.error("timing needs a CUDA GPU (--smoke checks the configs on the CPU)")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     names = a.configs or list(CONFIGS)
-    rows = measure(shapes, names, a.budget_s)
+    rows = measure(shapes, names, a.budget_s, h0=a.h0)
     headers = ["N", "T", "K", "V", *[f"{n} µs" for n in ["default", *names]], "best", "default / best",
                "worst rel. diff"]
     table = []
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
                       f"{max(diffs):.1e}" if diffs else "—"])
     meta = common.env_header("cuda")
     legend = ("Device µs per call (CUDA-graph replay, no host time) of codegen/kda_parallel.forward on [N, T, *] bf16 "
-              "inputs, g fp32, no h0, the final state returned. default = the table's config (what fuser runs); the "
+              "inputs, g fp32, " + ("a float32 h0" if a.h0 else "no h0") + ", the final state returned. default = the table's config (what fuser runs); the "
               "other columns override it (CONFIGS in the script). worst rel. diff = the largest relative difference "
               "of o or the final state from the default's. Method: docstring of benchmarks/kda_parallel_configs.py.")
     errors = [f"N={r['N']} T={r['T']} K={r['K']} V={r['V']} {n}: {e}" for r in rows for n, e in r["err"].items()
