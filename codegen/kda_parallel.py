@@ -416,7 +416,8 @@ def workspace_elements(n: int, t: int, kd: int, vd: int, *, initial_state: bool,
 
 
 def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_state: bool, final_state: bool, *,
-              scalar_gate: bool = False, out_bytes: Optional[int] = None, state_bytes: int = 4) -> int:
+              scalar_gate: bool = False, out_bytes: Optional[int] = None, state_bytes: int = 4,
+              fused: bool = False) -> int:
     """Bytes one :func:`forward` call moves through HBM (for a roofline estimate).
 
     Inputs counted once each (the prep and state kernels each load k and g, and every value block
@@ -427,7 +428,9 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_st
     state_bytes`` each); the final state ``N · K · V · 4`` is written once. Workspace: Δ
     (``N · T · V · 4``) written and read once with the final state; the projection's partials
     (``2 · N · T · V · 4`` per key split, counted for one split) written and read once with h0.
-    The Gram partials (``O(N · T²)`` per split) are not counted.
+    The Gram partials (``O(N · T²)`` per split) are not counted. ``fused`` (the one-launch kernel,
+    ``T ≤ 16``): no workspace, and h0 read once (each program reads its ``[K, BLOCK_VF]`` columns in
+    its key loop and again in its state loop: assumed to hit L2).
     """
     out_bytes = in_bytes if out_bytes is None else out_bytes
     total = 2 * NQ * T * K * in_bytes
@@ -435,10 +438,10 @@ def hbm_bytes(N: int, NQ: int, T: int, K: int, V: int, in_bytes: int, initial_st
     total += N * T * V * out_bytes
     state = N * K * V
     if initial_state:
-        total += state * state_bytes * (2 if final_state else 1)
-        total += 2 * (2 * N * T * V * 4)
+        total += state * state_bytes * (2 if final_state and not fused else 1)
+        total += 0 if fused else 2 * (2 * N * T * V * 4)
     if final_state:
-        total += state * 4 + 2 * N * T * V * 4
+        total += state * 4 + (0 if fused else 2 * N * T * V * 4)
     return int(total)
 
 

@@ -368,6 +368,9 @@ def test_hbm_bytes():
     assert kp.hbm_bytes(n, nq, t, kd, vd, 2, True, True) == inputs + 3 * state + 2 * delta + 4 * delta
     assert kp.hbm_bytes(n, nq, t, kd, vd, 2, True, False, state_bytes=2) == inputs + state // 2 + 4 * delta
     assert (kp.hbm_bytes(n, nq, t, kd, vd, 2, False, False, scalar_gate=True) == inputs - n * t * (kd - 1) * 2)
+    # one launch: no workspace, h0 read once
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, False, True, fused=True) == inputs + state
+    assert kp.hbm_bytes(n, nq, t, kd, vd, 2, True, True, fused=True) == inputs + 2 * state
 
 
 # --------------------------------------------------------------------------------------------
