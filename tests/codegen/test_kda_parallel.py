@@ -177,18 +177,20 @@ def test_bad_out():
     check_kda_bad_out(kp.forward, q, k, v, g, beta)
 
 
-@pytest.mark.parametrize("config", [None, DOT, DK], ids=["default", "state_dot", "gram_dk"])
+@pytest.mark.parametrize("config", [None, DOT, DK, FUSED], ids=["default", "state_dot", "gram_dk", "fused"])
 @pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
 def test_gates_are_floored_in_the_kernels(config, scalar):
     # gates of -inf (a hard reset) and far below GATE_FLOOR: as if clamped at it (exp is 0 either
-    # way), no NaN from -inf - (-inf), with and without h0 (the projection and the state kernel)
+    # way), no NaN from -inf - (-inf), with and without h0 (the projection and the state kernel);
+    # the one-launch kernel at T = 15 (its factored Gram matrices: the row takes the pairwise path)
     from fuser.codegen.kda_chunk import GATE_FLOOR
 
+    t = 15 if config is FUSED else 29
     for with_h0 in (False, True):
-        q, k, v, g, beta, h0 = _inputs(43, 2, 1, 29, 24, 20, scalar_gate=scalar, h0=with_h0)
+        q, k, v, g, beta, h0 = _inputs(43, 2, 1, t, 24, 20, scalar_gate=scalar, h0=with_h0)
         g[:, 4] = float("-inf")
-        g[:, 17] = -1e30
-        g[0, 25] = -250.0
+        g[:, t - 12] = -1e30
+        g[0, t - 4] = -250.0
         with launch.poison_outputs():
             o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
                               scalar_gate=scalar, config=config)
@@ -197,11 +199,11 @@ def test_gates_are_floored_in_the_kernels(config, scalar):
         assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
 
 
-@pytest.mark.parametrize("config", [None, DK], ids=["default", "gram_dk"])
+@pytest.mark.parametrize("config", [None, DK, FUSED], ids=["default", "gram_dk", "fused"])
 def test_a_nan_gate_stays_nan(config):
     # the floor keeps NaN (torch's clamp_min does; a maximum might return the floor): the row of the
     # NaN gate is NaN from that token on (one chunk: maybe before it too), the other row untouched
-    q, k, v, g, beta, h0 = _inputs(44, 2, 1, 29, 24, 20, h0=True)
+    q, k, v, g, beta, h0 = _inputs(44, 2, 1, 15 if config is FUSED else 29, 24, 20, h0=True)
     g[1, 11, 3] = float("nan")
     o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True, config=config)
     ro, rs = _reference(q, k, v, g, beta, 0.5, h0, False)
@@ -254,30 +256,6 @@ def test_fused_raw_keys_and_strong_decay(gate):
         if gate == "positive":  # slightly positive gates (a growing state): e^{H} > 1, e^{-H} < 1
             g = g.abs() * 0.1
         _check(q, k, v, g, beta, None if t == 10 else h0, config=FUSED)
-
-
-@pytest.mark.parametrize("scalar", [False, True], ids=["channel", "scalar"])
-def test_fused_gates_are_floored_and_nan_stays_nan(scalar):
-    from fuser.codegen.kda_chunk import GATE_FLOOR
-
-    for with_h0 in (False, True):
-        q, k, v, g, beta, h0 = _inputs(80, 2, 1, 15, 24, 20, scalar_gate=scalar, h0=with_h0)
-        g[:, 4] = float("-inf")
-        g[:, 9] = -1e30
-        g[0, 12] = -250.0
-        with launch.poison_outputs():
-            o, s = kp.forward(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
-                              scalar_gate=scalar, config=FUSED)
-        ro, rs = _reference(q, k, v, g.clamp_min(GATE_FLOOR), beta, 0.5, h0, scalar)
-        assert torch.isfinite(o).all() and torch.isfinite(s).all()
-        assert rel_err(o, ro) < 1e-4 and rel_err(s, rs) < 1e-4
-    # a NaN gate: its row NaN from that token on (one block: maybe before it too), the other row exact
-    q, k, v, g, beta, _ = _inputs(81, 2, 1, 15, 24, 20)
-    g[1, 11, 3] = float("nan")
-    o, s = kp.forward(q, k, v, g, beta, scale=0.5, output_final_state=True, config=FUSED)
-    ro, rs = _reference(q, k, v, g, beta, 0.5, None, False)
-    assert o[1, 11:].isnan().all() and s[1].isnan().any()
-    assert rel_err(o[0], ro[0]) < 1e-4 and rel_err(s[0], rs[0]) < 1e-4
 
 
 def test_fused_only_where_the_call_allows_it():

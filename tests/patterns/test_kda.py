@@ -576,82 +576,71 @@ def test_dynamic_batch():
     assert_fuses(fla_naive, *args, h0, 0.3, pattern="kda", dynamic=True, steps=T)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("save", ["inputs", "workspaces"])
-def test_a_dynamic_batch_keeps_the_kernels_inlined_on_gpu(save):
-    """Dynamo's automatic dynamic shapes: the second batch size recompiles the training step with
-    a symbolic batch; the chunk plan's forward and backward ops are still launched by Inductor
-    (no opaque ``torch.ops.fuser`` call in its code: the op's ``symbolic`` rule, codegen/launch.py
-    ``fused_op``), and that one graph serves every later batch size, each equal to eager."""
+def _symbolic_batch_code(options: dict, base: list, train: bool) -> tuple[list, str]:
+    """``scalar_gate_loop`` compiled with ``backend="fuser"`` and ``options``, called at batch sizes
+    2, 3, 5, 4 of ``base`` (CUDA ``[1, T, H, *]`` inputs; v shifted per batch row): Dynamo's
+    automatic dynamic shapes recompile at the second with a symbolic batch. Each call equals eager
+    (``train``: o, the state and the gradients of both; else under no_grad); the later sizes
+    compile nothing, and the symbolic graph's code calls no opaque ``torch.ops.fuser`` op (its
+    kernels launched by Inductor: the op's ``symbolic`` rule, codegen/launch.py ``fused_op``).
+    Returns (the plans of the fused KDA matches, that graph's generated code)."""
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
 
     import fuser
 
-    options = {"fuser.plan": f"kda.plan=chunk,kda.save={save}"}
-    torch._dynamo.reset()
-    compiled = torch.compile(scalar_gate_loop, backend="fuser", options=options)
-    base = [x.cuda() for x in _inputs("bthk", t=70, k=32, v=48, scalar_gate=True)]
-
     def step(fn, xs):
+        if not train:
+            with torch.no_grad():
+                return fn(*xs)
         o, s = fn(*xs)
         return (o, s, *torch.autograd.grad(o.square().sum() + s.sum(), xs))
 
+    torch._dynamo.reset()
+    compiled = torch.compile(scalar_gate_loop, backend="fuser", options=options)
     codes_at = {}
     # Inductor's generated code of each call's compiles (torch's run_and_get_code resets Dynamo first;
     # the FX graph cache off: a cache hit would not show the code)
     with fuser.report.collecting() as rep, torch._inductor.config.patch(fx_graph_cache=False):
         for b in (2, 3, 5, 4):
-            xs = [x[:1].expand(b, *x.shape[1:]).contiguous().requires_grad_(True) for x in base]
-            xs[2] = (xs[2].detach() + torch.arange(b, device="cuda").view(b, 1, 1, 1)).requires_grad_(True)
+            xs = [x[:1].expand(b, *x.shape[1:]).contiguous() for x in base]
+            xs[2] = xs[2] + torch.arange(b, device="cuda").view(b, 1, 1, 1)
+            xs = [x.requires_grad_(train) for x in xs]
             codes = []
             with mock.patch.object(GraphLowering, "save_output_code", codes.append):
                 got = step(compiled, xs)
             codes_at[b] = "\n".join(codes)
-            want = step(scalar_gate_loop, [x.detach().clone().requires_grad_(True) for x in xs])
+            want = step(scalar_gate_loop, [x.detach().clone().requires_grad_(train) for x in xs])
             for a, w in zip(got, want):
                 _close(a, w, 2e-3)
-    assert [m.plan.params["plan"] for m in rep.matches if m.pattern == "kda" and m.fused] == ["chunk", "chunk"]
     assert codes_at[5] == "" and codes_at[4] == "", "a later batch size recompiled"
     code = codes_at[3]  # the graph with the symbolic batch
     opaque = [line.strip() for line in code.splitlines() if "torch.ops.fuser" in line]
     assert not opaque, opaque[:4]
+    return [m.plan.params["plan"] for m in rep.matches if m.pattern == "kda" and m.fused], code
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", ["inputs", "workspaces"])
+def test_a_dynamic_batch_keeps_the_kernels_inlined_on_gpu(save):
+    """A training step whose batch changes: the chunk plan's forward and backward ops stay
+    launched by Inductor with a symbolic batch (:func:`_symbolic_batch_code`)."""
+    base = [x.cuda() for x in _inputs("bthk", t=70, k=32, v=48, scalar_gate=True)]
+    plans, code = _symbolic_batch_code({"fuser.plan": f"kda.plan=chunk,kda.save={save}"}, base, train=True)
+    assert plans == ["chunk", "chunk"]
     kernels = sorted({line.strip().split("(")[0] for line in code.splitlines() if line.strip().startswith("def kda_")})
     assert "def kda_chunk_prep_kernel" in kernels and any(k.startswith("def kda_bwd_") for k in kernels), kernels
 
 
 @pytest.mark.gpu
 def test_a_dynamic_batch_keeps_the_parallel_plan_inlined_on_gpu():
-    """Serving short sequences (T=8, no initial state, under no_grad) whose batch changes: the
-    second batch size recompiles with a symbolic batch and the parallel plan's kernels are still
-    launched by Inductor (its config from K, V and T, ``codegen/kda_parallel._resolve``); that one
-    graph serves every later batch size, each equal to eager."""
-    from unittest import mock
-
-    from torch._inductor.graph import GraphLowering
-
-    import fuser
-
-    torch._dynamo.reset()
-    compiled = torch.compile(scalar_gate_loop, backend="fuser", options={"fuser.plan": "kda.plan=parallel"})
+    """Serving short sequences (T=8, under no_grad) whose batch changes: the parallel plan's
+    kernels stay launched by Inductor with a symbolic batch (its config from K, V and T,
+    ``codegen/kda_parallel._resolve``; :func:`_symbolic_batch_code`)."""
     base = [x.cuda() for x in _inputs("bthk", t=8, k=64, v=200, scalar_gate=True)]
-    codes_at = {}
-    with fuser.report.collecting() as rep, torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
-        for b in (2, 3, 5, 4):
-            xs = [x[:1].expand(b, *x.shape[1:]).contiguous() for x in base]
-            xs[2] = xs[2] + torch.arange(b, device="cuda").view(b, 1, 1, 1)
-            codes = []
-            with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-                got = compiled(*xs)
-            codes_at[b] = "\n".join(codes)
-            for a, w in zip(got, scalar_gate_loop(*xs)):
-                _close(a, w, 2e-3)
-    assert [m.plan.params["plan"] for m in rep.matches if m.pattern == "kda" and m.fused] == ["parallel", "parallel"]
-    assert codes_at[5] == "" and codes_at[4] == "", "a later batch size recompiled"
-    code = codes_at[3]  # the graph with the symbolic batch
-    opaque = [line.strip() for line in code.splitlines() if "torch.ops.fuser" in line]
-    assert not opaque, opaque[:4]
+    plans, code = _symbolic_batch_code({"fuser.plan": "kda.plan=parallel"}, base, train=False)
+    assert plans == ["parallel", "parallel"]
     assert "def kda_parallel_" in code
 
 
