@@ -176,11 +176,9 @@ def test_fp32_state_with_half_inputs():
     assert o.dtype == torch.float16 and s.dtype == torch.float32
 
 
-def test_dynamo_matches_t_1024_in_seconds():
-    import time
-
+def test_dynamo_matches_t_1024():
+    # the repeat rule is iterative: a 1024-step chain is one match (its trace time: benchmarks/kda.py)
     args = _inputs("bhtk", t=1024, k=4, v=4)
-    t0 = time.perf_counter()
     graphs, result = fuse(blog_loop, *args)
     ms = [m for m in result.matches if m.pattern == "kda"]
     assert len(ms) == 1 and ms[0].summary["steps"] == 1024
