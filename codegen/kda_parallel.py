@@ -55,6 +55,16 @@ loop projects the program's columns of ``S0`` (``P_k``, ``P_q``: ``[16, BLOCK_VF
 ``e^{G_T} S0`` (each ``S0`` column block read by its own program: no key split to choose, so a
 symbolic batch is served as well, :func:`serves_symbolic_rows`). No workspace, no second launch.
 
+Measured (H100, 2026-12-08, ``benchmarks/results/kda_parallel_fused.md``): the one launch wins only
+where the whole call is small — N=16, K=64, V=128, T=8: 7.0 µs against the split kernels' 10.1 —
+and is the default there (K ≤ 64, V ≤ 128, T ≤ 16: :func:`_short_config`). At the blog shapes it
+is 1.6-20× slower (256×8192: 26-51 µs by value block against 17.0; 8192×1024: 595-837 against
+43.7). Its time grows with the key steps a program walks, not with T (T=1: 30.6 µs at 256×8192),
+and with the programs a row has (BLOCK_VF 128 / 64 / 32: 27 / 31 / 51 µs): every program redoes the
+row's Gram loop and walks its state loop, a dependent chain of about 3 µs a 64-channel step, that
+the split kernels spread over many short programs. One launch at large K would need the Gram
+matrices from other programs (a second launch, which is the split form).
+
 Tried and not kept (H100, 2026-12-06, ``benchmarks/results/kda_parallel_one_launch.md``): all four
 kernels fused into one launch, each program summing the Gram matrices over all K itself (commit
 346eccc): 27.8 against 22.9 µs at 256×8192, T=8, and 2-9× slower at K ≥ 1024 or T ≥ 16 — every
@@ -289,12 +299,21 @@ def _short_config(base: dict, k_pad: int, v_pad: int, n_rows: Optional[int], tg:
       program at T ≤ 8: 8192×1024 48.6 → 44.9, 16384×1024 77.6 → 71.2; at T=16 (8192×1024) two
       steps were slower (57.5 → 61.6) and the default four 55.9: kept there.
 
+    - K ≤ 64 and V ≤ 128: the one-launch kernel (``FUSED``, ``BLOCK_KF`` 64, ``BLOCK_VF`` 32): N=16,
+      64×128 10.1 → 7.0 µs (with h0 11.7 → 9.8), where the four launches of the split kernels are
+      most of the time (2026-12-08, ``benchmarks/results/kda_parallel_fused.md``,
+      ``kda_parallel_fused_h0.md``). Everywhere else measured it was slower, 1.6-20× (256×8192
+      31.5 against 17.0 µs; 8192×1024 672 against 43.7): each program walks all K in a dependent
+      chain of key steps (about 3 µs a step measured: the Gram loop, then the state loop), which
+      the split kernels spread over many programs (module docstring, "One launch").
     Longer sequences (``TG`` > 16: the Gram tile grows as ``TG²`` a channel) and 1024 < K < 8192
     keep ``base`` (NOT MEASURED with these rows). With ``n_rows`` None (unknown: a symbolic batch)
     the choices made from N keep ``base``'s values (BLOCK_VS as :func:`_pick_block_vs` gives it
     without N, one value tile a state program)."""
     if tg > 16:
         return None
+    if k_pad <= 64 and v_pad <= 128:
+        return dict(base, GRAM_STEPS=1, FUSED=True, BLOCK_KF=64, BLOCK_VF=32)
     if k_pad <= 512:
         out = dict(base, GRAM_STEPS=1)
         if n_rows is None:

@@ -125,6 +125,12 @@ PARALLEL_STEPS_1_ROW_US = 0.33
 #: ``benchmarks/results/kda_parallel_configs.md``). ``"gram_steps_1"``: see
 #: :data:`PARALLEL_STEPS_1_CALIBRATION` and the two terms beside it.
 PARALLEL_SHORT_CALIBRATION = {"gram_steps_1": PARALLEL_STEPS_1_CALIBRATION, "gram_dk": 0.93}
+#: The one-launch kernel (``codegen/kda_parallel`` ``FUSED``, its default at K ≤ 64, V ≤ 128,
+#: T ≤ 16) against the split kernels it replaces, device time: N=16, T=8, K=64, V=128 7.0 against
+#: 10.1 µs (0.69; with h0 9.8 against 11.7: 0.84). Applied to the ``"gram_steps_1"`` estimate, with one
+#: launch instead of four. MEASURED on the H100 at that one shape only (2026-12-08,
+#: ``benchmarks/results/kda_parallel_fused.md``, ``kda_parallel_fused_h0.md``).
+PARALLEL_FUSED_FACTOR = 0.69
 #: Largest K the chunked kernels take (``codegen/kda_chunk.MAX_K``: the state tiles live
 #: in registers).
 CHUNK_MAX_K = 256
@@ -254,10 +260,12 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
         t_pad = max(16, launch.next_power_of_2(max(1, x[T])))
         short = "gram_dk" if cfg["GRAM_DK"] else "gram_steps_1" if cfg["GRAM_STEPS"] == 1 else None
         steps_1 = short == "gram_steps_1"
-        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 4, "chain_us": 0,
+        fused = bool(cfg["FUSED"]) and t_pad == 16
+        factor = PARALLEL_FUSED_FACTOR if fused else 1.0
+        return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 1 if fused else 4, "chain_us": 0,
                 "traffic_efficiency": PARALLEL_TRAFFIC_EFFICIENCY,
-                "calibration": PARALLEL_SHORT_CALIBRATION.get(short, 1.0),
-                "calibrated_us": PARALLEL_STEPS_1_FIXED_US + PARALLEL_STEPS_1_ROW_US * T if steps_1 else 0,
+                "calibration": PARALLEL_SHORT_CALIBRATION.get(short, 1.0) * factor,
+                "calibrated_us": (PARALLEL_STEPS_1_FIXED_US + PARALLEL_STEPS_1_ROW_US * T) * factor if steps_1 else 0,
                 "waves": {"programs": N * sympy.ceiling(VD / cfg["BLOCK_VS"]), "per_sm": 1,
                           "fixed_us": (0 if steps_1 else PARALLEL_FIXED_US) + PARALLEL_GRAM_US * N * KD * T ** 2,
                           "wave_us": PARALLEL_SOLVE_WAVE_US[min(t_pad, 64)], "whole_waves": True,

@@ -325,7 +325,8 @@ def test_config_tables(monkeypatch):
                 for t in (1, 8, 16, 37, 64):
                     plan = kp._plan(c, n or 4, t, kd, vd, True, True)
                     assert plan["TG"] ** 2 * plan["BLOCK_KG"] <= max(c["GRAM_TILE"], plan["TG"] ** 2)
-                    assert plan["SPLIT_G"] * plan["K_PER_G"] >= kd and plan["SPLIT_P"] * plan["K_PER_P"] >= kd
+                    assert plan["SPLIT_G"] * plan["K_PER_G"] >= kd
+                    assert plan["FUSED"] or plan["SPLIT_P"] * plan["K_PER_P"] >= kd  # one launch: no key split
                     assert plan["WARPS_PREP"] <= 8 and plan["WARPS_SOLVE"] <= 8
             # the solve's grid: about two programs per SM, or the smallest value block (16); the short-T
             # rows at K <= 512 (T = 8 here) take 64 columns a program while that keeps one per SM
@@ -334,6 +335,10 @@ def test_config_tables(monkeypatch):
                 assert n * launch.cdiv(vd, cands[0]["BLOCK_VS"]) >= min(want, n * launch.cdiv(vd, 16))
                 short = kp._short_config(cands[-1], launch.next_power_of_2(kd), launch.next_power_of_2(vd), n, 8)
                 assert (short is not None) == (kd <= 512 or kd >= 8192)
+            # the one-launch kernel: the default at short T where the whole call is small (K <= 64, V <= 128)
+            assert cands[0]["FUSED"] == (kd <= 64 and vd <= 128), (kd, vd)
+            assert kp._plan(cands[0], n or 4, 8, kd, vd, False, True)["FUSED"] == (kd <= 64 and vd <= 128)
+            assert not kp._plan(cands[0], n or 4, 37, kd, vd, False, True)["FUSED"]
 
 
 def test_hbm_bytes():
@@ -451,12 +456,15 @@ def test_gpu_new_length_does_not_recompile():
     strides T·24 and T·40 are all ≡ 8 mod 16: Triton itself specialises a stride divisible by 16,
     at most one more variant per kernel, as for any kernel it launches — found on the H100.)"""
     mod = kp._module(False, True, False)[1]
-    kernels = (mod.kda_parallel_prep_kernel, mod.kda_parallel_solve_kernel, mod.kda_parallel_state_kernel)
+    kernels = (mod.kda_parallel_prep_kernel, mod.kda_parallel_solve_kernel, mod.kda_parallel_state_kernel,
+               mod.kda_parallel_fused_kernel)
     for t in (9, 11, 13):
         q, k, v, g, beta, _ = _inputs(15, 1, 2, t, 24, 40, device=GPU)
-        _check(q, k, v, g, beta)
+        for config in ({"FUSED": False}, {"FUSED": True}):  # the split kernels and the one launch
+            _check(q, k, v, g, beta, config=config)
         if t == 9:
             before = [compiled_keys(fn) for fn in kernels]
+            assert all(before), before
     assert [compiled_keys(fn) for fn in kernels] == before
 
 

@@ -486,10 +486,11 @@ def test_attention_choices_sized_from_symbolic_sizes_stay_opaque(why):
 
 def test_kda_parallel_with_an_initial_state_stays_opaque_with_symbolic_sizes():
     # the split kernels' h0 projection chooses its key split from the row count: a symbolic batch
-    # keeps the opaque op (the one-launch kernel's does not: the next test)
-    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(8, 2, 32, 48))
-    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, torch.empty(3, 2, 32, 48)), KDA_SYM_DIMS)
-    rest = ([1, 1, 1, 1, 1], 0, 8, 32 ** -0.5, False, 1, torch.bfloat16, True, torch.float32, "plan=parallel")
+    # keeps the opaque op (the one-launch kernel's does not: the next test; K = 256 takes the split
+    # kernels by default)
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(8, 2, 256, 48))
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, torch.empty(3, 2, 256, 48)), KDA_SYM_DIMS)
+    rest = ([1, 1, 1, 1, 1], 0, 8, 256 ** -0.5, False, 1, torch.bfloat16, True, torch.float32, "plan=parallel")
     with mode:
         gm = make_fx(dispatch_functionalize(lambda *xs: torch.ops.fuser.kda(*xs, *rest)),
                      tracing_mode="symbolic")(*fakes)
@@ -511,9 +512,8 @@ def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state,
     # initial state too (no key split to choose) where T <= 16 (past it: the split kernels, opaque)
     from fuser.codegen import kda_parallel as kp
 
-    if fused:
-        short = kp._short_config
-        monkeypatch.setattr(kp, "_short_config", lambda base, *a: dict(short(base, *a) or base, FUSED=True))
+    short = kp._short_config  # the table's default (FUSED at K <= 64, V <= 128) overridden either way
+    monkeypatch.setattr(kp, "_short_config", lambda base, *a: dict(short(base, *a) or base, FUSED=fused))
     kp._candidates.cache_clear()
     try:
         q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
