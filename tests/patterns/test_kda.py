@@ -669,6 +669,33 @@ def test_each_plan_forced_matches_eager(plan):
     _close(s, want_s)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 16])
+def test_the_one_launch_parallel_kernel_compiled_matches_eager_on_gpu(t):
+    """A small call (K=32, V=64, T <= 16) forced to the parallel plan: the table's default there is
+    the one-launch kernel (codegen/kda_parallel ``FUSED``), launched by Inductor; with an initial
+    state (FLA's naive reference) and without (the blog loop), o and the final state as eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    options = {"fuser.plan": "kda.plan=parallel"}
+    args = [x.cuda() for x in _inputs("bhtk", t=t, k=32, v=64)]
+    torch._dynamo.reset()
+    (o, s), codes = run_and_get_code(torch.compile(blog_loop, backend="fuser", options=options), *args)
+    want_o, want_s = blog_loop(*args)
+    _close(o, want_o, 1e-4)
+    _close(s, want_s, 1e-4)
+    assert "def kda_parallel_fused_kernel" in "\n".join(codes)
+    args = [x.cuda() for x in _inputs("bthk", t=t, k=32, v=64)]
+    h0 = torch.randn(B, H, 32, 64, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(fla_naive, backend="fuser", options=options)
+    (o, s), codes = run_and_get_code(compiled, *args, h0, 0.3)
+    want_o, want_s = fla_naive(*args, h0, 0.3)
+    _close(o, want_o, 1e-4)
+    _close(s, want_s, 1e-4)
+    assert "def kda_parallel_fused_kernel" in "\n".join(codes)
+
+
 def test_planner_offers_chunk_up_to_k_256_and_parallel_up_to_t_64():
     _, small = fuse(blog_loop, *_inputs("bhtk", t=64, k=32, v=32))
     assert {c.params.get("plan") for c in small.matches[0].alternatives} == {"recurrent", "chunk", "parallel"}
