@@ -330,6 +330,20 @@ def test_kda_chunk_forward_and_backward_inline_with_symbolic_sizes(h0, t0, scala
     _check_inlined_symbolic(fwd_bwd, fakes, env, mode)
 
 
+def _kda_forward_symbolic_batch(t, k, v, h0, want_state, scalar_gate, plan):
+    """``torch.ops.fuser.kda``'s forward as a function of fake GPU inputs with a symbolic batch (B=3
+    of ``[B, T, 2, *]``): ``(fwd, fakes, env, mode, rest)`` (``rest``: the op's non-tensor arguments)."""
+    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
+    state = torch.empty(3, 2, k, v) if h0 else None
+    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state), KDA_SYM_DIMS)
+    rest = ([1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32, plan)
+
+    def fwd(q, k, v, g, beta, h0):
+        return torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest)
+
+    return fwd, fakes, env, mode, rest
+
+
 @pytest.mark.parametrize("t,k,v", [(8, 32, 48), (8, 2048, 64), (5, 256, 1000)], ids=["registers", "streamed", "wide"])
 @pytest.mark.parametrize("h0,want_state", [(False, False), (True, True)], ids=["stateless", "states"])
 @pytest.mark.parametrize("scalar_gate", [False, True], ids=["channel_gate", "scalar_gate"])
@@ -337,15 +351,7 @@ def test_kda_recurrent_forward_inlines_with_a_symbolic_batch(t, k, v, h0, want_s
     # a batch that changed between calls (serving): the recurrent kernel's config comes from K, V
     # and the dtype (the row count orders the candidates only when it is an int), so the op is
     # inlined with a symbolic number of value rows
-    q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
-    state = torch.empty(3, 2, k, v) if h0 else None
-    env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state), KDA_SYM_DIMS)
-    rest = ([1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
-            "plan=recurrent")
-
-    def fwd(q, k, v, g, beta, h0):
-        return torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest)
-
+    fwd, fakes, env, mode, _ = _kda_forward_symbolic_batch(t, k, v, h0, want_state, scalar_gate, "plan=recurrent")
     _check_inlined_symbolic(fwd, fakes, env, mode)
 
 
@@ -516,15 +522,8 @@ def test_kda_parallel_forward_inlines_with_a_symbolic_batch(t, k, v, want_state,
     monkeypatch.setattr(kp, "_short_config", lambda base, *a: dict(short(base, *a) or base, FUSED=fused))
     kp._candidates.cache_clear()
     try:
-        q, kk, vv, g, beta = (x.expand(3, *x.shape[1:]) for x in _kda(t, 2, k, v, scalar_gate=scalar_gate))
-        state = torch.empty(3, 2, k, v) if h0 else None
-        env, mode, fakes = _symbolic_fakes((q, kk, vv, g, beta, state), KDA_SYM_DIMS)
-        rest = ([1, 1, 1, 1, 1], 0, t, k ** -0.5, scalar_gate, 1, torch.bfloat16, want_state, torch.float32,
-                "plan=parallel")
-
-        def fwd(q, k, v, g, beta, h0):
-            return torch.ops.fuser.kda(q, k, v, g, beta, h0, *rest)
-
+        fwd, fakes, env, mode, rest = _kda_forward_symbolic_batch(t, k, v, h0, want_state, scalar_gate,
+                                                                  "plan=parallel")
         if h0 and t > 16:
             assert launch.stays_opaque((*fakes, *rest), {}, "fuser::kda") == "symbolic sizes"
             return
