@@ -48,9 +48,12 @@ CONFIGS = {
     "steps2 vtiles4 stages3": {"GRAM_STEPS": 2, "V_TILES": 4, "num_stages": 3},
     "solve bvs64": {"BLOCK_VS": 64},
     "steps1 bvs64 vtiles4 stages3": {"GRAM_STEPS": 1, "BLOCK_VS": 64, "V_TILES": 4, "num_stages": 3},
-    # the one-launch kernel (T <= 16, no h0): key block BLOCK_KF, value block BLOCK_VF, warps
+    # the one-launch kernel (T <= 16): key block BLOCK_KF, value block BLOCK_VF, warps; "split": the
+    # split kernels where the table's default is the one launch (K <= 64, V <= 128)
+    "split": {"FUSED": False},
     "fused kf64 vf64": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 64},
     "fused kf64 vf32": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 32},
+    "fused kf32 vf32": {"FUSED": True, "BLOCK_KF": 32, "BLOCK_VF": 32},
     "fused kf64 vf128": {"FUSED": True, "BLOCK_KF": 64, "BLOCK_VF": 128},
     "fused kf32 vf64": {"FUSED": True, "BLOCK_KF": 32, "BLOCK_VF": 64},
     "fused kf128 vf64": {"FUSED": True, "BLOCK_KF": 128, "BLOCK_VF": 64},
@@ -155,6 +158,9 @@ def main(argv=None) -> int:
         p.error("timing needs a CUDA GPU (--smoke checks the configs on the CPU)")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     names = a.configs or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
     rows = measure(shapes, names, a.budget_s, h0=a.h0)
     headers = ["N", "T", "K", "V", *[f"{n} µs" for n in ["default", *names]], "best", "default / best",
                "worst rel. diff"]
