@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--h0", action="store_true", help="with an initial state (float32 [N, K, V])")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "kda_parallel_configs.md")
     a = p.parse_args(argv)
+    unknown = [n for n in a.configs or () if n not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         smoke()
@@ -158,9 +161,6 @@ def main(argv=None) -> int:
         p.error("timing needs a CUDA GPU (--smoke checks the configs on the CPU)")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     names = a.configs or list(CONFIGS)
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        p.error(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
     rows = measure(shapes, names, a.budget_s, h0=a.h0)
     headers = ["N", "T", "K", "V", *[f"{n} µs" for n in ["default", *names]], "best", "default / best",
                "worst rel. diff"]
