@@ -176,9 +176,10 @@ def main(argv=None) -> int:
                       f"{max(diffs):.1e}" if diffs else "—"])
     meta = common.env_header("cuda")
     legend = ("Device µs per call (CUDA-graph replay, no host time) of codegen/kda_parallel.forward on [N, T, *] bf16 "
-              "inputs, g fp32, " + ("a float32 h0" if a.h0 else "no h0") + ", the final state returned. default = the table's config (what fuser runs); the "
-              "other columns override it (CONFIGS in the script). worst rel. diff = the largest relative difference "
-              "of o or the final state from the default's. Method: docstring of benchmarks/kda_parallel_configs.py.")
+              "inputs, g fp32, " + ("a float32 h0" if a.h0 else "no h0") + ", the final state returned. "
+              "default = the table's config (what fuser runs); the other columns override it (CONFIGS in the "
+              "script). worst rel. diff = the largest relative difference of o or the final state from the "
+              "default's. Method: docstring of benchmarks/kda_parallel_configs.py.")
     errors = [f"N={r['N']} T={r['T']} K={r['K']} V={r['V']} {n}: {e}" for r in rows for n, e in r["err"].items()
               if isinstance(e, str)]
     md = common.header_md("KDA parallel form: launch configs at short-sequence shapes", meta)

@@ -94,8 +94,8 @@ from .kda_recurrent import check_inputs, finish_out, inputs_rows, out_buffer
 from .render import RenderedKernel, render
 
 __all__ = [
-    "forward", "kernel", "kernels_for", "serves_symbolic_rows", "candidate_configs", "choose_config", "hbm_bytes", "workspace_elements",
-    "MAX_T", "TEMPLATE",
+    "forward", "kernel", "kernels_for", "serves_symbolic_rows", "runs_fused", "candidate_configs", "choose_config",
+    "hbm_bytes", "workspace_elements", "MAX_T", "TEMPLATE",
 ]
 
 TEMPLATE = "kda_parallel.py.jinja"
@@ -377,6 +377,12 @@ def choose_config(*, k_dim: int, v_dim: int, dtype: torch.dtype, device, n_rows:
     return _normalise({**base, **(config or {})})
 
 
+def runs_fused(cfg: dict, t_len: int) -> bool:
+    """Whether a call of ``t_len`` tokens under the checked config ``cfg`` runs the one-launch
+    kernel: ``FUSED`` asked for and the sequence one ``[16, 16]`` block (``T ≤ 16``)."""
+    return bool(cfg["FUSED"]) and _pads(t_len)[1] == 16
+
+
 def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool) -> dict:
     """The launch sizes of one call: pads, Gram and projection splits, workspace layout (float32
     elements)."""
@@ -403,7 +409,7 @@ def _plan(cfg: dict, n: int, t: int, kd: int, vd: int, has_h0: bool, final: bool
     plan["PPART"] = 0
     # the fused kernel where the call allows it (T <= 16: one [16, 16] block): no workspace; its
     # pairwise fallback takes [16, 16, BLOCK_KG_F] tiles of GRAM_TILE elements
-    plan["FUSED"] = bool(cfg["FUSED"]) and t_pad == 16
+    plan["FUSED"] = runs_fused(cfg, t)
     plan["BLOCK_KG_F"] = max(1, min(cfg["GRAM_TILE"] // 256, launch.next_power_of_2(kd)))
     if has_h0 and not plan["FUSED"]:
         bkp, bvp = cfg["BLOCK_KP"], cfg["BLOCK_VP"]
@@ -484,7 +490,7 @@ def _resolve(dev: str, kd: int, vd: int, n: int, t: int, has_h0: bool, final: bo
         # h0 projection chooses its key split from N: those calls keep the opaque op,
         # patterns/kda_ops._symbolic_forward through serves_symbolic_rows)
         cfg = _normalise({**_candidates(dev, kd, vd, None, t)[0], **dict(config or {})})
-        if has_h0 and not _plan(cfg, 1, t, kd, vd, False, final)["FUSED"]:
+        if has_h0 and not runs_fused(cfg, t):
             raise ValueError("the split parallel KDA kernels with an initial state choose their key split from the "
                              "row count, which must be an int (not a symbolic size)")
         return _plan(cfg, n, t, kd, vd, has_h0, final)
@@ -503,8 +509,7 @@ def serves_symbolic_rows(*, k_dim: int, v_dim: int, t_len: int, device, initial_
     kernels' h0 projection chooses its key split from N)."""
     if not initial_state:
         return True
-    cfg = _candidates(launch.device_kind(device), k_dim, v_dim, None, t_len)[0]
-    return _plan(cfg, 1, t_len, k_dim, v_dim, False, False)["FUSED"]
+    return runs_fused(_candidates(launch.device_kind(device), k_dim, v_dim, None, t_len)[0], t_len)
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, scalar_gate, out_dtype):

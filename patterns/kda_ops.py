@@ -239,16 +239,16 @@ def _symbolic_forward(args, kwargs) -> Optional[str]:
     tests/patterns/test_inline_ops.py (no guard while traced)."""
     q, v, h0, time_dims, t0, steps = args[0], args[2], args[5], args[6], args[7], args[8]
     plan = _parsed_plan(args[15])["plan"]
-    if plan == "parallel" and h0 is not None and isinstance(steps, int) and all(
-            isinstance(d, int) for d in (q.shape[-1], v.shape[-1])):
+    if plan not in ("chunk", "recurrent", "parallel"):
+        return f"plan {plan} chooses its kernels from the sizes"
+    why = _symbolic_sizes(q, v, time_dims, t0, steps)  # None: K, V and the length are ints
+    if why is None and plan == "parallel" and h0 is not None:
         from ..codegen import kda_parallel
 
         if not kda_parallel.serves_symbolic_rows(k_dim=q.shape[-1], v_dim=v.shape[-1], t_len=steps,
                                                  device=q.device, initial_state=True):
             return "plan parallel with an initial state chooses its key split from the row count"
-    if plan not in ("chunk", "recurrent", "parallel"):
-        return f"plan {plan} chooses its kernels from the sizes"
-    return _symbolic_sizes(q, v, time_dims, t0, steps)
+    return why
 
 
 def _symbolic_backward(args, kwargs, at: int = 8) -> Optional[str]:

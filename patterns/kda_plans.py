@@ -260,7 +260,7 @@ def cost_terms(m: Match, plan: str, chunk: int = 64, dots: str = "float32",
         t_pad = max(16, launch.next_power_of_2(max(1, x[T])))
         short = "gram_dk" if cfg["GRAM_DK"] else "gram_steps_1" if cfg["GRAM_STEPS"] == 1 else None
         steps_1 = short == "gram_steps_1"
-        fused = bool(cfg["FUSED"]) and t_pad == 16
+        fused = kda_parallel.runs_fused(cfg, x[T])
         factor = PARALLEL_FUSED_FACTOR if fused else 1.0
         return {"bytes": nbytes, "flops": flops, "kind": "mma", "launches": 1 if fused else 4, "chain_us": 0,
                 "traffic_efficiency": PARALLEL_TRAFFIC_EFFICIENCY,
