@@ -574,9 +574,11 @@ def test_dynamic_batch():
     assert_fuses(fla_naive, *args, h0, 0.3, pattern="kda", dynamic=True, steps=T)
 
 
-def _symbolic_batch_code(options: dict, base: list, train: bool) -> tuple[list, str]:
-    """``scalar_gate_loop`` compiled with ``backend="fuser"`` and ``options``, called at batch sizes
-    2, 3, 5, 4 of ``base`` (CUDA ``[1, T, H, *]`` inputs; v shifted per batch row): Dynamo's
+def _symbolic_batch_code(options: dict, base: list, train: bool, fn=scalar_gate_loop,
+                         extra=lambda b: ()) -> tuple[list, str]:
+    """``fn`` (default ``scalar_gate_loop``) compiled with ``backend="fuser"`` and ``options``, called
+    at batch sizes 2, 3, 5, 4 of ``base`` (CUDA ``[1, T, H, *]`` inputs; v shifted per batch row;
+    ``extra(b)``: more arguments for batch ``b``, not differentiated): Dynamo's
     automatic dynamic shapes recompile at the second with a symbolic batch. Each call equals eager
     (``train``: o, the state and the gradients of both; else under no_grad); the later sizes
     compile nothing, and the symbolic graph's code calls no opaque ``torch.ops.fuser`` op (its
@@ -588,15 +590,15 @@ def _symbolic_batch_code(options: dict, base: list, train: bool) -> tuple[list, 
 
     import fuser
 
-    def step(fn, xs):
+    def step(f, xs, more):
         if not train:
             with torch.no_grad():
-                return fn(*xs)
-        o, s = fn(*xs)
+                return f(*xs, *more)
+        o, s = f(*xs, *more)
         return (o, s, *torch.autograd.grad(o.square().sum() + s.sum(), xs))
 
     torch._dynamo.reset()
-    compiled = torch.compile(scalar_gate_loop, backend="fuser", options=options)
+    compiled = torch.compile(fn, backend="fuser", options=options)
     codes_at = {}
     # Inductor's generated code of each call's compiles (torch's run_and_get_code resets Dynamo first;
     # the FX graph cache off: a cache hit would not show the code)
@@ -607,9 +609,9 @@ def _symbolic_batch_code(options: dict, base: list, train: bool) -> tuple[list, 
             xs = [x.requires_grad_(train) for x in xs]
             codes = []
             with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-                got = step(compiled, xs)
+                got = step(compiled, xs, extra(b))
             codes_at[b] = "\n".join(codes)
-            want = step(scalar_gate_loop, [x.detach().clone().requires_grad_(train) for x in xs])
+            want = step(fn, [x.detach().clone().requires_grad_(train) for x in xs], extra(b))
             for a, w in zip(got, want):
                 _close(a, w, 2e-3)
     assert codes_at[5] == "" and codes_at[4] == "", "a later batch size recompiled"
@@ -632,13 +634,23 @@ def test_a_dynamic_batch_keeps_the_kernels_inlined_on_gpu(save):
 
 
 @pytest.mark.gpu
-def test_a_dynamic_batch_keeps_the_parallel_plan_inlined_on_gpu():
+@pytest.mark.parametrize("kernels,k,v", [("split", 64, 200), ("fused", 32, 64), ("fused_h0", 32, 64)])
+def test_a_dynamic_batch_keeps_the_parallel_plan_inlined_on_gpu(kernels, k, v):
     """Serving short sequences (T=8, under no_grad) whose batch changes: the parallel plan's
     kernels stay launched by Inductor with a symbolic batch (its config from K, V and T,
-    ``codegen/kda_parallel._resolve``; :func:`_symbolic_batch_code`)."""
-    base = [x.cuda() for x in _inputs("bthk", t=8, k=64, v=200, scalar_gate=True)]
-    plans, code = _symbolic_batch_code({"fuser.plan": "kda.plan=parallel"}, base, train=False)
+    ``codegen/kda_parallel._resolve``; :func:`_symbolic_batch_code`): the split kernels at V=200,
+    the one-launch kernel at K=32, V=64 (its default there), with an initial state too (FLA's
+    naive loop: no key split chosen from the batch)."""
+    if kernels == "fused_h0":
+        base = [x.cuda() for x in _inputs("bthk", t=8, k=k, v=v)]
+        h0 = torch.randn(1, H, k, v, device="cuda")
+        plans, code = _symbolic_batch_code({"fuser.plan": "kda.plan=parallel"}, base, train=False, fn=fla_naive,
+                                           extra=lambda b: (h0.expand(b, -1, -1, -1).contiguous(), 0.3))
+    else:
+        base = [x.cuda() for x in _inputs("bthk", t=8, k=k, v=v, scalar_gate=True)]
+        plans, code = _symbolic_batch_code({"fuser.plan": "kda.plan=parallel"}, base, train=False)
     assert plans == ["parallel", "parallel"]
+    assert ("def kda_parallel_fused_kernel" in code) == (kernels != "split"), code[:2000]
     assert "def kda_parallel_" in code
 
 
